@@ -1,0 +1,104 @@
+"""Developer sessions for the hlat monorepo.
+
+``nox -s tests`` installs every package (editable) into one environment and runs all tests;
+``nox -s tests-<package>`` proves one package installs and passes alone; ``lint``,
+``typecheck``, ``bench`` and ``build`` do what they say.
+
+torch is pinned to a CPU-friendly release; GPU users override it, e.g.
+``HLAT_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" nox -s tests``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import tomllib
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists())
+TORCH = shlex.split(os.environ.get("HLAT_TORCH", "torch==2.13.0"))
+PYTHON = os.environ.get("HLAT_PYTHON")  # None: the interpreter nox runs under
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _project(package: str) -> dict:
+    with open(ROOT / "packages" / package / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]
+
+
+def _local_requirements(package: str, seen: set[str] | None = None) -> list[str]:
+    """The hlat packages ``package`` depends on (transitively), so they install from this tree."""
+    seen = set() if seen is None else seen
+    for requirement in _project(package).get("dependencies", []):
+        name = requirement.split(";")[0].split("[")[0]
+        for sep in "<>=!~ ":
+            name = name.split(sep)[0]
+        if name in PACKAGES and name not in seen:
+            seen.add(name)
+            _local_requirements(name, seen)
+    return sorted(seen)
+
+
+def _install(session: nox.Session, packages: list[str], extra: str, editable: bool) -> None:
+    session.install(*TORCH)
+    args: list[str] = []
+    for package in packages:
+        extras = _project(package).get("optional-dependencies", {})
+        spec = f"packages/{package}[{extra}]" if extra in extras else f"packages/{package}"
+        args += ["-e", spec] if editable else [spec]
+    session.install(*args)
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """All packages installed editable in one environment; every test suite and README example."""
+    _install(session, PACKAGES, "test", editable=True)
+    session.run("pytest", *(f"packages/{p}" for p in PACKAGES), *session.posargs)
+
+
+for _package in PACKAGES:
+
+    @nox.session(name=f"tests-{_package}", python=PYTHON)
+    def _tests_one(session: nox.Session, package: str = _package) -> None:
+        """One package in a fresh environment with only its own dependencies and test tools."""
+        _install(session, [*_local_requirements(package), package], "test", editable=False)
+        session.run("pytest", f"packages/{package}", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole tree."""
+    session.install("ruff>=0.8")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy over every package's sources."""
+    _install(session, PACKAGES, "test", editable=True)
+    session.install("mypy>=1.10")
+    session.run("mypy", *(f"packages/{p}/src" for p in PACKAGES))
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """pytest-benchmark suites of every package (or ``nox -s bench -- packages/hlat-optim``)."""
+    _install(session, PACKAGES, "bench", editable=True)
+    targets = session.posargs or [
+        f"packages/{p}/benchmarks" for p in PACKAGES if (ROOT / "packages" / p / "benchmarks").is_dir()
+    ]
+    session.run("pytest", "--benchmark-only", "--benchmark-columns=min,median,mean,rounds", *targets)
+
+
+@nox.session(python=PYTHON)
+def build(session: nox.Session) -> None:
+    """A wheel and an sdist of every package into dist/."""
+    session.install("build>=1.2")
+    for package in PACKAGES:
+        session.run("python", "-m", "build", "--outdir", "dist", f"packages/{package}")

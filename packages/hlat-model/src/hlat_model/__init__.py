@@ -1,0 +1,19 @@
+"""hlat-model: a fused Llama in plain PyTorch.
+
+>>> from hlat_model import Llama, LlamaConfig
+>>> model = Llama(LlamaConfig.preset("tiny"))
+"""
+
+from hlat_model.config import PRESETS, ConfigError, LlamaConfig
+from hlat_model.model import Llama, cross_entropy_loss, flops_per_token
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PRESETS",
+    "ConfigError",
+    "Llama",
+    "LlamaConfig",
+    "cross_entropy_loss",
+    "flops_per_token",
+]

@@ -1,0 +1,280 @@
+"""The Llama decoder in plain PyTorch, with fused ``qkv_proj`` and ``gate_up_proj``.
+
+No parallelism lives here: ``Llama.parallel_plan()`` describes how the model may be split and
+``hlat_parallel.parallelize`` applies it. Shapes are read from tensors, not from the config,
+so the same code runs on a tensor-parallel shard holding fewer heads.
+
+Fused layouts (TP-independent; see ``parallel_plan``):
+
+* ``qkv_proj.weight`` rows are grouped by key/value head:
+  ``[q heads of group 0, k_0, v_0, q heads of group 1, k_1, v_1, ...]``, each head
+  ``head_dim`` rows. Any split of the rows into whole groups gives a shard its own matching
+  q, k and v heads.
+* ``gate_up_proj.weight`` rows interleave gate and up: ``[gate_0, up_0, gate_1, up_1, ...]``,
+  so any even split keeps each gate row next to its up row.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hlat_model.attention import AttentionMask, attention, document_positions
+from hlat_model.config import LlamaConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 whatever the input dtype, then scaled by ``weight``."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_cos_sin(
+    position_ids: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin tables of shape [B, S, 1, head_dim/2] for the given positions."""
+    exponent = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32)
+    inv_freq = 1.0 / (theta ** (exponent / head_dim))
+    angles = position_ids.float()[..., None] * inv_freq
+    return angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [B, S, H, D] in fp32 with the half-split pairing of Hugging Face's Llama."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.to(x.dtype)
+
+
+def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.unflatten(-1, (-1, 2)).unbind(-1)
+    return F.silu(gate) * up
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.q_per_kv = config.q_per_kv
+        self.selective = config.checkpointing == "selective"
+        qkv_rows = (config.n_heads + 2 * config.kv_heads) * config.head_dim
+        self.qkv_proj = nn.Linear(config.dim, qkv_rows, bias=False)
+        self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        batch, seq_len, _ = qkv.shape  # the full sequence, also when x is sequence-sharded
+        qkv = qkv.view(batch, seq_len, -1, self.q_per_kv + 2, self.head_dim)
+        q = qkv[:, :, :, : self.q_per_kv].flatten(2, 3)
+        k, v = qkv[:, :, :, self.q_per_kv], qkv[:, :, :, self.q_per_kv + 1]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.selective:
+            out = checkpoint(attention, q, k, v, mask, use_reentrant=False)
+        else:
+            out = attention(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.selective = config.checkpointing == "selective"
+        self.gate_up_proj = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.selective:
+            hidden = checkpoint(_swiglu, gate_up, use_reentrant=False)
+        else:
+            hidden = _swiglu(gate_up)
+        return self.down_proj(hidden)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``h + attn(norm(h))``, then ``h + mlp(norm(h))``."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        h = h + self.attention(self.attention_norm(h), cos, sin, mask)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class Llama(nn.Module):
+    """A Llama-family decoder returning next-token logits.
+
+    Build on the meta device for large models, then materialise and initialise::
+
+        with torch.device("meta"):
+            model = Llama(LlamaConfig.preset("hlat-7b"))
+        model.to_empty(device="cuda")
+        model.init_weights()
+
+    Built on a real device, the weights are initialised at once.
+    """
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        if self.embed_tokens.weight.device.type != "meta":
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, ``init_std``) for every matrix; ``init_std / sqrt(2 * n_layers)`` for
+        ``o_proj`` and ``down_proj`` when ``scaled_init``; ones for norms.
+
+        Works on materialised parameters of any placement (plain tensors or DTensors).
+        """
+        std = self.config.init_std
+        out_std = std / math.sqrt(2 * self.config.n_layers) if self.config.scaled_init else std
+        nn.init.normal_(self.embed_tokens.weight, std=std)
+        for block in self.layers:
+            nn.init.normal_(block.attention.qkv_proj.weight, std=std)
+            nn.init.normal_(block.attention.o_proj.weight, std=out_std)
+            nn.init.normal_(block.mlp.gate_up_proj.weight, std=std)
+            nn.init.normal_(block.mlp.down_proj.weight, std=out_std)
+            block.attention_norm.reset_parameters()
+            block.mlp_norm.reset_parameters()
+        self.norm.reset_parameters()
+        if not self.config.tie_embeddings:
+            nn.init.normal_(self.lm_head.weight, std=std)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        doc_lens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, S, vocab] for ``input_ids`` [B, S].
+
+        ``position_ids`` [B, S] drive RoPE (default: 0..S-1, or restarting per document when
+        ``doc_lens`` is given). ``doc_lens`` [B, D] (zero padded) enables document masking:
+        no token attends across a document boundary.
+        """
+        batch, seq_len = input_ids.shape
+        if seq_len > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds max_seq_len {self.config.max_seq_len}; "
+                "set LlamaConfig.max_seq_len or feed shorter rows"
+            )
+        device = input_ids.device
+        if position_ids is None:
+            if doc_lens is not None:
+                position_ids = document_positions(doc_lens.to(device), seq_len)
+            else:
+                position_ids = torch.arange(seq_len, device=device).expand(batch, seq_len)
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        mask = AttentionMask.build(doc_lens, seq_len, self.config.attention, device)
+
+        h = self.embed_tokens(input_ids)
+        for block in self.layers:
+            if self.config.checkpointing == "full" and torch.is_grad_enabled():
+                h = checkpoint(block, h, cos, sin, mask, use_reentrant=False)
+            else:
+                h = block(h, cos, sin, mask)
+        return self.lm_head(self.norm(h))
+
+    def parallel_plan(self) -> dict[str, Any]:
+        """How to split this model for tensor (and sequence) parallelism, as plain data.
+
+        Keys are module-name patterns (``*`` matches one name component); values are a
+        style name or a dict with ``"style"``. Styles:
+
+        * ``embedding``: shard the vocabulary rows (vocab-parallel embedding);
+        * ``colwise`` / ``rowwise``: Megatron column / row parallel linear;
+        * ``fused_colwise``: column parallel over ``groups`` repeats of ``segments`` rows;
+          a shard must hold whole groups, so the TP degree must divide ``groups``;
+        * ``norm``: replicated weight; runs on sequence shards under sequence parallelism;
+        * ``lm_head``: column parallel over the vocabulary, logits left sharded for a
+          vocab-parallel cross entropy.
+        """
+        c = self.config
+        hd = c.head_dim
+        plan: dict[str, Any] = {
+            "embed_tokens": "embedding",
+            "layers.*.attention_norm": "norm",
+            "layers.*.attention.qkv_proj": {
+                "style": "fused_colwise",
+                "segments": [c.q_per_kv * hd, hd, hd],
+                "groups": c.kv_heads,
+            },
+            "layers.*.attention.o_proj": "rowwise",
+            "layers.*.mlp_norm": "norm",
+            "layers.*.mlp.gate_up_proj": {
+                "style": "fused_colwise",
+                "segments": [1, 1],
+                "groups": c.ffn_dim,
+            },
+            "layers.*.mlp.down_proj": "rowwise",
+            "norm": "norm",
+            "lm_head": "lm_head",
+        }
+        return plan
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Parameter count (shared tensors once); optionally without the input embedding."""
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings and not self.config.tie_embeddings:
+            total -= self.embed_tokens.weight.numel()
+        return total
+
+
+def cross_entropy_loss(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
+    """Mean next-token loss in fp32. ``labels`` are already shifted (``labels[t]`` is the
+    token after ``input_ids[t]``); positions equal to ``ignore_index`` do not count."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=ignore_index
+    )
+
+
+def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward): ``6 N + 12 L d S``.
+
+    ``N`` counts every weight matrix that a token multiplies with (all but the input
+    embedding, which is a lookup); ``12 L d S`` is the attention score and value matmuls
+    (``QK^T`` and ``PV``, ``2 x 2 x S x d`` per layer forward, times 3 for backward).
+
+    Note: as in PaLM's MFU definition, the causal mask is not discounted, so figures are
+    comparable with Megatron, torchtitan and NxD reports.
+    """
+    c = config
+    per_layer = c.dim * (c.n_heads + 2 * c.kv_heads) * c.head_dim  # qkv
+    per_layer += c.n_heads * c.head_dim * c.dim  # o
+    per_layer += 3 * c.dim * c.ffn_dim  # gate, up, down
+    matmul_params = c.n_layers * per_layer + c.vocab_size * c.dim  # + lm_head
+    return 6.0 * matmul_params + 12.0 * c.n_layers * c.dim * seq_len

@@ -36,3 +36,90 @@ class ReadmeExample(pytest.Item):
 
     def reportinfo(self):
         return self.path, 0, f"{self.path.parent.name} README example"
+
+
+# --- an S3 endpoint on loopback, for tests of s3:// paths -------------------------------------
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on 127.0.0.1 for the whole test session.
+
+    Yields ``storage_options`` for fsspec/s3fs (``fsspec.open(url, **storage_options)``).
+    Skips when ``moto[server]`` or ``s3fs`` is not installed.
+    """
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(endpoint, timeout=1)
+            break
+        except Exception:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"moto server did not start on {endpoint}") from None
+            time.sleep(0.1)
+    saved = {
+        k: os.environ.get(k)
+        for k in (
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_DEFAULT_REGION",
+            "AWS_ENDPOINT_URL",
+        )
+    }
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_ENDPOINT_URL=endpoint,
+    )
+    try:
+        yield {
+            "endpoint_url": endpoint,
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"endpoint_url": endpoint},
+        }
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture
+def s3_bucket(s3_server, request):
+    """A fresh, empty bucket on the loopback S3 server: yields ``(url, storage_options)``
+    with ``url`` like ``s3://test-<name>``."""
+    import re
+    import uuid
+
+    import s3fs
+
+    options = {k: v for k, v in s3_server.items() if k != "endpoint_url"}
+    fs = s3fs.S3FileSystem(**options)
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-")
+    bucket = f"t-{name}-{uuid.uuid4().hex[:8]}"
+    fs.mkdir(bucket)
+    yield f"s3://{bucket}", options

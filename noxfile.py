@@ -11,6 +11,7 @@ torch is pinned to a CPU-friendly release; GPU users override it, e.g.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import tomllib
 from pathlib import Path
@@ -31,16 +32,19 @@ def _project(package: str) -> dict:
         return tomllib.load(f)["project"]
 
 
-def _local_requirements(package: str, seen: set[str] | None = None) -> list[str]:
-    """The hlat packages ``package`` depends on (transitively), so they install from this tree."""
+def _local_requirements(package: str, extra: str, seen: set[str] | None = None) -> list[str]:
+    """The hlat packages ``package`` needs (transitively, with ``extra``), so that they install
+    from this tree rather than from an index."""
     seen = set() if seen is None else seen
-    for requirement in _project(package).get("dependencies", []):
-        name = requirement.split(";")[0].split("[")[0]
-        for sep in "<>=!~ ":
-            name = name.split(sep)[0]
-        if name in PACKAGES and name not in seen:
+    project = _project(package)
+    requirements = project.get("dependencies", []) + project.get("optional-dependencies", {}).get(
+        extra, []
+    )
+    for requirement in requirements:
+        name = re.split(r"[\s\[;<>=!~]", requirement, maxsplit=1)[0]
+        if name in PACKAGES and name != package and name not in seen:
             seen.add(name)
-            _local_requirements(name, seen)
+            _local_requirements(name, "", seen)
     return sorted(seen)
 
 
@@ -66,7 +70,7 @@ for _package in PACKAGES:
     @nox.session(name=f"tests-{_package}", python=PYTHON)
     def _tests_one(session: nox.Session, package: str = _package) -> None:
         """One package in a fresh environment with only its own dependencies and test tools."""
-        _install(session, [*_local_requirements(package), package], "test", editable=False)
+        _install(session, [*_local_requirements(package, "test"), package], "test", editable=False)
         session.run("pytest", f"packages/{package}", *session.posargs)
 
 
@@ -91,9 +95,13 @@ def bench(session: nox.Session) -> None:
     """pytest-benchmark suites of every package (or ``nox -s bench -- packages/hlat-optim``)."""
     _install(session, PACKAGES, "bench", editable=True)
     targets = session.posargs or [
-        f"packages/{p}/benchmarks" for p in PACKAGES if (ROOT / "packages" / p / "benchmarks").is_dir()
+        f"packages/{p}/benchmarks"
+        for p in PACKAGES
+        if (ROOT / "packages" / p / "benchmarks").is_dir()
     ]
-    session.run("pytest", "--benchmark-only", "--benchmark-columns=min,median,mean,rounds", *targets)
+    session.run(
+        "pytest", "--benchmark-only", "--benchmark-columns=min,median,mean,rounds", *targets
+    )
 
 
 @nox.session(python=PYTHON)

@@ -61,7 +61,9 @@ class AttentionMask:
         return cls("sdpa", doc_ids, (same_doc & causal).unsqueeze(1))
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask
+) -> torch.Tensor:
     """Scaled dot-product attention on [B, H, S, D] tensors; k/v may have fewer heads (GQA).
 
     Softmax statistics accumulate in fp32 in every kernel used here, also for bf16 inputs.
@@ -84,7 +86,7 @@ def _compiled_flex() -> Any:
 def _flex_block_mask(doc_ids: torch.Tensor) -> Any:
     from torch.nn.attention.flex_attention import create_block_mask
 
-    def same_document_causal(b, h, q_idx, kv_idx):  # noqa: ANN001 (traced by flex)
+    def same_document_causal(b, h, q_idx, kv_idx):
         return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
 
     batch, seq_len = doc_ids.shape

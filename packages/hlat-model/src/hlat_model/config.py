@@ -107,9 +107,7 @@ class LlamaConfig:
                 f"checkpointing must be 'none', 'selective' or 'full', got {self.checkpointing!r}"
             )
         if self.attention not in ("auto", "sdpa", "flex"):
-            raise ConfigError(
-                f"attention must be 'auto', 'sdpa' or 'flex', got {self.attention!r}"
-            )
+            raise ConfigError(f"attention must be 'auto', 'sdpa' or 'flex', got {self.attention!r}")
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> LlamaConfig:

@@ -20,7 +20,11 @@ _HF_PREFIX = "model."
 
 def config_from_hf(hf_config: Any, **overrides: Any) -> LlamaConfig:
     """A :class:`LlamaConfig` from a Hugging Face Llama config (object or ``config.json`` dict)."""
-    get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
+    get = (
+        hf_config.get
+        if isinstance(hf_config, Mapping)
+        else lambda k, d=None: getattr(hf_config, k, d)
+    )
     model_type = get("model_type", "llama")
     if model_type != "llama":
         raise ValueError(f"expected a Llama config (model_type 'llama'), got {model_type!r}")

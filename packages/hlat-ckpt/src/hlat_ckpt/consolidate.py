@@ -1,0 +1,68 @@
+"""Gather a sharded checkpoint into one full state dict on one process, for export."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from . import state_json
+from .manifest import MANIFEST_NAME, IncompleteCheckpointError, validate
+from .storage import Storage
+
+
+def consolidate(
+    url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The full (unsharded) state of a checkpoint: ``{entry name: state dict}`` for its model
+    and optimizer entries, with plain tensors assembled from every rank's shards.
+
+    ``url`` is a checkpoint directory (``.../step_0000001000``) or a root, in which case the
+    newest complete checkpoint under it is used. Runs in one process without a process group;
+    it needs memory for the whole model and optimizer state. Per-rank entries (data loaders,
+    RNG states) are left out: they belong to a rank, not to the model.
+    """
+    storage = Storage(url, storage_options)
+    if storage.exists(MANIFEST_NAME):
+        parent, name = storage.url.rsplit("/", 1) if "/" in storage.url else (".", storage.url)
+        storage = Storage(parent, storage_options)
+        dirname = name
+        step = int(name.removeprefix("step_")) if name.startswith("step_") else -1
+    else:
+        final, _ = storage.list_steps()
+        complete = [s for s in sorted(final, reverse=True) if _is_complete(storage, final[s], s)]
+        if not complete:
+            raise FileNotFoundError(f"no complete checkpoint under {storage.url}")
+        step = complete[0]
+        dirname = final[step]
+    if step >= 0:
+        try:
+            validate(storage, dirname, step)
+        except IncompleteCheckpointError as e:
+            raise ValueError(f"cannot consolidate: {e}") from None
+    if storage.is_local:
+        reader: dcp.StorageReader = dcp.FileSystemReader(storage.path(dirname))
+    else:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        reader = FsspecReader(storage.url_of(dirname), **storage.storage_options)
+    metadata = reader.read_metadata().state_dict_metadata
+    request = {
+        key: torch.empty(item.size, dtype=item.properties.dtype)
+        for key, item in metadata.items()
+        if isinstance(item, TensorStorageMetadata) and not key.startswith("_rank/")
+    }
+    dcp.load(request, storage_reader=reader, no_dist=True)
+    skeleton = state_json.loads(request["_global/_json"].numpy().tobytes())
+    return {name: state_json.join(skel, request, name) for name, skel in skeleton.items()}
+
+
+def _is_complete(storage: Storage, dirname: str, step: int) -> bool:
+    try:
+        validate(storage, dirname, step)
+    except IncompleteCheckpointError:
+        return False
+    return True

@@ -1,0 +1,46 @@
+"""Python, NumPy and torch random-number-generator state as a checkpointable object."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+
+class RNGState:
+    """The calling process's RNG states (``random``, NumPy's global generator if NumPy is
+    installed, torch's CPU generator and every CUDA device's generator), with
+    ``state_dict()/load_state_dict()``.
+
+    :class:`~hlat_ckpt.Checkpointer` saves one per rank under the name ``"rng"`` unless told
+    not to, so that a resumed run draws the same random numbers (dropout, sampling,
+    stochastic rounding) as an uninterrupted one.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        """The current generator states."""
+        state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        try:
+            import numpy as np
+        except ImportError:
+            pass
+        else:
+            state["numpy"] = np.random.get_state()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the generator states in ``state`` (those absent are left as they are)."""
+        if "python" in state:
+            version, internal, gauss = state["python"]
+            random.setstate((version, tuple(internal), gauss))
+        if "torch" in state:
+            torch.set_rng_state(state["torch"].to(torch.uint8).cpu())
+        if "numpy" in state:
+            import numpy as np
+
+            np.random.set_state(state["numpy"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(list(state["cuda"]))

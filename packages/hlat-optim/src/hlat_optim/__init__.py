@@ -1,0 +1,22 @@
+"""hlat-optim: AdamW with bf16 stochastic rounding, cosine warmup and global-norm clipping.
+
+>>> from hlat_optim import AdamW, clip_grad_norm_, cosine_with_warmup, stochastic_round
+"""
+
+from hlat_optim.adamw import AdamW, adamw_update
+from hlat_optim.clip import NonFiniteGradNormError, clip_grad_norm_
+from hlat_optim.rounding import stochastic_round, stochastic_round_
+from hlat_optim.schedule import CosineWithWarmup, cosine_with_warmup
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdamW",
+    "CosineWithWarmup",
+    "NonFiniteGradNormError",
+    "adamw_update",
+    "clip_grad_norm_",
+    "cosine_with_warmup",
+    "stochastic_round",
+    "stochastic_round_",
+]

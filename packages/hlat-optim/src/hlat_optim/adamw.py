@@ -1,0 +1,315 @@
+"""AdamW for bf16 training: fp32 update math, stochastic rounding on write-back."""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from hlat_optim.rounding import _is_dtensor, _local, _lsr, hashed_bits, mix32, round_with_bits
+
+__all__ = ["AdamW", "adamw_update"]
+
+_SUPPORTED = (torch.float32, torch.bfloat16)
+_IMPLS = ("auto", "compiled", "reference")
+
+
+def adamw_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    master: torch.Tensor | None,
+    hyper: torch.Tensor,
+    key: torch.Tensor,
+    offset: torch.Tensor,
+    stochastic_rounding: bool,
+) -> None:
+    """One AdamW update of a flat (1-D, contiguous) parameter and its states, in place.
+
+    This is the reference implementation; ``AdamW`` runs it as is (``impl="reference"``) or
+    through ``torch.compile`` (the fast path), so both paths compute the same thing.
+
+    ``hyper`` is a float32 tensor ``[decay, step_size, beta1, 1 - beta1, beta2, 1 - beta2, eps,
+    bias_correction2_sqrt]`` with ``decay = 1 - lr * weight_decay`` and
+    ``step_size = lr / (1 - beta1**step)``, computed in float64 on the host as torch does.
+    ``key`` (0-d int32) seeds the rounding bits for this parameter and step; ``offset`` (0-d
+    int32) is added to the element index so that a shard draws the bits its elements would
+    draw in the whole tensor. With ``master`` (fp32) the update is applied to it and copied
+    into ``param`` with round-to-nearest.
+
+    Note: the scalars arrive as tensors, not Python floats, so that a compiled kernel is
+    reused across steps instead of being recompiled for every new learning rate.
+    """
+    decay, step_size, _beta1, one_minus_beta1, beta2, one_minus_beta2, eps, bc2_sqrt = hyper.unbind(
+        0
+    )
+    g = grad.float()
+    m = exp_avg.float()
+    m = m + one_minus_beta1 * (g - m)
+    v = exp_avg_sq.float() * beta2 + one_minus_beta2 * g * g
+    # Note: sqrt through float64 because eager CPU float32 sqrt is not correctly rounded in
+    # every torch build while compiled kernels are; the double root rounded once is exact in
+    # both, which keeps the two paths bit-identical.
+    denom = v.double().sqrt().float() / bc2_sqrt + eps
+    w = (master if master is not None else param.float()) * decay
+    w = w - step_size * (m / denom)
+
+    needs_bits = stochastic_rounding and (
+        (master is None and param.dtype == torch.bfloat16) or exp_avg.dtype == torch.bfloat16
+    )
+    if needs_bits:
+        index = torch.arange(param.numel(), dtype=torch.int32, device=param.device) + offset
+        bits = hashed_bits(index, key)
+
+    if master is not None:
+        master.copy_(w)
+        param.copy_(w)
+    elif param.dtype == torch.bfloat16 and stochastic_rounding:
+        param.copy_(round_with_bits(w, bits & 0xFFFF))
+    else:
+        param.copy_(w)
+
+    if exp_avg.dtype == torch.bfloat16 and stochastic_rounding:
+        exp_avg.copy_(round_with_bits(m, _lsr(bits, 16)))
+        exp_avg_sq.copy_(round_with_bits(v, mix32(bits ^ 0x5BD1E995) & 0xFFFF))
+    else:
+        exp_avg.copy_(m)
+        exp_avg_sq.copy_(v)
+
+
+_compiled: Callable[..., None] | None = None
+_compile_lock = threading.Lock()
+
+
+def _compiled_update() -> Callable[..., None]:
+    global _compiled
+    with _compile_lock:
+        if _compiled is None:
+            _compiled = torch.compile(adamw_update, dynamic=True, fullgraph=True)
+    return _compiled
+
+
+def _step_key(seed: int, step: int, index: int, salt: int) -> int:
+    """A 32-bit key from (seed, step, parameter index, shard salt), as a signed int32."""
+    h = 0
+    for word in (seed, step, index, salt):
+        h = (h ^ (word & 0xFFFFFFFF)) * 0x9E3779B1 & 0xFFFFFFFF
+        h ^= h >> 16
+        h = h * 0x85EBCA6B & 0xFFFFFFFF
+        h ^= h >> 13
+    return h - (1 << 32) if h >= 1 << 31 else h
+
+
+def _shard_layout(p: torch.Tensor) -> tuple[int, int]:
+    """(index offset, key salt) of a parameter's local shard within its global tensor.
+
+    A plain tensor or a replicated DTensor gives (0, 0), so replicas round identically. A
+    shard that is a contiguous range of the global tensor (sharded on dim 0) gets its flat
+    offset, so it draws exactly the bits the unsharded tensor would; any other shard gets a
+    distinct salt instead, so no two shards share a random stream.
+    """
+    if not _is_dtensor(p):
+        return 0, 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    d: Any = p
+    local_shape, global_offset = compute_local_shape_and_global_offset(
+        d.shape, d.device_mesh, d.placements
+    )
+    flat = 0
+    for off, stride in zip(
+        global_offset, torch.empty(p.shape, device="meta").stride(), strict=True
+    ):
+        flat += off * stride
+    if tuple(local_shape[1:]) == tuple(p.shape[1:]):
+        return flat, 0
+    return 0, flat + 1
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW with decoupled weight decay for fp32 and bf16 parameters.
+
+    Precision modes (bytes per parameter: parameter + gradient + states):
+
+    - bf16 parameters, ``stochastic_rounding=True`` (default, HLAT's mode): the update is
+      computed in fp32 and written back with unbiased stochastic rounding; states in bf16
+      (8 bytes, the default for bf16 parameters) or fp32 (``state_dtype=torch.float32``, 12).
+    - bf16 parameters, ``stochastic_rounding=False``: round-to-nearest write-back, which
+      loses updates smaller than half a bf16 ulp (to reproduce the failure).
+    - ``master_weights=True``: an fp32 copy of every bf16 parameter takes the update and is
+      copied into the parameter with round-to-nearest (mixed precision, 16 bytes).
+    - fp32 parameters: plain fp32 AdamW, equal to ``torch.optim.AdamW`` (16 bytes).
+
+    Weight decay is applied to every parameter, norm weights included, unless a param group
+    sets ``weight_decay=0``. ``lr`` may be a float or a tensor and is driven by any
+    ``torch.optim.lr_scheduler``.
+
+    Rounding bits come from a counter-based hash of (element index, ``seed``, step,
+    parameter index), so the whole rounding state is the ``seed`` (in every param group)
+    and each parameter's ``step`` (in its state): ``state_dict()`` holds both and resume is
+    bit-exact. DTensor parameters are updated shard by shard; a shard of dim 0 rounds exactly
+    as the whole tensor would.
+
+    Args:
+        params: parameters or param groups.
+        lr, betas, eps, weight_decay: as in ``torch.optim.AdamW``.
+        stochastic_rounding: round bf16 parameters and bf16 states stochastically.
+        state_dtype: dtype of ``exp_avg``/``exp_avg_sq``; ``None`` means the parameter's
+            dtype (fp32 when ``master_weights``).
+        master_weights: keep an fp32 master copy of bf16 parameters.
+        seed: seed of the rounding bits.
+        impl: ``"compiled"`` (``torch.compile``d update), ``"reference"`` (the same update
+            run eagerly) or ``"auto"`` (compiled, falling back to reference with a warning if
+            compilation fails).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        stochastic_rounding: bool = True,
+        state_dtype: torch.dtype | None = None,
+        master_weights: bool = False,
+        seed: int = 0,
+        impl: str = "auto",
+    ) -> None:
+        if not float(lr) >= 0.0:
+            raise ValueError(f"AdamW: lr must be >= 0, got {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"AdamW: betas must be in [0, 1), got {betas}")
+        if not eps >= 0.0:
+            raise ValueError(f"AdamW: eps must be >= 0, got {eps}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"AdamW: weight_decay must be >= 0, got {weight_decay}")
+        if state_dtype not in (None, *_SUPPORTED):
+            raise ValueError(
+                f"AdamW: state_dtype must be None, torch.float32 or torch.bfloat16, "
+                f"got {state_dtype}"
+            )
+        if impl not in _IMPLS:
+            raise ValueError(f"AdamW: impl must be one of {', '.join(_IMPLS)}, got {impl!r}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, seed=seed)
+        super().__init__(params, defaults)
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.dtype not in _SUPPORTED:
+                    raise TypeError(
+                        f"AdamW: parameter {pi} of param group {gi} (shape {tuple(p.shape)}) "
+                        f"is {p.dtype}; only float32 and bfloat16 parameters are supported "
+                        "(cast the model with .to(torch.bfloat16) or .float())"
+                    )
+        self.stochastic_rounding = stochastic_rounding
+        self.state_dtype = state_dtype
+        self.master_weights = master_weights
+        self.impl = impl
+        self._layouts: dict[torch.Tensor, tuple[int, int]] = {}
+
+    def _init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        master = self.master_weights and p.dtype == torch.bfloat16
+        dtype = self.state_dtype or (torch.float32 if master else p.dtype)
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
+        state["exp_avg_sq"] = torch.zeros_like(
+            p, dtype=dtype, memory_format=torch.contiguous_format
+        )
+        if master:
+            state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format)
+
+    def _update_fn(self) -> Callable[..., None]:
+        if self.impl == "reference":
+            return adamw_update
+        return _compiled_update()
+
+    def _run(self, *args: Any) -> None:
+        fn = self._update_fn()
+        if fn is adamw_update:
+            fn(*args)
+            return
+        try:
+            fn(*args)
+        except Exception as exc:
+            if self.impl == "compiled":
+                raise
+            warnings.warn(
+                f"hlat_optim.AdamW: torch.compile of the update failed ({type(exc).__name__}: "
+                f"{exc}); using the eager reference update from now on (same results, slower). "
+                "Pass impl='reference' to silence this.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self.impl = "reference"
+            adamw_update(*args)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One optimizer step over every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        index = -1
+        for group in self.param_groups:
+            lr = float(group["lr"])
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                index += 1
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("hlat_optim.AdamW does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    self._init_state(p, state)
+                state["step"] += 1
+                step = int(state["step"].item())
+                hyper = torch.tensor(
+                    [
+                        1.0 - lr * group["weight_decay"],
+                        lr / (1.0 - beta1**step),
+                        beta1,
+                        1.0 - beta1,
+                        beta2,
+                        1.0 - beta2,
+                        group["eps"],
+                        math.sqrt(1.0 - beta2**step),
+                    ],
+                    dtype=torch.float32,
+                    device=_local(p).device,
+                )
+                self._update_param(p, state, hyper, group["seed"], step, index)
+        return loss
+
+    def _update_param(
+        self,
+        p: torch.Tensor,
+        state: dict[str, Any],
+        hyper: torch.Tensor,
+        seed: int,
+        step: int,
+        index: int,
+    ) -> None:
+        if p not in self._layouts:
+            self._layouts[p] = _shard_layout(p)
+        offset, salt = self._layouts[p]
+        tensors = [p, p.grad, state["exp_avg"], state["exp_avg_sq"], state.get("master")]
+        local = [_local(t) if t is not None else None for t in tensors]
+        if not all(t is None or t.is_contiguous() for t in local):
+            raise RuntimeError(
+                f"hlat_optim.AdamW: parameter {index} (shape {tuple(p.shape)}) or its gradient "
+                "is not contiguous; call .contiguous() on the parameter before building the "
+                "optimizer"
+            )
+        flat = [t.view(-1) if t is not None else None for t in local]
+        device = hyper.device
+        key = torch.tensor(_step_key(seed, step, index, salt), dtype=torch.int32, device=device)
+        off = torch.tensor(offset, dtype=torch.int32, device=device)
+        self._run(*flat, hyper, key, off, self.stochastic_rounding)

@@ -1,0 +1,72 @@
+"""Run as a script by test_distributed.py: one rank of a 2-process gloo group on loopback.
+
+Usage: python dist_worker.py RANK WORLD_SIZE PORT OUT_DIR
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from hlat_optim import AdamW, clip_grad_norm_
+
+
+def globals_(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def halves(seed: int) -> torch.Tensor:
+    half = globals_(seed, 8, 3)
+    return torch.cat([half, half], dim=1)
+
+
+def main() -> None:
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    mesh = init_device_mesh("cpu", (world,))
+    result: dict[str, object] = {}
+
+    # Plain gradients sharded over a process group: each rank holds a slice of one vector.
+    full = globals_(0, 10 * world)
+    p = torch.nn.Parameter(torch.zeros(10))
+    p.grad = full[rank * 10 : (rank + 1) * 10].clone()
+    result["group_norm"] = clip_grad_norm_([p], max_norm=1e9, groups=[dist.group.WORLD])
+
+    # DTensor gradients: one sharded on dim 0, one replicated (must count once).
+    sharded = torch.nn.Parameter(distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)]))
+    replicated = torch.nn.Parameter(distribute_tensor(torch.zeros(3), mesh, [Replicate()]))
+    sharded.grad = distribute_tensor(globals_(1, 8, 4), mesh, [Shard(0)])
+    replicated.grad = distribute_tensor(globals_(2, 3), mesh, [Replicate()])
+    result["dtensor_norm"] = clip_grad_norm_([sharded, replicated], max_norm=1.0)
+    result["dtensor_clipped"] = sharded.grad.full_tensor()
+
+    # AdamW on bf16 DTensor parameters sharded on dim 0 and on dim 1, and replicated.
+    params = {
+        "shard0": torch.nn.Parameter(
+            distribute_tensor(globals_(3, 8, 6).bfloat16(), mesh, [Shard(0)])
+        ),
+        # Two equal column halves: only the rounding stream can tell the dim-1 shards apart.
+        "shard1": torch.nn.Parameter(distribute_tensor(halves(4).bfloat16(), mesh, [Shard(1)])),
+        "replicate": torch.nn.Parameter(
+            distribute_tensor(globals_(5, 8, 6).bfloat16(), mesh, [Replicate()])
+        ),
+    }
+    opt = AdamW(list(params.values()), lr=1e-2, weight_decay=0.1, impl="reference")
+    for step in range(3):
+        for i, p in enumerate(params.values()):
+            g = halves(100 + 10 * step + i) if i == 1 else globals_(100 + 10 * step + i, 8, 6)
+            p.grad = distribute_tensor(g.bfloat16(), mesh, p.placements)
+        opt.step()
+    for name, p in params.items():
+        result[name] = p.detach().full_tensor()
+        result[name + "_local"] = p.detach().to_local().clone()
+    torch.save(result, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

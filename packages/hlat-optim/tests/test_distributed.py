@@ -1,0 +1,88 @@
+"""clip_grad_norm_ and AdamW with real gloo process groups (2 spawned processes)."""
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hlat_optim import AdamW
+
+WORLD = 2
+
+
+def globals_(seed, *shape):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = Path(__file__).with_name("dist_worker.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(r), str(WORLD), str(port), str(out)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(WORLD)
+    ]
+    logs = [p.communicate(timeout=120)[0] for p in procs]
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log
+    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+
+
+pytestmark = pytest.mark.slow
+
+
+def test_plain_gradient_norm_is_summed_over_the_process_group(ranks):
+    expected = torch.linalg.vector_norm(globals_(0, 10 * WORLD))
+    for r in ranks:
+        torch.testing.assert_close(r["group_norm"], expected)
+
+
+def test_dtensor_norm_covers_shards_once_and_replicas_once(ranks):
+    g1, g2 = globals_(1, 8, 4), globals_(2, 3)
+    expected = torch.sqrt(g1.square().sum() + g2.square().sum())
+    for r in ranks:
+        torch.testing.assert_close(r["dtensor_norm"], expected)
+        torch.testing.assert_close(r["dtensor_clipped"], g1 / (expected + 1e-6))
+
+
+def _single_process(seed, i):
+    p = torch.nn.Parameter(globals_(seed, 8, 6).bfloat16())
+    # Parameter index i keeps the key schedule of the three-parameter distributed run.
+    others = [torch.nn.Parameter(torch.zeros(1)) for _ in range(3)]
+    others[i] = p
+    opt = AdamW(others, lr=1e-2, weight_decay=0.1, impl="reference")
+    for step in range(3):
+        p.grad = globals_(100 + 10 * step + i, 8, 6).bfloat16()
+        opt.step()
+    return p.detach()
+
+
+def test_dim0_sharded_dtensor_update_is_bit_identical_to_the_unsharded_one(ranks):
+    expected = _single_process(3, 0)
+    for r in ranks:
+        assert torch.equal(r["shard0"].view(torch.int16), expected.view(torch.int16))
+
+
+def test_replicated_dtensor_stays_identical_on_every_rank(ranks):
+    expected = _single_process(5, 2)
+    for r in ranks:
+        assert torch.equal(r["replicate"].view(torch.int16), expected.view(torch.int16))
+
+
+def test_dim1_shards_draw_different_rounding_streams(ranks):
+    # The worker gives both dim-1 shards identical values and gradients, so identical local
+    # results would mean both ranks used one random stream.
+    local0, local1 = ranks[0]["shard1_local"], ranks[1]["shard1_local"]
+    assert not torch.equal(local0, local1)
+    torch.testing.assert_close(local0.float(), local1.float(), atol=0, rtol=3 * 2**-7)

@@ -1,0 +1,33 @@
+"""hlat-parallel: tensor, sequence and data parallelism (ZeRO) from one plain-data plan.
+
+>>> from hlat_parallel import init_parallel, parallelize
+"""
+
+from hlat_parallel.apply import parallelize
+from hlat_parallel.clip import clip_grad_norm_
+from hlat_parallel.dims import (
+    ParallelConfigError,
+    ParallelDims,
+    check_parallel_config,
+    init_parallel,
+)
+from hlat_parallel.plan import PlanEntry, match_plan, parse_plan
+from hlat_parallel.torch_backend import loss_parallel
+from hlat_parallel.zero import no_grad_sync, shard_optimizer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ParallelConfigError",
+    "ParallelDims",
+    "PlanEntry",
+    "check_parallel_config",
+    "clip_grad_norm_",
+    "init_parallel",
+    "loss_parallel",
+    "match_plan",
+    "no_grad_sync",
+    "parallelize",
+    "parse_plan",
+    "shard_optimizer",
+]

@@ -1,0 +1,205 @@
+"""`init_parallel` and `ParallelDims`: the process group, the ("dp", "tp") mesh, and the
+checks that must pass before either exists."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+Backend = Literal["auto", "torch", "neuron"]
+
+
+class ParallelConfigError(ValueError):
+    """A parallel layout that cannot work; the message says what, where and what to do."""
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check_parallel_config(
+    world_size: int,
+    tp: int,
+    sp: bool = False,
+    *,
+    n_heads: int | None = None,
+    n_kv_heads: int | None = None,
+    seq_len: int | None = None,
+) -> None:
+    """Raise :class:`ParallelConfigError` for the first rule the layout breaks.
+
+    Pure arithmetic, so it runs before any process group or tensor is created. Head counts
+    and ``seq_len`` are checked only when given.
+    """
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ParallelConfigError(f"tp must be a positive integer, got {tp!r}")
+    if world_size % tp:
+        raise ParallelConfigError(
+            f"world size {world_size} is not divisible by tp {tp}: every tensor-parallel group "
+            f"needs {tp} processes; launch a multiple of {tp} processes "
+            f"(torchrun --nproc-per-node) or pick tp among {_divisors(world_size)}"
+        )
+    if n_heads is not None and n_heads % tp:
+        raise ParallelConfigError(
+            f"tp {tp} does not divide the {n_heads} attention heads: each rank must hold whole "
+            f"heads; pick tp among {_divisors(n_heads)}"
+        )
+    if n_kv_heads is not None and n_kv_heads % tp:
+        raise ParallelConfigError(
+            f"tp {tp} does not divide the {n_kv_heads} key/value heads: each rank must hold "
+            f"whole KV heads; pick tp among {_divisors(n_kv_heads)}, or replicate the KV heads "
+            f"{tp // n_kv_heads if tp > n_kv_heads else 'k'} times so there are {tp} of them "
+            "(convert the checkpoint to n_kv_heads=tp with each KV head repeated for the query "
+            "heads it serves; results are unchanged, the KV projection grows)"
+        )
+    if sp and tp > 1 and seq_len is not None and seq_len % tp:
+        raise ParallelConfigError(
+            f"sequence parallelism splits the sequence over tp {tp} ranks, but seq_len "
+            f"{seq_len} is not divisible by {tp}; use a seq_len that is a multiple of {tp} or "
+            "set sp=False"
+        )
+
+
+@dataclass
+class ParallelDims:
+    """Where this process sits in the ("dp", "tp") layout, and the groups to talk over.
+
+    Ranks are laid out with tensor-parallel ranks contiguous (ranks 0..tp-1 form the first TP
+    group), as NeuronX Distributed does, so a TP group stays inside one node.
+    """
+
+    world_size: int
+    rank: int
+    tp: int
+    dp: int
+    sp: bool
+    backend: Literal["torch", "neuron"]
+    device: torch.device
+    tp_rank: int
+    dp_rank: int
+    tp_group: Any = None
+    """The process group of this rank's tensor-parallel peers."""
+    dp_group: Any = None
+    """The process group of this rank's data-parallel replicas (same TP rank)."""
+    mesh: Any = None
+    """The 2-D ``DeviceMesh`` with dimensions ("dp", "tp"); ``None`` on the neuron backend."""
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """True when activations between blocks are split along the sequence."""
+        return self.sp and self.tp > 1
+
+    @property
+    def tp_mesh(self) -> Any:
+        """The 1-D "tp" sub-mesh (torch backend)."""
+        return self.mesh["tp"] if self.mesh is not None else None
+
+    @property
+    def dp_mesh(self) -> Any:
+        """The 1-D "dp" sub-mesh (torch backend)."""
+        return self.mesh["dp"] if self.mesh is not None else None
+
+
+def _neuron_available() -> bool:
+    try:
+        import torch_neuronx  # noqa: F401
+    except Exception:  # the PyPI placeholder raises on import, not only ImportError
+        return False
+    return True
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ParallelConfigError(
+            f"environment variable {name}={value!r} is not an integer; launch with torchrun"
+        ) from None
+
+
+def init_parallel(
+    tp: int = 1,
+    sp: bool = False,
+    backend: Backend = "auto",
+    *,
+    n_heads: int | None = None,
+    n_kv_heads: int | None = None,
+    seq_len: int | None = None,
+    timeout: datetime.timedelta | None = None,
+) -> ParallelDims:
+    """Join (or start) the process group and build the ("dp", "tp") layout.
+
+    Reads torchrun's ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK``; without them it runs as a
+    single process. ``backend="auto"`` picks ``neuron`` where ``torch_neuronx`` imports and
+    ``torch`` elsewhere (NCCL on CUDA, gloo on CPU). ``n_heads``, ``n_kv_heads`` and
+    ``seq_len`` are optional: given, they are validated too (see
+    :func:`check_parallel_config`). All checks run before the process group is created.
+
+    Note: a process group that already exists is reused, so a trainer may create its own.
+    """
+    if backend not in ("auto", "torch", "neuron"):
+        raise ParallelConfigError(f"backend must be 'auto', 'torch' or 'neuron', got {backend!r}")
+    if dist.is_initialized():
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+    else:
+        world_size, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+    check_parallel_config(
+        world_size, tp, sp, n_heads=n_heads, n_kv_heads=n_kv_heads, seq_len=seq_len
+    )
+    if backend == "auto":
+        backend = "neuron" if _neuron_available() else "torch"
+    if backend == "neuron":
+        from hlat_parallel.neuron_backend import init_neuron_parallel
+
+        return init_neuron_parallel(world_size, rank, tp, sp, timeout)
+    return _init_torch(world_size, rank, tp, sp, timeout)
+
+
+def _init_torch(
+    world_size: int, rank: int, tp: int, sp: bool, timeout: datetime.timedelta | None
+) -> ParallelDims:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", _env_int("LOCAL_RANK", 0))
+        torch.cuda.set_device(device)
+        pg_backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        pg_backend = "gloo"
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(pg_backend, world_size=world_size, rank=rank, **kwargs)
+        else:  # a single process without a launcher: an in-memory store is enough
+            if world_size != 1:
+                raise ParallelConfigError(
+                    f"WORLD_SIZE={world_size} but MASTER_ADDR is not set; launch with torchrun"
+                )
+            dist.init_process_group(
+                pg_backend, store=dist.HashStore(), world_size=1, rank=0, **kwargs
+            )
+    dp = world_size // tp
+    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    return ParallelDims(
+        world_size=world_size,
+        rank=rank,
+        tp=tp,
+        dp=dp,
+        sp=sp,
+        backend="torch",
+        device=device,
+        tp_rank=mesh["tp"].get_local_rank(),
+        dp_rank=mesh["dp"].get_local_rank(),
+        tp_group=mesh["tp"].get_group(),
+        dp_group=mesh["dp"].get_group(),
+        mesh=mesh,
+    )

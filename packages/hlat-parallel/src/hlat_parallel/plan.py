@@ -1,0 +1,160 @@
+"""Parallel plans as plain data: parsing, matching to module names, and the shape checks
+shared by both backends.
+
+A plan maps module-name patterns to styles::
+
+    {"embed_tokens": "embedding",
+     "layers.*.attention.qkv_proj": {"style": "fused_colwise", "segments": [512, 64, 64],
+                                     "groups": 8},
+     "layers.*.attention.o_proj": "rowwise", "layers.*.attention_norm": "norm",
+     "lm_head": "lm_head"}
+
+``*`` matches exactly one component of a dotted module name.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from hlat_parallel.dims import ParallelConfigError
+
+STYLES = ("colwise", "rowwise", "fused_colwise", "embedding", "lm_head", "norm")
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One plan rule: a module-name pattern and how to split the modules it matches.
+
+    For ``fused_colwise`` the output rows are ``groups`` repeats of ``segments`` (e.g. q, k,
+    v rows of one KV group); a contiguous row split is correct when tp divides ``groups``.
+    """
+
+    pattern: str
+    style: str
+    segments: tuple[int, ...] = ()
+    groups: int = 1
+
+    def matches(self, name: str) -> bool:
+        """True when the dotted module ``name`` fits the pattern (``*`` = one component)."""
+        regex = "\\.".join(
+            "[^.]+" if part == "*" else re.escape(part) for part in self.pattern.split(".")
+        )
+        return re.fullmatch(regex, name) is not None
+
+
+def parse_plan(plan: Mapping[str, Any]) -> list[PlanEntry]:
+    """Validate a plain-data plan and return its entries, in plan order."""
+    if not isinstance(plan, Mapping):
+        raise ParallelConfigError(
+            f"a parallel plan is a dict of module-name pattern -> style, got {type(plan).__name__}"
+        )
+    entries = []
+    for pattern, value in plan.items():
+        spec = {"style": value} if isinstance(value, str) else dict(value)
+        style = spec.pop("style", None)
+        if style not in STYLES:
+            raise ParallelConfigError(
+                f"plan entry {pattern!r}: unknown style {style!r}; use one of {', '.join(STYLES)}"
+            )
+        segments = tuple(spec.pop("segments", ()))
+        groups = spec.pop("groups", 1)
+        if spec:
+            raise ParallelConfigError(
+                f"plan entry {pattern!r}: unknown key(s) {', '.join(sorted(spec))}; "
+                "a style dict holds 'style' and, for fused_colwise, 'segments' and 'groups'"
+            )
+        if style == "fused_colwise":
+            if not segments or any(not isinstance(s, int) or s < 1 for s in segments):
+                raise ParallelConfigError(
+                    f"plan entry {pattern!r}: fused_colwise needs 'segments', a list of positive "
+                    f"row counts (e.g. [q_rows, k_rows, v_rows]), got {list(segments)}"
+                )
+            if not isinstance(groups, int) or groups < 1:
+                raise ParallelConfigError(
+                    f"plan entry {pattern!r}: 'groups' must be a positive integer, got {groups!r}"
+                )
+        elif segments or groups != 1:
+            raise ParallelConfigError(
+                f"plan entry {pattern!r}: 'segments' and 'groups' only apply to fused_colwise"
+            )
+        entries.append(PlanEntry(pattern, style, segments, groups))
+    return entries
+
+
+def match_plan(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, PlanEntry]:
+    """Module name -> entry for every module a plan entry matches.
+
+    Every pattern must match at least one module and no module may match two patterns, so a
+    renamed layer is an error rather than a silently unsplit weight.
+    """
+    entries = parse_plan(plan)
+    names = [name for name, _ in model.named_modules() if name]
+    matched: dict[str, PlanEntry] = {}
+    for entry in entries:
+        hits = [name for name in names if entry.matches(name)]
+        if not hits:
+            sample = ", ".join(names[:6])
+            raise ParallelConfigError(
+                f"plan pattern {entry.pattern!r} matches no module of "
+                f"{type(model).__name__} (its modules are named like {sample}, ...); "
+                "fix the pattern or the plan"
+            )
+        for name in hits:
+            if name in matched:
+                raise ParallelConfigError(
+                    f"module {name!r} matches both {matched[name].pattern!r} and "
+                    f"{entry.pattern!r}; make the patterns disjoint"
+                )
+            matched[name] = entry
+    return matched
+
+
+def check_shapes(model: nn.Module, matched: Mapping[str, PlanEntry], tp: int) -> None:
+    """Raise :class:`ParallelConfigError` unless every matched module can be split ``tp`` ways.
+
+    Runs before any module is changed.
+    """
+    modules = dict(model.named_modules())
+    for name, entry in matched.items():
+        module = modules[name]
+        where = f"{name} ({entry.style})"
+        if entry.style == "embedding":
+            if not isinstance(module, nn.Embedding):
+                raise ParallelConfigError(
+                    f"{where} must be an nn.Embedding, got {type(module).__name__}"
+                )
+            _divisible(module.num_embeddings, tp, f"{where}: vocabulary size", "pad the vocabulary")
+            continue
+        if entry.style == "norm":
+            if not isinstance(getattr(module, "weight", None), nn.Parameter):
+                raise ParallelConfigError(f"{where} has no 'weight' parameter to replicate")
+            continue
+        if not isinstance(module, nn.Linear):
+            raise ParallelConfigError(f"{where} must be an nn.Linear, got {type(module).__name__}")
+        if entry.style == "rowwise":
+            _divisible(module.in_features, tp, f"{where}: in_features", "change the layer width")
+        elif entry.style in ("colwise", "lm_head"):
+            _divisible(module.out_features, tp, f"{where}: out_features", "pad the layer")
+        else:
+            rows = entry.groups * sum(entry.segments)
+            if rows != module.out_features:
+                raise ParallelConfigError(
+                    f"{where}: groups {entry.groups} x segments {list(entry.segments)} = {rows} "
+                    f"rows, but the layer has {module.out_features}; fix the plan"
+                )
+            if entry.groups % tp:
+                raise ParallelConfigError(
+                    f"{where}: tp {tp} does not divide its {entry.groups} groups (for qkv_proj: "
+                    "the key/value heads), so a contiguous split would cut a group; pick tp "
+                    "dividing the group count"
+                )
+
+
+def _divisible(size: int, tp: int, what: str, fix: str) -> None:
+    if size % tp:
+        raise ParallelConfigError(f"{what} {size} is not divisible by tp {tp}; {fix} or change tp")

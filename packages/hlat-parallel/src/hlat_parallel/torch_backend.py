@@ -1,0 +1,109 @@
+"""The plan applied with DTensor: ``parallelize_module`` styles on the "tp" mesh.
+
+Without sequence parallelism activations between blocks are replicated on every TP rank;
+with it they are split along the sequence (dim 1) and each colwise layer all-gathers the
+sequence on the way in, each rowwise layer reduce-scatters it on the way out (Megatron-LM's
+layout). The LM head leaves its logits split over the vocabulary as a DTensor, so the loss
+must be computed under :func:`loss_parallel`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from hlat_parallel.dims import ParallelConfigError, ParallelDims
+from hlat_parallel.plan import PlanEntry
+
+
+def torch_styles(matched: Mapping[str, PlanEntry], sp: bool) -> dict[str, ParallelStyle]:
+    """DTensor parallel styles for matched modules (``name -> entry``).
+
+    Under ``sp`` the activations entering colwise layers and leaving rowwise layers are
+    sequence-sharded (``Shard(1)``); norms run on sequence shards (``SequenceParallel``).
+    Without it norms are left alone: their input is replicated, so is their weight.
+
+    Note: ``fused_colwise`` becomes a plain ``ColwiseParallel``: the plan's fused layouts
+    are TP-independent, so a contiguous row split gives each rank whole groups (checked
+    beforehand by ``check_shapes``).
+    """
+    seq: Any = Shard(1) if sp else Replicate()
+    styles: dict[str, ParallelStyle] = {}
+    for name, entry in matched.items():
+        if entry.style in ("colwise", "fused_colwise"):
+            styles[name] = ColwiseParallel(input_layouts=seq)
+        elif entry.style == "rowwise":
+            styles[name] = RowwiseParallel(output_layouts=seq)
+        elif entry.style == "embedding":
+            # Vocabulary rows are sharded; each rank looks up its rows and the partial sums
+            # are reduced (all-reduce, or reduce-scatter over the sequence under SP).
+            styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        elif entry.style == "lm_head":
+            styles[name] = ColwiseParallel(
+                input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
+            )
+        elif entry.style == "norm" and sp:
+            styles[name] = SequenceParallel()
+    return styles
+
+
+def apply_tensor_parallel(
+    model: nn.Module, dims: ParallelDims, matched: Mapping[str, PlanEntry]
+) -> None:
+    """Split ``model`` in place over ``dims.tp_mesh`` following the matched plan entries."""
+    modules = dict(model.named_modules())
+    embeddings = [n for n, e in matched.items() if e.style == "embedding"]
+    heads = [n for n, e in matched.items() if e.style == "lm_head"]
+    for head in heads:
+        for emb in embeddings:
+            if modules[head].weight is modules[emb].weight:
+                raise ParallelConfigError(
+                    f"{head} shares its weight with {emb} (tied embeddings); tensor parallelism "
+                    "needs them untied (e.g. LlamaConfig(tie_embeddings=False))"
+                )
+    parallelize_module(model, dims.tp_mesh, torch_styles(matched, dims.sequence_parallel))
+    if dims.sequence_parallel:
+        model.register_forward_pre_hook(_sequence_check(dims.tp), with_kwargs=True)
+
+
+def _sequence_check(tp: int) -> Any:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        if isinstance(first, torch.Tensor) and first.dim() >= 2 and first.shape[1] % tp:
+            raise ParallelConfigError(
+                f"sequence parallelism splits the sequence over tp {tp} ranks, but "
+                f"{type(module).__name__} got a sequence of {first.shape[1]} tokens; feed a "
+                f"multiple of {tp} or set sp=False"
+            )
+
+    return hook
+
+
+@contextlib.contextmanager
+def loss_parallel(dims: ParallelDims) -> Iterator[None]:
+    """Context for the loss and its backward when the LM head is vocab-parallel.
+
+    Under it ``F.cross_entropy`` on vocabulary-sharded logits computes the softmax with
+    two small all-reduces instead of gathering [batch, seq, vocab] logits. ``backward()``
+    must run inside the context too. A no-op when tp is 1 or on the neuron backend (use
+    :func:`hlat_parallel.neuron_backend.parallel_cross_entropy` there).
+    """
+    if dims.backend == "torch" and dims.tp > 1:
+        from torch.distributed.tensor.parallel import loss_parallel as _loss_parallel
+
+        with _loss_parallel():
+            yield
+    else:
+        yield

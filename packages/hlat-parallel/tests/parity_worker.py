@@ -1,0 +1,136 @@
+"""One rank of a parity run, launched by tests/test_parity.py with torchrun's environment.
+
+Usage: parity_worker.py WORKDIR TP SP. Reads WORKDIR/input-*.pt (initial weights, batch,
+model config) written by the test, runs 3 training steps with hlat-parallel, and writes
+what the test compares to WORKDIR/<case>-rank<r>.pt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from hlat_model import Llama, LlamaConfig, cross_entropy_loss
+from hlat_parallel import (
+    ParallelConfigError,
+    clip_grad_norm_,
+    init_parallel,
+    loss_parallel,
+    no_grad_sync,
+    parallelize,
+    shard_optimizer,
+)
+from hlat_parallel.comm import CollectiveLog
+
+STEPS = 3
+LR = 1e-3
+MAX_NORM = 1.0
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def run_case(case: dict, dims, accumulate: int, optimizer_cls) -> dict:
+    config = LlamaConfig(**case["config"])
+    with torch.device("meta"):
+        model = Llama(config)
+    model.load_state_dict(case["state"], assign=True)
+    parallelize(model, dims, model.parallel_plan())
+    out: dict = {"fused": {}}
+    if dims.dp == 1:  # the TP shards as they sit in the module, before any step
+        for name in ("layers.0.attention.qkv_proj.weight", "layers.0.mlp.gate_up_proj.weight"):
+            out["fused"][name] = local(model.get_parameter(name))
+    optimizer = shard_optimizer(optimizer_cls, model.parameters(), dims, lr=LR)
+    rows = case["tokens"].shape[0] // dims.dp
+    tokens = case["tokens"][dims.dp_rank * rows : (dims.dp_rank + 1) * rows]
+    micro = tokens.chunk(accumulate)
+    out["comms"] = []
+    for step in range(STEPS):
+        losses = []
+        for i, part in enumerate(micro):
+            final = i == len(micro) - 1
+            sync = contextlib.nullcontext() if final else no_grad_sync(model)
+            with CollectiveLog() as log, sync, loss_parallel(dims):
+                logits = model(part[:, :-1])
+                loss = cross_entropy_loss(logits, part[:, 1:]) / len(micro)
+                loss.backward()
+            losses.append(full(loss))
+            if step == 0:
+                out["comms"].append(dict(log.counts()))
+            if step == 0 and i == 0 and accumulate == 1:
+                out["logits"] = full(logits)
+        loss = torch.stack(losses).sum()
+        dist.all_reduce(loss, group=dims.dp_group)
+        if step == 0:
+            out["loss"] = loss / dims.dp
+            out["grads"] = {n: full(p.grad) for n, p in model.named_parameters()}
+            out["norm"] = clip_grad_norm_(model.parameters(), MAX_NORM, dims)
+            out["clipped"] = {n: full(p.grad) for n, p in model.named_parameters()}
+        else:
+            clip_grad_norm_(model.parameters(), MAX_NORM, dims)
+        optimizer.step()
+        optimizer.zero_grad()
+    out["params"] = {n: full(p) for n, p in model.named_parameters()}
+    if dims.sequence_parallel:  # refused in a pre-hook, before any collective could hang
+        try:
+            model(tokens[:, :-2])
+        except ParallelConfigError as error:
+            out["odd_sequence"] = str(error)
+    state_local = sum(
+        local(v).numel()
+        for s in optimizer.state.values()
+        for k, v in s.items()
+        if torch.is_tensor(v) and v.dim() > 0
+    )
+    out["state_numel"] = state_local
+    return out
+
+
+def unsharded_optimizer_is_refused(dims) -> str:
+    model = torch.nn.Linear(4, 4)
+    try:
+        shard_optimizer(torch.optim.AdamW, model.parameters(), dims, lr=LR)
+    except ParallelConfigError as error:
+        return str(error)
+    return ""
+
+
+def main() -> None:
+    workdir, tp, sp = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+    dims = init_parallel(tp=tp, sp=sp)
+    optimizers = {"torch": torch.optim.AdamW}
+    try:
+        from hlat_optim import AdamW as HlatAdamW
+
+        optimizers["hlat_optim"] = HlatAdamW
+    except Exception:
+        pass
+    for path in sorted(workdir.glob("input-*.pt")):
+        case = torch.load(path, weights_only=False)
+        name = path.stem.removeprefix("input-")
+        for opt_name in case.get("optimizers", ["torch"]):
+            if opt_name not in optimizers:
+                continue
+            for accumulate in case.get("accumulate", [1]):
+                result = run_case(case, dims, accumulate, optimizers[opt_name])
+                if dims.dp > 1:
+                    result["refused"] = unsharded_optimizer_is_refused(dims)
+                result["dims"] = {"tp": dims.tp, "dp": dims.dp, "tp_rank": dims.tp_rank}
+                result["dp_rank"] = dims.dp_rank
+                tag = f"{name}-{opt_name}-acc{accumulate}-rank{dims.rank}"
+                torch.save(result, workdir / f"{tag}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

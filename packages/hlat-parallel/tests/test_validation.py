@@ -1,0 +1,190 @@
+"""Every layout rule fails early, before any process group or module change, with a message
+that says what is wrong and what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hlat_model import Llama, LlamaConfig
+from hlat_parallel import (
+    ParallelConfigError,
+    ParallelDims,
+    check_parallel_config,
+    init_parallel,
+    match_plan,
+    parallelize,
+    parse_plan,
+)
+
+
+@pytest.fixture
+def world(monkeypatch):
+    """Pretend to be rank 0 of a torchrun job of the given size (no group is created)."""
+
+    def set_world(size: int) -> None:
+        monkeypatch.setenv("WORLD_SIZE", str(size))
+        monkeypatch.setenv("RANK", "0")
+
+    return set_world
+
+
+def dims_for(tp: int, sp: bool = False) -> ParallelDims:
+    return ParallelDims(
+        world_size=tp, rank=0, tp=tp, dp=1, sp=sp, backend="torch",
+        device=torch.device("cpu"), tp_rank=0, dp_rank=0,
+    )  # fmt: skip
+
+
+def small_llama(**overrides) -> Llama:
+    with torch.device("meta"):
+        return Llama(LlamaConfig.preset("tiny", n_layers=2, **overrides))
+
+
+def test_world_size_not_divisible_by_tp_is_refused_before_any_process_group(world):
+    world(6)
+    with pytest.raises(ParallelConfigError, match=r"world size 6 is not divisible by tp 4"):
+        init_parallel(tp=4)
+    assert not dist.is_initialized()
+
+
+def test_world_size_error_lists_the_tp_degrees_that_fit(world):
+    world(6)
+    with pytest.raises(ParallelConfigError, match=r"pick tp among 1, 2, 3, 6"):
+        init_parallel(tp=4)
+
+
+def test_tp_not_dividing_attention_heads_is_refused(world):
+    world(4)
+    with pytest.raises(ParallelConfigError, match=r"tp 4 does not divide the 6 attention heads"):
+        init_parallel(tp=4, n_heads=6)
+
+
+def test_tp_not_dividing_kv_heads_says_how_to_replicate_them(world):
+    world(8)
+    with pytest.raises(ParallelConfigError) as error:
+        init_parallel(tp=8, n_heads=32, n_kv_heads=4)
+    message = str(error.value)
+    assert "tp 8 does not divide the 4 key/value heads" in message
+    assert "pick tp among 1, 2, 4" in message
+    assert "replicate the KV heads 2 times so there are 8 of them" in message
+
+
+def test_sequence_not_divisible_by_tp_is_refused_under_sequence_parallelism(world):
+    world(2)
+    with pytest.raises(ParallelConfigError, match=r"seq_len 33 is not divisible by 2"):
+        init_parallel(tp=2, sp=True, seq_len=33)
+
+
+def test_sequence_length_is_free_without_sequence_parallelism():
+    check_parallel_config(2, 2, sp=False, seq_len=33)
+
+
+def test_non_positive_tp_is_refused(world):
+    world(2)
+    with pytest.raises(ParallelConfigError, match=r"tp must be a positive integer, got 0"):
+        init_parallel(tp=0)
+
+
+def test_unknown_backend_is_refused(world):
+    world(1)
+    with pytest.raises(ParallelConfigError, match=r"backend must be 'auto', 'torch' or 'neuron'"):
+        init_parallel(backend="xla")  # type: ignore[arg-type]
+
+
+def test_world_size_without_master_address_asks_for_torchrun(world, monkeypatch):
+    world(2)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(ParallelConfigError, match=r"MASTER_ADDR is not set; launch with torchrun"):
+        init_parallel(tp=2)
+    assert not dist.is_initialized()
+
+
+def test_neuron_backend_without_neuronx_distributed_says_where_to_get_it(world):
+    world(1)
+    with pytest.raises(RuntimeError, match=r"needs NeuronX Distributed from the Neuron repository"):
+        init_parallel(backend="neuron")
+    assert not dist.is_initialized()
+
+
+# --- plans -------------------------------------------------------------------------------------
+
+
+def test_unknown_style_is_refused_with_the_valid_ones():
+    with pytest.raises(ParallelConfigError, match=r"'up': unknown style 'column'; use one of"):
+        parse_plan({"up": "column"})
+
+
+def test_fused_colwise_needs_segments():
+    with pytest.raises(ParallelConfigError, match=r"fused_colwise needs 'segments'"):
+        parse_plan({"qkv": {"style": "fused_colwise"}})
+
+
+def test_segments_on_a_plain_style_are_refused():
+    with pytest.raises(ParallelConfigError, match=r"only apply to fused_colwise"):
+        parse_plan({"up": {"style": "colwise", "segments": [1, 1]}})
+
+
+def test_star_matches_exactly_one_name_component():
+    entry = parse_plan({"layers.*.mlp": "norm"})[0]
+    assert entry.matches("layers.3.mlp")
+    assert not entry.matches("layers.3.block.mlp")
+    assert not entry.matches("layers.mlp")
+
+
+def test_a_pattern_matching_no_module_is_refused():
+    model = small_llama()
+    plan = {**model.parallel_plan(), "layers.*.feed_forward.w1": "colwise"}
+    with pytest.raises(ParallelConfigError, match=r"'layers.\*.feed_forward.w1' matches no module"):
+        match_plan(model, plan)
+
+
+def test_a_module_matched_by_two_patterns_is_refused():
+    model = small_llama()
+    plan = {**model.parallel_plan(), "layers.0.attention.o_proj": "colwise"}
+    with pytest.raises(ParallelConfigError, match=r"'layers.0.attention.o_proj' matches both"):
+        match_plan(model, plan)
+
+
+def test_llama_plan_matches_every_projection_of_every_layer():
+    model = small_llama()
+    matched = match_plan(model, model.parallel_plan())
+    assert matched["layers.1.attention.qkv_proj"].style == "fused_colwise"
+    assert matched["layers.1.mlp.down_proj"].style == "rowwise"
+    assert len(matched) == 3 + 6 * 2  # embed, final norm, head + 6 per block
+
+
+def test_tp_not_dividing_fused_groups_is_refused_before_the_model_changes():
+    model = small_llama(n_kv_heads=2)
+    weight = model.layers[0].attention.qkv_proj.weight
+    with pytest.raises(ParallelConfigError, match=r"tp 4 does not divide its 2 groups"):
+        parallelize(model, dims_for(4), model.parallel_plan())
+    assert model.layers[0].attention.qkv_proj.weight is weight
+
+
+def test_fused_segments_that_do_not_add_up_to_the_layer_are_refused():
+    model = small_llama()
+    plan = model.parallel_plan()
+    plan["layers.*.mlp.gate_up_proj"] = {"style": "fused_colwise", "segments": [1], "groups": 688}
+    with pytest.raises(ParallelConfigError, match=r"= 688 rows, but the layer has 1376"):
+        parallelize(model, dims_for(2), plan)
+
+
+def test_rowwise_width_not_divisible_by_tp_is_refused():
+    model = nn.Sequential(nn.Linear(6, 8))
+    with pytest.raises(ParallelConfigError, match=r"0 \(rowwise\): in_features 6 is not divisible"):
+        parallelize(model, dims_for(4), {"0": "rowwise"})
+
+
+def test_wrong_module_type_for_a_style_is_refused():
+    model = nn.Sequential(nn.Linear(8, 8))
+    with pytest.raises(ParallelConfigError, match=r"0 \(embedding\) must be an nn.Embedding"):
+        parallelize(model, dims_for(2), {"0": "embedding"})
+
+
+def test_tied_embeddings_are_refused_under_tensor_parallelism():
+    model = small_llama(tie_embeddings=True)
+    with pytest.raises(ParallelConfigError, match=r"tied embeddings"):
+        parallelize(model, dims_for(2), model.parallel_plan())

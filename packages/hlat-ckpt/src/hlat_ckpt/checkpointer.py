@@ -43,6 +43,13 @@ from .rng import RNGState
 from .storage import Storage, step_dirname
 
 RNG_ENTRY = "rng"
+
+# Single-process saves and loads pass no_dist=True on purpose; DCP still warns about it.
+warnings.filterwarnings(
+    "ignore",
+    message="torch.distributed is disabled, unavailable or uninitialized",
+    category=UserWarning,
+)
 _GLOBAL_JSON = "_global/_json"
 
 

@@ -1,0 +1,107 @@
+"""Worker processes of the hlat-ckpt tests: a TP=2 DTensor job that saves, a DP=2 job that
+loads, and a trainer that checkpoints in a loop until it is killed.
+
+Run as ``python ckpt_workers.py <scenario> <root>`` with torchrun's environment variables
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) for the distributed scenarios.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hlat_ckpt import Checkpointer
+
+
+def tp_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+
+def train_once(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    model(x).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def tp_save(root: str) -> None:
+    """TP=2 model and optimizer saved as shards; rank 0 also writes the full reference values;
+    then each rank reloads its own per-rank state."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    model = parallelize_module(tp_model(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_once(model, optimizer)
+    ck = Checkpointer(root, async_save=True, layout={"tp": 2})
+    ck.save(1, {"model": model, "optimizer": optimizer, "loader": {"rank": rank, "pos": 10 * rank}})
+    ck.wait()
+    reference = {f"model.{k}": full(v).clone() for k, v in model.state_dict().items()}
+    for name, p in model.named_parameters():
+        for k, v in optimizer.state[p].items():
+            reference[f"optimizer.{name}.{k}"] = full(v).clone()
+    if rank == 0:
+        torch.save(reference, os.path.join(root, "reference.pt"))
+    loader: dict = {}
+    Checkpointer(root).load_latest({"loader": loader})
+    assert loader == {"rank": rank, "pos": 10 * rank}, loader
+
+
+def dp_load(root: str) -> None:
+    """Two replicas (plain tensors) load the TP checkpoint and write what they got."""
+    rank = dist.get_rank()
+    model = tp_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = Checkpointer(root).load_latest({"model": model, "optimizer": optimizer})
+    assert step == 1, step
+    got = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    for name, p in model.named_parameters():
+        for k, v in optimizer.state[p].items():
+            got[f"optimizer.{name}.{k}"] = v.clone()
+    torch.save(got, os.path.join(root, f"dp_rank{rank}.pt"))
+
+
+def save_forever(root: str, async_save: bool) -> None:
+    """Resume from the newest checkpoint, then save every step until killed. The weights of
+    step N are all N, so a loaded checkpoint shows which step's data it holds."""
+    torch.set_num_threads(1)  # forked from a process that used OpenMP
+    model = nn.Linear(256, 256)
+    state = {"model": model, "progress": {"step": 0}}
+    ck = Checkpointer(root, keep_last=2, async_save=async_save, save_rng=False)
+    step = ck.load_latest(state) or 0
+    while True:
+        step += 1
+        with torch.no_grad():
+            model.weight.fill_(step)
+            model.bias.fill_(step)
+        state["progress"]["step"] = step
+        ck.save(step, state)
+
+
+if __name__ == "__main__":
+    scenario, root_dir = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    try:
+        {"tp_save": tp_save, "dp_load": dp_load}[scenario](root_dir)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,185 @@
+import multiprocessing
+import os
+import resource
+import signal
+
+import fsspec
+import pytest
+import torch
+from ckpt_helpers import make_state, snapshot, train_step
+
+from hlat_ckpt import MANIFEST_NAME, Checkpointer, CheckpointError, consolidate
+
+# DCP warns on every single-process save/load; hlat-ckpt filters it, pytest re-enables it.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def checkpointer(root, **kwargs) -> Checkpointer:
+    url, options = root
+    return Checkpointer(url, storage_options=options, **kwargs)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_round_trip_is_bit_identical_and_the_next_step_is_identical(root, async_save):
+    ck = checkpointer(root, async_save=async_save)
+    a = make_state(0)
+    for _ in range(3):
+        train_step(a)
+    ck.save(3, a)
+    saved = snapshot(a)
+    saved_scheduler = a["scheduler"].state_dict()
+    ck.wait()
+    expected_loss = train_step(a)
+
+    b = make_state(1)
+    assert ck.load_latest(b) == 3
+    for name, tensor in snapshot(b).items():
+        assert torch.equal(tensor, saved[name]), name
+    assert b["scheduler"].state_dict() == saved_scheduler
+    assert (b["counters"].steps, b["loader"]) == (3, {"position": 48, "epoch": 0})
+    assert train_step(b) == expected_loss
+    for pa, pb in zip(a["model"].parameters(), b["model"].parameters(), strict=True):
+        assert torch.equal(pa, pb)
+
+
+def test_async_save_does_not_see_changes_made_after_it_returns(tmp_path):
+    ck = Checkpointer(tmp_path, async_save=True)
+    a = make_state(0)
+    ck.save(1, a)
+    saved = snapshot(a)
+    with torch.no_grad():
+        for p in a["model"].parameters():
+            p.add_(1.0)  # the next training step, racing the background write
+    a["loader"]["position"] = 999
+    ck.wait()
+    b = make_state(1)
+    ck.load(1, b)
+    assert all(torch.equal(t, saved[n]) for n, t in snapshot(b).items())
+    assert b["loader"]["position"] == 0
+
+
+def test_load_latest_on_an_empty_root_is_a_fresh_start(root):
+    assert checkpointer(root).load_latest(make_state(0)) is None
+
+
+def test_load_latest_skips_an_incomplete_newest_checkpoint_with_a_warning(root):
+    ck = checkpointer(root, async_save=False)
+    a = make_state(0)
+    ck.save(1, a)
+    train_step(a)
+    ck.save(2, a)
+    url, options = root
+    fs, path = fsspec.core.url_to_fs(f"{url}/step_0000000002/__0_0.distcp", **(options or {}))
+    fs.pipe_file(path, fs.cat_file(path)[:-10])  # a shard cut short
+    b = make_state(1)
+    with pytest.warns(UserWarning, match="skipping incomplete checkpoint.*step_0000000002"):
+        assert ck.load_latest(b) == 1
+    assert b["counters"].steps == 0
+
+
+def test_retention_keeps_last_k_and_every_mth_step(root):
+    ck = checkpointer(root, keep_last=2, keep_every=3, async_save=True)
+    a = make_state(0)
+    for step in range(1, 8):
+        ck.save(step, a)
+    ck.wait()
+    assert [c.step for c in ck.list()] == [3, 6, 7]
+    url, options = root
+    fs, path = fsspec.core.url_to_fs(url, **(options or {}))
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)) == [
+        "step_0000000003",
+        "step_0000000006",
+        "step_0000000007",
+    ]
+
+
+def test_saving_a_step_twice_is_refused_and_keeps_the_first(root):
+    ck = checkpointer(root, async_save=False)
+    a = make_state(0)
+    ck.save(5, a)
+    with pytest.raises(CheckpointError, match="step 5 already exists"):
+        ck.save(5, make_state(1))
+    b = make_state(2)
+    ck.load(5, b)
+    assert torch.equal(b["model"][0].weight, a["model"][0].weight)
+
+
+def test_unsupported_state_is_refused_before_anything_is_written(tmp_path):
+    ck = Checkpointer(tmp_path / "ckpt", async_save=True)
+    with pytest.raises(TypeError, match=r"loader\['handle'\]"):
+        ck.save(1, {"loader": {"handle": object()}})
+    ck.wait()
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+    with pytest.raises(TypeError, match=r"state\['lr'\] is a float"):
+        ck.save(1, {"lr": 0.1})
+
+
+def test_the_model_alone_loads_from_a_training_checkpoint(tmp_path):
+    ck = Checkpointer(tmp_path, async_save=False)
+    a = make_state(0)
+    ck.save(1, a)
+    model = make_state(1)["model"]
+    ck.load(1, {"model": model})
+    assert torch.equal(model[3].bias, a["model"][3].bias)
+
+
+def test_loading_an_entry_the_checkpoint_lacks_names_what_it_has(tmp_path):
+    ck = Checkpointer(tmp_path, async_save=False)
+    ck.save(1, {"model": make_state(0)["model"]})
+    with pytest.raises(CheckpointError, match=r"no entry 'loader' \(it has \['model', 'rng'\]\)"):
+        ck.load(1, {"loader": {}})
+
+
+def test_consolidate_returns_full_model_and_optimizer_state(root):
+    ck = checkpointer(root, async_save=False)
+    a = make_state(0)
+    train_step(a)
+    ck.save(1, a)
+    url, options = root
+    full = consolidate(url, storage_options=options)
+    assert set(full) == {"model", "optimizer"}
+    for name, tensor in a["model"].state_dict().items():
+        assert torch.equal(full["model"][name], tensor)
+    assert full["optimizer"]["param_groups"][0]["lr"] == a["optimizer"].param_groups[0]["lr"]
+    assert torch.equal(
+        full["optimizer"]["state"]["0.weight"]["exp_avg"],
+        a["optimizer"].state[a["model"][0].weight]["exp_avg"],
+    )
+    assert consolidate(f"{url}/step_0000000001", storage_options=options).keys() == full.keys()
+
+
+def _save_past_a_file_size_limit(root: str, async_save: bool, results) -> None:
+    # Forked from a process that used OpenMP: a single thread keeps the child from waiting on
+    # the parent's thread pool. Without SIG_IGN the kernel kills the process with SIGXFSZ
+    # instead of failing the write.
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    ck = Checkpointer(root, async_save=async_save)
+    state = {"model": torch.nn.Linear(256, 256)}
+    ck.save(1, state)
+    ck.wait()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+    try:
+        ck.save(2, state)
+        ck.wait()
+        results.put("no error")
+    except CheckpointError as e:
+        results.put(str(e))
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_write_error_is_reported_and_earlier_checkpoints_stay_intact(tmp_path, async_save):
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    child = ctx.Process(
+        target=_save_past_a_file_size_limit, args=(str(tmp_path), async_save, results)
+    )
+    child.start()
+    message = results.get(timeout=60)
+    child.join(timeout=60)
+    assert "step 2" in message and "earlier checkpoints are untouched" in message
+    ck = Checkpointer(tmp_path)
+    assert [c.step for c in ck.list()] == [1]
+    assert ck.load_latest({"model": torch.nn.Linear(256, 256)}) == 1
+    assert sorted(os.listdir(tmp_path)) == ["step_0000000001"]
+    assert (tmp_path / "step_0000000001" / MANIFEST_NAME).exists()

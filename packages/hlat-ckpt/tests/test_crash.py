@@ -1,0 +1,42 @@
+"""Crash safety: a trainer checkpointing in a loop is killed with SIGKILL at random moments;
+after every kill the newest checkpoint that resume finds is complete and loads."""
+
+import multiprocessing
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+from ckpt_workers import save_forever
+
+from hlat_ckpt import Checkpointer
+
+pytestmark = pytest.mark.slow
+KILLS = 12
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_after_every_sigkill_resume_finds_a_complete_checkpoint(tmp_path, async_save):
+    ctx = multiprocessing.get_context("fork")  # fast restarts: torch is already imported
+    rng = random.Random(1234 + async_save)
+    reader = Checkpointer(tmp_path, save_rng=False)
+    newest = 0
+    for kill in range(KILLS):
+        child = ctx.Process(target=save_forever, args=(str(tmp_path), async_save))
+        child.start()
+        time.sleep(0.6 if kill == 0 else rng.uniform(0.02, 0.4))
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        assert child.exitcode == -signal.SIGKILL
+
+        model = torch.nn.Linear(256, 256)
+        progress: dict = {}
+        step = reader.load_latest({"model": model, "progress": progress})
+        assert step is not None, f"no complete checkpoint after kill {kill}"
+        assert step >= newest, "resume went back past a checkpoint that had committed"
+        assert progress == {"step": step}
+        assert torch.all(model.weight == step) and torch.all(model.bias == step)
+        newest = step
+    assert newest > KILLS  # the loop made progress across restarts

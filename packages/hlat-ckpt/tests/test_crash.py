@@ -13,7 +13,7 @@ from ckpt_workers import save_forever
 
 from hlat_ckpt import Checkpointer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 KILLS = 12
 
 

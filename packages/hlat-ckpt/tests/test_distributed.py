@@ -13,7 +13,7 @@ from ckpt_workers import tp_model
 from hlat_ckpt import Checkpointer
 
 WORKERS = Path(__file__).with_name("ckpt_workers.py")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 
 def launch(scenario: str, root: Path, world_size: int = 2) -> None:

@@ -10,7 +10,14 @@ from typing import Any
 
 import torch
 
-from hlat_optim.rounding import _is_dtensor, _local, _lsr, hashed_bits, mix32, round_with_bits
+from hlat_optim.rounding import (
+    _is_dtensor,
+    _local,
+    _lsr,
+    hashed_bits,
+    mix32,
+    round_with_bits,
+)
 
 __all__ = ["AdamW", "adamw_update"]
 
@@ -52,10 +59,11 @@ def adamw_update(
     m = exp_avg.float()
     m = m + one_minus_beta1 * (g - m)
     v = exp_avg_sq.float() * beta2 + one_minus_beta2 * g * g
-    # Note: sqrt through float64 because eager CPU float32 sqrt is not correctly rounded in
-    # every torch build while compiled kernels are; the double root rounded once is exact in
-    # both, which keeps the two paths bit-identical.
-    denom = v.double().sqrt().float() / bc2_sqrt + eps
+    # Note: eager CPU float32 sqrt is not correctly rounded in every torch build, while the
+    # compiled kernel's is; eagerly, the float64 root rounded once is, so both paths agree
+    # bit for bit.
+    root = v.sqrt() if torch.compiler.is_compiling() else v.double().sqrt().float()
+    denom = root / bc2_sqrt + eps
     w = (master if master is not None else param.float()) * decay
     w = w - step_size * (m / denom)
 

@@ -19,7 +19,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["hashed_bits", "mix32", "round_with_bits", "stochastic_round", "stochastic_round_"]
+__all__ = [
+    "hashed_bits",
+    "mix32",
+    "round_with_bits",
+    "stochastic_round",
+    "stochastic_round_",
+]
 
 _LOW_MASK = -(1 << 16)  # 0xFFFF0000 as a signed int32
 _EXP_MASK = 0x7F800000

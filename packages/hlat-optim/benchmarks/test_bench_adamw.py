@@ -1,0 +1,77 @@
+"""AdamW step throughput on ~50M parameters of Llama shapes, all peers in one run.
+
+Run: ``nox -s bench -- packages/hlat-optim/benchmarks`` or
+``python -m pytest packages/hlat-optim/benchmarks --benchmark-only``
+(on a shared machine prefix ``OMP_NUM_THREADS=1``: a busy core stalls a 2-thread OpenMP step).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from hlat_optim import AdamW
+
+
+def llama_shapes(dim=512, ffn=1376, vocab=8192, layers=13):
+    """Embedding, lm_head, final norm and per layer fused qkv, o, gate_up, down, two norms."""
+    shapes = [(vocab, dim), (vocab, dim), (dim,)]
+    for _ in range(layers):
+        shapes += [(3 * dim, dim), (dim, dim), (2 * ffn, dim), (dim, ffn), (dim,), (dim,)]
+    return shapes
+
+
+def make_params(dtype):
+    g = torch.Generator().manual_seed(0)
+    params = []
+    for shape in llama_shapes():
+        p = torch.nn.Parameter((torch.randn(shape, generator=g) * 0.02).to(dtype))
+        p.grad = (torch.randn(shape, generator=g) * 1e-3).to(dtype)
+        params.append(p)
+    return params
+
+
+def bytes_per_param(opt):
+    params = [p for group in opt.param_groups for p in group["params"]]
+    total = 0
+    for p in params:
+        tensors = [p, p.grad, *(t for t in opt.state[p].values() if torch.is_tensor(t))]
+        total += sum(t.numel() * t.element_size() for t in tensors if t.dim() > 0)
+    return total / sum(p.numel() for p in params)
+
+
+def _torchao_adamw(params):
+    optim = pytest.importorskip("torchao.optim", reason="torchao not installed")
+    return optim._AdamW(params, lr=1e-3, bf16_stochastic_round=True)
+
+
+PEERS = {
+    "torch fused fp32": (torch.float32, lambda ps: torch.optim.AdamW(ps, fused=True)),
+    "torch foreach fp32": (torch.float32, lambda ps: torch.optim.AdamW(ps, foreach=True)),
+    "hlat bf16-SR, bf16 states": (torch.bfloat16, lambda ps: AdamW(ps)),
+    "hlat bf16-SR, fp32 states": (
+        torch.bfloat16,
+        lambda ps: AdamW(ps, state_dtype=torch.float32),
+    ),
+    "hlat mixed (fp32 master)": (torch.bfloat16, lambda ps: AdamW(ps, master_weights=True)),
+    "hlat fp32": (torch.float32, lambda ps: AdamW(ps)),
+    "torchao bf16-SR": (torch.bfloat16, _torchao_adamw),
+}
+
+
+@pytest.mark.parametrize("name", list(PEERS))
+def test_adamw_step_throughput(benchmark, optimizer_results, name):
+    dtype, build = PEERS[name]
+    params = make_params(dtype)
+    opt = build(params)
+    for _ in range(2):  # compile and allocate state outside the timing
+        opt.step()
+    benchmark.pedantic(opt.step, rounds=5, iterations=1, warmup_rounds=1)
+    n = sum(p.numel() for p in params)
+    mparam_s = n / benchmark.stats.stats.min / 1e6
+    benchmark.extra_info.update(mparam_per_s=round(mparam_s), params=n)
+    optimizer_results[name] = {"mparam_s": mparam_s, "bytes_per_param": bytes_per_param(opt)}
+    del opt, params
+    gc.collect()

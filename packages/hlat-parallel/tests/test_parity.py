@@ -1,13 +1,14 @@
 """TP, TP+SP, DP (ZeRO) and TP x DP give the single-process results, on real gloo groups.
 
-Each layout runs once in spawned processes (tests/parity_worker.py) on two models: the `tiny`
-Llama with multi-head attention and selective checkpointing, and a GQA variant with full
-checkpointing. The tests below compare what the ranks wrote with a single-process run of the
+Each layout runs in spawned processes (tests/parity_worker.py) on two models: the `tiny`
+Llama (cut to 2 layers and a 2048-token vocabulary, to keep the suite fast) with multi-head
+attention and selective checkpointing, and a GQA variant with full checkpointing. The tests below compare what the ranks wrote with a single-process run of the
 same weights and batch: fp32, within 1e-5 relative (Frobenius norm of the difference).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
@@ -20,7 +21,10 @@ import torch
 from hlat_model import Llama, LlamaConfig, cross_entropy_loss
 
 WORKER = Path(__file__).with_name("parity_worker.py")
-STEPS, LR, MAX_NORM = 3, 1e-3, 1.0
+# Note: lr 1e-4 keeps Adam's amplification of fp32 noise in near-zero gradient elements
+# (the update is about lr * sign(g) there) below the tolerance; every parameter still moves
+# by more than 10 times the tolerance (norm weights about 2e-4 relative, matrices 1e-2).
+STEPS, LR, MAX_NORM = 3, 1e-4, 1.0
 BATCH, SEQ = 6, 32
 TOL = 1e-5
 
@@ -36,7 +40,12 @@ LAYOUTS = {
     "tp2-sp-dp2": (4, 2, True, [1, 3]),
 }
 
-OPTIMIZERS = ["torch"]
+try:  # hlat-optim's AdamW works on local shards, so it needs aligned gradient placements
+    import hlat_optim  # noqa: F401
+
+    OPTIMIZERS = ["torch", "hlat_optim"]
+except Exception:
+    OPTIMIZERS = ["torch"]
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -44,7 +53,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def _config(case: str) -> LlamaConfig:
-    return LlamaConfig.preset("tiny", n_layers=2, **CASES[case])
+    return LlamaConfig.preset("tiny", n_layers=2, vocab_size=2048, **CASES[case])
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +69,6 @@ def inputs(tmp_path_factory) -> dict:
             "config": config.to_dict(),
             "state": {k: v.clone() for k, v in model.state_dict().items()},
             "tokens": tokens,
-            "accumulate": [1],
-            "optimizers": OPTIMIZERS,
         }
     return out
 
@@ -110,9 +117,12 @@ def reference(inputs) -> dict:
     if "hlat_optim" in OPTIMIZERS:
         from hlat_optim import AdamW
 
-        classes["hlat_optim"] = AdamW
+        classes["hlat_optim"] = functools.partial(AdamW, impl="reference")
     return {
-        (case, opt): _reference(inputs[case], classes[opt]) for case in inputs for opt in OPTIMIZERS
+        (case, opt): _reference(inputs[case], classes[opt])
+        for case in inputs
+        for opt in OPTIMIZERS
+        if case == "mha" or opt == "torch"
     }
 
 
@@ -122,7 +132,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(workdir: Path, world: int, tp: int, sp: bool) -> None:
+def launch(workdir: Path, world: int, tp: int, sp_flags: str) -> None:
     """Start ``world`` worker processes with torchrun's environment and wait for them."""
     port = _free_port()
     procs = []
@@ -136,7 +146,7 @@ def launch(workdir: Path, world: int, tp: int, sp: bool) -> None:
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
         }
-        cmd = [sys.executable, str(WORKER), str(workdir), str(tp), "1" if sp else "0"]
+        cmd = [sys.executable, str(WORKER), str(workdir), str(tp), sp_flags]
         procs.append(
             subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         )
@@ -153,22 +163,47 @@ def launch(workdir: Path, world: int, tp: int, sp: bool) -> None:
     assert not failures, "\n".join(failures)
 
 
+@pytest.fixture(scope="module")
+def launches(inputs, tmp_path_factory) -> dict:
+    """Per-rank results of each spawned group, keyed by (world, tp); a group runs every
+    layout that shares its world size and tp (with and without SP). Filled on first use."""
+    cache: dict = {}
+
+    def run(world: int, tp: int) -> dict:
+        if (world, tp) in cache:
+            return cache[(world, tp)]
+        mine = [v for v in LAYOUTS.values() if v[:2] == (world, tp)]
+        sps = sorted({sp for _, _, sp, _ in mine})
+        accumulate = sorted({acc for *_, accs in mine for acc in accs})
+        workdir = tmp_path_factory.mktemp(f"world{world}-tp{tp}")
+        for case, data in inputs.items():
+            # hlat-optim on one model is enough to show it works on DTensor shards
+            runs = [("torch", acc) for acc in accumulate]
+            if case == "mha":
+                runs += [(opt, 1) for opt in OPTIMIZERS if opt != "torch"]
+            torch.save({**data, "runs": runs}, workdir / f"input-{case}.pt")
+        launch(workdir, world, tp, ",".join("1" if sp else "0" for sp in sps))
+        results: dict = {}
+        for path in workdir.glob("*-rank*.pt"):
+            sp, case, opt, acc, rank = path.stem.split("-")
+            key = (sp == "sp1", case, opt, int(acc[3:]))
+            results.setdefault(key, {})[int(rank[4:])] = torch.load(path, weights_only=False)
+        cache[(world, tp)] = results
+        return results
+
+    return run
+
+
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def layout(request, inputs, tmp_path_factory) -> dict:
-    """Run one layout in spawned processes; yields its per-rank results keyed by
-    (case, optimizer, accumulation)."""
+def layout(request, launches) -> dict:
+    """One layout's per-rank results keyed by (case, optimizer, accumulation)."""
     name = request.param
     world, tp, sp, accumulate = LAYOUTS[name]
-    workdir = tmp_path_factory.mktemp(name)
-    for case, data in inputs.items():
-        torch.save({**data, "accumulate": accumulate}, workdir / f"input-{case}.pt")
-    launch(workdir, world, tp, sp)
-    results: dict = {}
-    for path in workdir.glob("*-rank*.pt"):
-        case, opt, acc, rank = path.stem.split("-")
-        results.setdefault((case, opt, int(acc[3:])), {})[int(rank[4:])] = torch.load(
-            path, weights_only=False
-        )
+    results = {
+        key[1:]: ranks
+        for key, ranks in launches(world, tp).items()
+        if key[0] == sp and key[3] in accumulate
+    }
     return {"name": name, "world": world, "tp": tp, "sp": sp, "results": results}
 
 
@@ -186,7 +221,9 @@ def test_logits_match_single_process(layout, reference):
             rows = BATCH // (layout["world"] // layout["tp"])
             expected = ref[out["dp_rank"] * rows : (out["dp_rank"] + 1) * rows]
             error = relative_error(out["logits"], expected)
-            assert error < TOL, f"{layout['name']} {case} rank {rank}: logits off by {error:.2e}"
+            assert error < TOL, (
+                f"{layout['name']} {case} {opt} rank {rank}: logits off by {error:.2e}"
+            )
 
 
 def test_loss_matches_single_process(layout, reference):
@@ -216,13 +253,16 @@ def test_clip_norm_equals_single_process_norm_and_scales_gradients(layout, refer
 
 
 @pytest.mark.parametrize("accumulate", [1, 3])
-def test_parameters_after_three_steps_match_single_process(layout, reference, accumulate):
+def test_parameters_after_three_steps_match_single_process(layout, reference, inputs, accumulate):
     runs = list(_runs(layout, accumulate))
     if accumulate > 1 and not runs:
         pytest.skip(f"{layout['name']} runs without gradient accumulation")
     assert runs
     for case, opt, ranks in runs:
         ref = reference[(case, opt)]["params"]
+        initial = inputs[case]["state"]
+        moved = min(relative_error(ref[n], initial[n]) for n in ref)
+        assert moved > 10 * TOL  # the steps changed every parameter well beyond the tolerance
         for rank, out in ranks.items():
             for name, expected in ref.items():
                 error = relative_error(out["params"][name], expected)

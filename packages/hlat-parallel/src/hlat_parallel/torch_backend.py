@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -74,8 +74,34 @@ def apply_tensor_parallel(
                     "needs them untied (e.g. LlamaConfig(tie_embeddings=False))"
                 )
     parallelize_module(model, dims.tp_mesh, torch_styles(matched, dims.sequence_parallel))
+    if dims.dp == 1:  # FSDP2 aligns the gradients itself when it is applied on top
+        align_grad_placements(model)
     if dims.sequence_parallel:
         model.register_forward_pre_hook(_sequence_check(dims.tp), with_kwargs=True)
+
+
+def align_grad_placements(model: nn.Module) -> None:
+    """Make every DTensor parameter's gradient share its parameter's placements, once it is
+    accumulated.
+
+    Note: DTensor's autograd leaves some gradients in another layout than their parameter:
+    the vocab-parallel embedding's as ``Replicate`` (the full [vocab, dim] gradient on every
+    rank), sequence-parallel norm weights' as ``Partial`` (not yet summed over TP).
+    Optimizers that work on local shards (``hlat_optim.AdamW``, fused kernels) need the
+    gradient shard to match the parameter shard; the redistribution slices the former (no
+    communication) and all-reduces the latter (a few KB per norm).
+    """
+
+    def align(param: torch.Tensor) -> None:
+        grad = param.grad
+        if not (isinstance(grad, DTensor) and isinstance(param, DTensor)):
+            return
+        if tuple(grad.placements) != tuple(param.placements):
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+    for param in model.parameters():
+        if isinstance(param, DTensor) and param.requires_grad:
+            param.register_post_accumulate_grad_hook(align)
 
 
 def _sequence_check(tp: int) -> Any:

@@ -74,6 +74,15 @@ for _package in PACKAGES:
         session.run("pytest", f"packages/{package}", *session.posargs)
 
 
+if "hlat-train" in PACKAGES:
+
+    @nox.session(python=PYTHON)
+    def demo(session: nox.Session) -> None:
+        """The main job: train a tiny Llama on this Python's own standard library, on CPU."""
+        _install(session, PACKAGES, "demo", editable=True)
+        session.run("hlat-train", "demo", *session.posargs)
+
+
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree."""

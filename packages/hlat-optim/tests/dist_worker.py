@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from hlat_optim import AdamW, clip_grad_norm_
+from hlat_optim import AdamW, clip_grad_norm_, stochastic_round
 
 
 def globals_(seed: int, *shape: int) -> torch.Tensor:
@@ -64,6 +64,14 @@ def main() -> None:
     for name, p in params.items():
         result[name] = p.detach().full_tensor()
         result[name + "_local"] = p.detach().to_local().clone()
+    # stochastic_round on a DTensor rounds the local shard and keeps the placements.
+    x = distribute_tensor(globals_(6, 8, 6), mesh, [Shard(0)])
+    rounded = stochastic_round(x, torch.Generator().manual_seed(rank))
+    result["sr_placements"] = [repr(p) for p in rounded.placements]
+    result["sr_local"] = rounded.to_local()
+    result["sr_expected_local"] = stochastic_round(
+        x.to_local(), torch.Generator().manual_seed(rank)
+    )
     torch.save(result, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 

@@ -182,3 +182,21 @@ def test_float16_parameters_are_rejected_with_their_position():
         TypeError, match=r"parameter 1 of param group 0 \(shape \(3,\)\) is torch.float16"
     ):
         AdamW(params)
+
+
+def test_failed_compilation_falls_back_to_the_reference_update_with_a_warning(monkeypatch):
+    import hlat_optim.adamw as adamw_module
+
+    def broken_compiler_output(*args):
+        raise RuntimeError("no C++ compiler found")
+
+    # Fault injection: what torch.compile returns on a machine without a working toolchain.
+    monkeypatch.setattr(adamw_module, "_compiled", broken_compiler_output)
+    params, expected = _params(torch.bfloat16), _params(torch.bfloat16)
+    opt = AdamW(params, lr=1e-2, impl="auto")
+    with pytest.warns(RuntimeWarning, match="torch.compile of the update failed"):
+        _run(opt, params, 3)
+    assert opt.impl == "reference"
+    _run(AdamW(expected, lr=1e-2, impl="reference"), expected, 3)
+    for a, b in zip(params, expected, strict=True):
+        assert torch.equal(_bits(a), _bits(b))

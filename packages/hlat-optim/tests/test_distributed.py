@@ -86,3 +86,10 @@ def test_dim1_shards_draw_different_rounding_streams(ranks):
     local0, local1 = ranks[0]["shard1_local"], ranks[1]["shard1_local"]
     assert not torch.equal(local0, local1)
     torch.testing.assert_close(local0.float(), local1.float(), atol=0, rtol=3 * 2**-7)
+
+
+def test_stochastic_round_of_a_dtensor_rounds_each_shard_and_keeps_placements(ranks):
+    for r in ranks:
+        assert r["sr_placements"] == ["Shard(dim=0)"]
+        assert r["sr_local"].dtype == torch.bfloat16
+        assert torch.equal(r["sr_local"], r["sr_expected_local"])

@@ -35,6 +35,9 @@ class Collective:
         return self.payload_bytes * share * (2 if self.kind == "all_reduce" else 1)
 
 
+_COLLECTIVE_WORDS = ("gather", "scatter", "reduce", "broadcast", "all_to_all", "alltoall")
+
+
 def _kind(name: str) -> str:
     if "gather" in name:
         return "all_gather"
@@ -78,12 +81,16 @@ class CollectiveLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func.namespace in _NAMESPACES and "wait" not in func.__name__:
+        name = func._overloadpacket.__name__
+        if func.namespace in _NAMESPACES and any(w in name for w in _COLLECTIVE_WORDS):
             flat, _ = tree_flatten((args, kwargs))
             tensors = [a for a in flat if isinstance(a, torch.Tensor)]
             payload = max((t.numel() * t.element_size() for t in tensors), default=0)
-            name = func._overloadpacket.__name__
-            self.calls.append(Collective(_kind(name), payload, _group_size(flat)))
+            kind, group_size = _kind(name), _group_size(flat)
+            if kind == "all_gather" and func.namespace != "c10d":
+                # functional all-gathers get only the local shard; c10d ones the output too
+                payload *= group_size
+            self.calls.append(Collective(kind, payload, group_size))
         return func(*args, **kwargs)
 
     def counts(self) -> Counter[str]:

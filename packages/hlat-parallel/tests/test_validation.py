@@ -72,6 +72,13 @@ def test_tp_not_dividing_kv_heads_says_how_to_replicate_them(world):
     assert "replicate the KV heads 2 times so there are 8 of them" in message
 
 
+def test_kv_replication_is_not_offered_when_tp_is_not_a_multiple_of_kv_heads(world):
+    world(3)
+    with pytest.raises(ParallelConfigError) as error:
+        init_parallel(tp=3, n_kv_heads=2)
+    assert "pick tp among 1, 2; replicating KV heads needs tp to be a multiple" in str(error.value)
+
+
 def test_sequence_not_divisible_by_tp_is_refused_under_sequence_parallelism(world):
     world(2)
     with pytest.raises(ParallelConfigError, match=r"seq_len 33 is not divisible by 2"):

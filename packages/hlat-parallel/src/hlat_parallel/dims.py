@@ -50,12 +50,19 @@ def check_parallel_config(
             f"heads; pick tp among {_divisors(n_heads)}"
         )
     if n_kv_heads is not None and n_kv_heads % tp:
+        if tp % n_kv_heads == 0:
+            replicate = (
+                f", or replicate the KV heads {tp // n_kv_heads} times so there are {tp} of "
+                "them (convert the checkpoint to n_kv_heads=tp with each KV head repeated for "
+                "the query heads it serves; results are unchanged, the KV projection grows)"
+            )
+        else:
+            replicate = (
+                f"; replicating KV heads needs tp to be a multiple of the {n_kv_heads} KV heads"
+            )
         raise ParallelConfigError(
             f"tp {tp} does not divide the {n_kv_heads} key/value heads: each rank must hold "
-            f"whole KV heads; pick tp among {_divisors(n_kv_heads)}, or replicate the KV heads "
-            f"{tp // n_kv_heads if tp > n_kv_heads else 'k'} times so there are {tp} of them "
-            "(convert the checkpoint to n_kv_heads=tp with each KV head repeated for the query "
-            "heads it serves; results are unchanged, the KV projection grows)"
+            f"whole KV heads; pick tp among {_divisors(n_kv_heads)}{replicate}"
         )
     if sp and tp > 1 and seq_len is not None and seq_len % tp:
         raise ParallelConfigError(
@@ -74,14 +81,23 @@ class ParallelDims:
     """
 
     world_size: int
+    """Number of processes."""
     rank: int
+    """This process's global rank."""
     tp: int
+    """Tensor-parallel degree."""
     dp: int
+    """Data-parallel degree (``world_size // tp``)."""
     sp: bool
+    """Sequence parallelism requested (effective when tp > 1, see :attr:`sequence_parallel`)."""
     backend: Literal["torch", "neuron"]
+    """Which engine applies plans: DTensor/FSDP2 or NeuronX Distributed."""
     device: torch.device
+    """The device this rank computes on."""
     tp_rank: int
+    """Rank inside the tensor-parallel group (which shard this rank holds)."""
     dp_rank: int
+    """Rank inside the data-parallel group (which slice of the batch this rank reads)."""
     tp_group: Any = None
     """The process group of this rank's tensor-parallel peers."""
     dp_group: Any = None

@@ -68,9 +68,14 @@ def test_reference_and_compiled_paths_are_bit_identical(dtype, state_dtype, mast
         assert torch.equal(a, b)
 
 
-def test_resume_from_state_dict_gives_bit_identical_following_steps():
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"state_dtype": torch.float32}, {"master_weights": True}],
+    ids=["bf16-states", "fp32-states", "mixed"],
+)
+def test_resume_from_state_dict_gives_bit_identical_following_steps(kwargs):
     params = _params(torch.bfloat16)
-    opt = AdamW(params, lr=1e-2, weight_decay=0.1, seed=123, impl="reference")
+    opt = AdamW(params, lr=1e-2, weight_decay=0.1, seed=123, impl="reference", **kwargs)
     _run(opt, params, 5)
     buf = io.BytesIO()
     torch.save({"params": [p.detach().clone() for p in params], "opt": opt.state_dict()}, buf)
@@ -79,11 +84,14 @@ def test_resume_from_state_dict_gives_bit_identical_following_steps():
     buf.seek(0)
     saved = torch.load(buf)
     resumed = [torch.nn.Parameter(t) for t in saved["params"]]
-    opt2 = AdamW(resumed, lr=1e-2, weight_decay=0.1, seed=0, impl="reference")  # seed restored
-    opt2.load_state_dict(saved["opt"])
+    opt2 = AdamW(resumed, lr=1e-2, weight_decay=0.1, seed=0, impl="reference", **kwargs)
+    opt2.load_state_dict(saved["opt"])  # restores seed 123 and each parameter's step
     _run(opt2, resumed, 5, start=5)
     for a, b in zip(params, resumed, strict=True):
         assert torch.equal(_bits(a), _bits(b))
+        for name, value in opt.state[a].items():
+            assert opt2.state[b][name].dtype == value.dtype
+            assert torch.equal(opt2.state[b][name], value)
 
 
 def _constant_grad_run(stochastic_rounding, steps=500, n=2048):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import warnings
@@ -41,7 +42,7 @@ def adamw_update(
     This is the reference implementation; ``AdamW`` runs it as is (``impl="reference"``) or
     through ``torch.compile`` (the fast path), so both paths compute the same thing.
 
-    ``hyper`` is a float32 tensor ``[decay, step_size, beta1, 1 - beta1, beta2, 1 - beta2, eps,
+    ``hyper`` is a float32 tensor ``[decay, step_size, 1 - beta1, beta2, 1 - beta2, eps,
     bias_correction2_sqrt]`` with ``decay = 1 - lr * weight_decay`` and
     ``step_size = lr / (1 - beta1**step)``, computed in float64 on the host as torch does.
     ``key`` (0-d int32) seeds the rounding bits for this parameter and step; ``offset`` (0-d
@@ -52,9 +53,7 @@ def adamw_update(
     Note: the scalars arrive as tensors, not Python floats, so that a compiled kernel is
     reused across steps instead of being recompiled for every new learning rate.
     """
-    decay, step_size, _beta1, one_minus_beta1, beta2, one_minus_beta2, eps, bc2_sqrt = hyper.unbind(
-        0
-    )
+    decay, step_size, one_minus_beta1, beta2, one_minus_beta2, eps, bc2_sqrt = hyper.unbind(0)
     g = grad.float()
     m = exp_avg.float()
     m = m + one_minus_beta1 * (g - m)
@@ -232,6 +231,22 @@ class AdamW(torch.optim.Optimizer):
         if master:
             state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict()``, keeping each state tensor's saved dtype.
+
+        Note: ``torch.optim.Optimizer`` casts floating-point state to the parameter's dtype on
+        load, which would turn fp32 master weights and fp32 moments of bf16 parameters into
+        bf16; the saved tensors are put back with their own dtype afterwards.
+        """
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        for pid, p in zip(ids, params, strict=True):
+            for name, value in saved.get(pid, {}).items():
+                if torch.is_tensor(value) and name != "step" and value.dtype != p.dtype:
+                    self.state[p][name] = value.detach().to(_local(p).device, copy=True)
+
     def _update_fn(self) -> Callable[..., None]:
         if self.impl == "reference":
             return adamw_update
@@ -283,7 +298,6 @@ class AdamW(torch.optim.Optimizer):
                     [
                         1.0 - lr * group["weight_decay"],
                         lr / (1.0 - beta1**step),
-                        beta1,
                         1.0 - beta1,
                         beta2,
                         1.0 - beta2,

@@ -1,0 +1,142 @@
+"""The ``hlat-train`` command.
+
+::
+
+    hlat-train demo                                   # the tiny Llama on the stdlib, CPU
+    hlat-train print-config --config hlat-7b --optim.lr=2e-4
+    hlat-train train --config run.toml --train.steps=100
+    torchrun --nproc-per-node 8 -m hlat_train train --config hlat-7b --data.paths=...
+    hlat-train export-hf runs/hlat/checkpoints hf-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from hlat_train.config import ConfigError, TrainConfig, preset_names
+
+EXIT_CONFIG = 2
+EXIT_PREEMPTED = 143  # 128 + SIGTERM, what a scheduler expects from a terminated job
+
+
+def _overrides(extra: list[str]) -> list[str]:
+    """``--section.key=value`` or ``--section.key value`` items, as ``section.key=value``."""
+    out: list[str] = []
+    i = 0
+    while i < len(extra):
+        item = extra[i]
+        if not item.startswith("--") or "." not in item.split("=", 1)[0]:
+            raise ConfigError(
+                f"unexpected argument {item!r}; overrides look like --section.key=value "
+                "(see hlat-train print-config)"
+            )
+        if "=" not in item:
+            if i + 1 >= len(extra):
+                raise ConfigError(f"override {item} has no value")
+            item = f"{item}={extra[i + 1]}"
+            i += 1
+        out.append(item)
+        i += 1
+    return out
+
+
+def _load(args: argparse.Namespace, extra: list[str]) -> TrainConfig:
+    return TrainConfig.from_toml(args.config, _overrides(extra))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hlat-train",
+        description="Pre-train Llama-family models the HLAT way. Any --section.key=value "
+        "after the command overrides the config.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    config_help = f"a TOML file or a preset ({', '.join(preset_names())})"
+
+    train = sub.add_parser("train", help="train (under torchrun for many processes)")
+    train.add_argument("--config", required=True, help=config_help)
+
+    show = sub.add_parser("print-config", help="print the merged config as TOML and validate it")
+    show.add_argument("--config", required=True, help=config_help)
+    show.add_argument(
+        "--no-check-files", action="store_true", help="do not check data and tokenizer paths"
+    )
+
+    sub.add_parser("presets", help="list the shipped presets")
+
+    demo = sub.add_parser("demo", help="train the tiny-demo Llama on the Python standard library")
+    demo.add_argument("--out", default="runs/demo", help="run directory (default runs/demo)")
+    demo.add_argument("--cache-dir", default=None, help="corpus/tokenizer cache (~/.cache/hlat)")
+    demo.add_argument("--max-files", type=int, default=None, help="use only the first N files")
+
+    export = sub.add_parser("export-hf", help="a Hugging Face Llama directory from a checkpoint")
+    export.add_argument("checkpoint", help="checkpoint root or step_<N> directory (or URL)")
+    export.add_argument("out", help="output directory")
+    export.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    export.add_argument("--tokenizer", default=None, help="SentencePiece .model to ship")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``hlat-train`` and ``python -m hlat_train``."""
+    args, extra = _parser().parse_known_args(argv)
+    try:
+        if args.command == "presets":
+            print("\n".join(preset_names()))
+            return 0
+        if args.command == "print-config":
+            from hlat_train.validation import validate
+
+            config = _load(args, extra)
+            print(config.to_toml())
+            validate(config, check_files=not args.no_check_files)
+            return 0
+        if args.command == "export-hf":
+            if extra:
+                raise ConfigError(f"export-hf takes no overrides, got {' '.join(extra)}")
+            from hlat_train.export import export_hf
+
+            out = export_hf(args.checkpoint, args.out, dtype=args.dtype, tokenizer=args.tokenizer)
+            print(f"hlat-train: wrote {out}")
+            return 0
+        if args.command == "demo":
+            from hlat_train.demo import default_cache_dir, run_demo
+
+            summary = run_demo(
+                args.cache_dir or default_cache_dir(),
+                args.out,
+                _overrides(extra),
+                max_files=args.max_files,
+            )
+            _report(summary)
+            return EXIT_PREEMPTED if summary["preempted"] else 0
+        # train
+        from hlat_train.trainer import Trainer
+
+        trainer = Trainer(_load(args, extra))
+        try:
+            summary = trainer.fit()
+        finally:
+            trainer.close()
+        if trainer.dims.rank == 0:
+            _report(summary)
+        return EXIT_PREEMPTED if summary["preempted"] else 0
+    except ConfigError as e:
+        print(f"hlat-train: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+
+
+def _report(summary: dict) -> None:
+    if not math.isnan(summary.get("first_loss", math.nan)):
+        print(
+            f"hlat-train: steps to {summary['step']}: loss {summary['first_loss']:.3f} -> "
+            f"{summary['last_loss']:.3f}"
+        )
+    else:
+        print(f"hlat-train: nothing to train: already at step {summary['step']}")
+    if "sample" in summary:
+        print("hlat-train: sample:\n" + summary["sample"])
+    print(json.dumps({k: v for k, v in summary.items() if k != "sample"}))

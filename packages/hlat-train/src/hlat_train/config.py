@@ -1,0 +1,450 @@
+"""`TrainConfig`: everything a run needs, as nested dataclasses whose docstrings are the
+documentation; TOML presets shipped with the package; ``--section.key=value`` overrides.
+
+A config is plain data. :func:`validate` checks it (and the files it names) without creating
+a process group or allocating a tensor, so a mistake costs seconds, not a queue slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the key and says what to do."""
+
+
+@dataclass
+class ModelConfig:
+    """The model: a ``hlat_model.LlamaConfig`` preset, with any field overridden.
+
+    Fields left at ``None`` take the preset's value.
+    """
+
+    preset: str = "tiny"
+    """``hlat-7b``, ``llama2-7b``, ``llama3-8b``, ``1b`` or ``tiny`` (hlat-model presets)."""
+    vocab_size: int | None = None
+    """Embedding rows; 0 means the tokenizer's vocabulary rounded up to a multiple of 64."""
+    dim: int | None = None
+    """Hidden size."""
+    n_layers: int | None = None
+    """Transformer blocks."""
+    n_heads: int | None = None
+    """Query heads."""
+    n_kv_heads: int | None = None
+    """Key/value heads (fewer than ``n_heads``: GQA)."""
+    ffn_dim: int | None = None
+    """SwiGLU inner size."""
+    max_seq_len: int | None = None
+    """Longest sequence (RoPE positions)."""
+    rope_theta: float | None = None
+    """RoPE base."""
+    init_std: float | None = None
+    """Normal init standard deviation (HLAT: 0.021)."""
+    scaled_init: bool | None = None
+    """``o_proj``/``down_proj`` init scaled by ``1/sqrt(2 n_layers)``."""
+    checkpointing: str | None = None
+    """Activation checkpointing: ``none``, ``selective`` (HLAT) or ``full``."""
+    attention: str | None = None
+    """``auto``, ``sdpa`` or ``flex``."""
+
+
+@dataclass
+class DataConfig:
+    """Arrow corpus, tokenizer and packing (``hlat_data.PackedLoader``)."""
+
+    paths: list[str] = field(default_factory=list)
+    """Training Arrow/Parquet files, directories or ``s3://`` URLs."""
+    valid_paths: list[str] = field(default_factory=list)
+    """Held-out documents for the validation loss (empty: no validation)."""
+    tokenizer: str = ""
+    """SentencePiece ``.model`` (or Hugging Face ``tokenizer.json``)."""
+    text_column: str = "text"
+    """Column holding the documents."""
+    seq_len: int = 4096
+    """Tokens per packed row."""
+    micro_batch_size: int = 1
+    """Rows per micro-batch per data-parallel rank."""
+    add_bos: bool = False
+    """Prepend BOS to every document (HLAT: EOS only, GPT-3 style)."""
+    num_workers: int = 0
+    """Tokenizer processes per rank (0: tokenize in the training process)."""
+    seed: int = 1234
+    """Seed of the document order (changes per epoch)."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW, the LR schedule, clipping and the precision mode (``hlat_optim``)."""
+
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final LR as a fraction of ``lr`` (HLAT: 3e-5 / 3e-4)."""
+    warmup_steps: int = 2000
+    """Linear warmup steps."""
+    constant_steps: int = 0
+    """Steps at peak LR between warmup and cosine decay."""
+    decay_steps: int = 0
+    """Horizon of the cosine (HLAT: 500000); 0 means ``train.steps``."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to every parameter (norms too, as HLAT does)."""
+    clip: float = 1.0
+    """Global gradient-norm clip (0: none)."""
+    precision: str = "bf16-sr"
+    """``bf16-sr`` (bf16 params, stochastic rounding), ``bf16`` (round to nearest),
+    ``mixed`` (fp32 master weights) or ``fp32``."""
+    impl: str = "auto"
+    """AdamW update: ``auto`` (compiled, eager fallback), ``compiled`` or ``reference``."""
+
+
+@dataclass
+class ParallelConfig:
+    """Layout (``hlat_parallel``). DP is what is left: world size / tp."""
+
+    tp: int = 1
+    """Tensor-parallel degree."""
+    sp: bool = False
+    """Sequence parallelism (needs tp > 1)."""
+    dp: int = 0
+    """Expected data-parallel degree (0: whatever was launched); a mismatch is an error."""
+    nodes: int = 0
+    """Expected number of nodes (0: any); checked against torchrun's world."""
+    backend: str = "auto"
+    """``auto``, ``torch`` or ``neuron``."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded checkpoints and auto-resume (``hlat_ckpt``)."""
+
+    dir: str = ""
+    """Directory or ``s3://`` URL; empty means ``<train.out_dir>/checkpoints``."""
+    every: int = 1000
+    """Save every this many steps (and at the end, and on SIGTERM)."""
+    keep_last: int = 5
+    """Complete checkpoints kept."""
+    async_save: bool = True
+    """Write in the background after copying the state to host memory."""
+    resume: bool = True
+    """Start from the newest complete checkpoint when there is one."""
+
+
+@dataclass
+class LoggingConfig:
+    """Console, JSONL, TensorBoard and the end-of-run plot."""
+
+    every: int = 1
+    """Log every this many steps."""
+    progress: bool = True
+    """Progress bar with ETA on rank 0 (tqdm when installed)."""
+    jsonl: bool = True
+    """Write ``<out_dir>/metrics.jsonl``."""
+    tensorboard: bool = False
+    """Write TensorBoard events to ``<out_dir>/tb`` (needs ``tensorboard``)."""
+    plot: bool = True
+    """Write ``<out_dir>/training.png`` at the end (needs ``matplotlib``; skipped without)."""
+    peak_tflops: float = 0.0
+    """Peak per-device TFLOP/s for MFU; 0: the built-in table, or a measured CPU matmul."""
+
+
+@dataclass
+class SpikeConfig:
+    """Loss-spike guard: a spike is a loss above mean + k std of the recent window, or a
+    non-finite gradient norm."""
+
+    policy: str = "warn"
+    """``off``, ``warn``, ``skip`` (drop the update) or ``rollback`` (reload the last
+    checkpoint and skip the batches that caused the spike)."""
+    window: int = 50
+    """Steps in the running mean and standard deviation."""
+    k: float = 6.0
+    """Standard deviations above the mean that count as a spike."""
+    min_history: int = 10
+    """Steps seen before loss spikes are judged (non-finite norms always are)."""
+    max_rollbacks: int = 5
+    """Rollbacks allowed in one run before giving up with an error."""
+    inject_at: list[int] = field(default_factory=list)
+    """Fire drill: report the loss of these steps 100x too high, once each, to see the
+    policy act on a real run (leave empty in production)."""
+
+
+@dataclass
+class NeuronConfig:
+    """Trainium settings (``hlat_train.neuron``); ignored on other backends."""
+
+    llm_training_strategy: bool = True
+    """Add ``--distribution-strategy=llm-training`` to ``NEURON_CC_FLAGS`` (disabled in newer
+    NxD examples because of a compiler bug: switch off if compilation fails)."""
+    cc_flags: str = "--model-type transformer"
+    """Other neuronx-cc flags."""
+    cache_dir: str = ""
+    """Compile cache (``--cache_dir``); copy it to node-local disk for large clusters."""
+    inflight_requests: int = 3
+    """``NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS`` (host/device overlap)."""
+    malloc_arena_max: int = 64
+    """``MALLOC_ARENA_MAX``."""
+    fuse_softmax: bool = True
+    """``NEURON_FUSE_SOFTMAX``."""
+    efa: bool = True
+    """EFA settings for multi-node (``FI_PROVIDER=efa`` ...)."""
+
+
+@dataclass
+class RunConfig:
+    """The run itself: length, batch, output and evaluation."""
+
+    steps: int = 1000
+    """Optimizer steps to train (the run ends there; resume continues up to it)."""
+    global_batch_size: int = 0
+    """Sequences per optimizer step over all ranks; 0 means micro_batch_size x dp (no
+    accumulation). Must be a multiple of micro_batch_size x dp; the quotient is the number
+    of gradient-accumulation micro-steps."""
+    out_dir: str = "runs/hlat"
+    """Where metrics, plots and (by default) checkpoints go."""
+    seed: int = 0
+    """Seed of the weight initialisation and the stochastic rounding."""
+    device: str = "auto"
+    """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``."""
+    eval_every: int = 0
+    """Validation loss every this many steps (0: at checkpoints only, when valid data exists)."""
+    eval_batches: int = 8
+    """Micro-batches of held-out data per validation."""
+    sample_prompt: str = ""
+    """Text to continue greedily at the end (rank 0; empty: none)."""
+    sample_tokens: int = 48
+    """Tokens to generate for the sample."""
+
+
+@dataclass
+class TrainConfig:
+    """A complete training run: ``TrainConfig.preset("hlat-7b")``, ``from_toml`` or the
+    ``hlat-train`` command; every section is a dataclass documented field by field."""
+
+    train: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
+    neuron: NeuronConfig = field(default_factory=NeuronConfig)
+
+    # --- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def preset(cls, name: str, overrides: list[str] | None = None) -> TrainConfig:
+        """A shipped preset (see :func:`preset_names`), with ``--section.key=value`` overrides."""
+        names = preset_names()
+        if name not in names:
+            hint = difflib.get_close_matches(name, names, n=1)
+            extra = f"; did you mean {hint[0]!r}?" if hint else ""
+            raise ConfigError(f"unknown preset {name!r}{extra} (presets: {', '.join(names)})")
+        text = resources.files("hlat_train.presets").joinpath(f"{name}.toml").read_text()
+        return cls.from_dict(tomllib.loads(text), source=f"preset {name}", overrides=overrides)
+
+    @classmethod
+    def from_toml(
+        cls, path: str | os.PathLike[str], overrides: list[str] | None = None
+    ) -> TrainConfig:
+        """A config file, or a preset name, with overrides applied."""
+        path = os.fspath(path)
+        if not os.path.exists(path) and not path.endswith(".toml"):
+            return cls.preset(path, overrides)
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+        return cls.from_dict(data, source=path, overrides=overrides)
+
+    @classmethod
+    def from_dict(
+        cls, data: dict[str, Any], source: str = "config", overrides: list[str] | None = None
+    ) -> TrainConfig:
+        """Build from nested plain data; unknown keys are errors that suggest the closest."""
+        config = cls()
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(
+                    f"{source}: top-level key {section!r} must be a [section] table"
+                    + _suggest(section, _sections())
+                )
+            for key, value in values.items():
+                config.set(f"{section}.{key}", value, source=source)
+        for item in overrides or []:
+            config.set_override(item)
+        return config
+
+    def set(self, dotted: str, value: Any, source: str = "override") -> None:
+        """Set ``section.key`` to ``value``, converted to the field's type."""
+        section, _, key = dotted.partition(".")
+        if section not in _sections():
+            raise ConfigError(
+                f"{source}: unknown section {section!r} in {dotted!r}"
+                + _suggest(section, _sections())
+            )
+        obj = getattr(self, section)
+        names = [f.name for f in dataclasses.fields(obj)]
+        if key not in names:
+            keys = [f"{section}.{n}" for n in names]
+            everything = [
+                f"{s}.{f.name}" for s in _sections() for f in dataclasses.fields(getattr(self, s))
+            ]
+            raise ConfigError(
+                f"{source}: unknown key {dotted!r}"
+                + _suggest(dotted, keys + everything)
+                + f" (keys of [{section}]: {', '.join(names)})"
+            )
+        hint = typing.get_type_hints(type(obj))[key]
+        setattr(obj, key, _convert(value, hint, f"{source}: {dotted}"))
+
+    def set_override(self, item: str) -> None:
+        """Apply one ``--section.key=value`` (the leading dashes are optional)."""
+        text = item[2:] if item.startswith("--") else item
+        if "=" not in text:
+            raise ConfigError(f"override {item!r} must look like --section.key=value")
+        key, raw = text.split("=", 1)
+        self.set(key.strip(), _parse_scalar(raw), source=f"override {item!r}")
+
+    # --- output ----------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Nested plain data (TOML- and JSON-ready)."""
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        """The merged config as TOML (``None`` fields are left out: they mean "default")."""
+        lines: list[str] = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            for key, value in values.items():
+                if value is not None:
+                    lines.append(f"{key} = {_toml_value(value)}")
+            lines.append("")
+        return "\n".join(lines)
+
+    # --- derived ---------------------------------------------------------------------------
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where checkpoints go."""
+        return self.checkpoint.dir or os.path.join(self.train.out_dir, "checkpoints")
+
+    def llama_config(self, tokenizer_vocab: int | None = None) -> Any:
+        """The ``hlat_model.LlamaConfig`` this config describes."""
+        from hlat_model import LlamaConfig
+
+        fields = {
+            f.name: getattr(self.model, f.name)
+            for f in dataclasses.fields(self.model)
+            if f.name != "preset" and getattr(self.model, f.name) is not None
+        }
+        if fields.get("vocab_size") == 0:
+            if tokenizer_vocab is None:
+                raise ConfigError("model.vocab_size = 0 needs a tokenizer (data.tokenizer)")
+            fields["vocab_size"] = -(-tokenizer_vocab // 64) * 64
+        from hlat_model import PRESETS
+
+        preset = PRESETS.get(self.model.preset, {})
+        multi_head = preset.get("n_kv_heads", preset.get("n_heads")) == preset.get("n_heads")
+        if "n_heads" in fields and "n_kv_heads" not in fields and multi_head:
+            # Note: a multi-head preset stays multi-head when only n_heads is changed
+            fields["n_kv_heads"] = fields["n_heads"]
+        return LlamaConfig.preset(self.model.preset, **fields)
+
+    def grad_accum(self, dp: int) -> int:
+        """Micro-steps per optimizer step at data-parallel degree ``dp``."""
+        per_step = self.data.micro_batch_size * dp
+        gbs = self.train.global_batch_size or per_step
+        return gbs // per_step
+
+
+def preset_names() -> list[str]:
+    """The presets shipped with this package."""
+    root = resources.files("hlat_train.presets")
+    return sorted(p.name[: -len(".toml")] for p in root.iterdir() if p.name.endswith(".toml"))
+
+
+def _sections() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def _suggest(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _parse_scalar(raw: str) -> Any:
+    raw = raw.strip()
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw  # a bare string such as a path
+
+
+def _convert(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        return _convert(value, args[0], where)
+    if origin is list:
+        (inner,) = typing.get_args(hint)
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        return [_convert(v, inner, where) for v in value]
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where} must be a string, got {value!r}")
+    return value
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)

@@ -1,0 +1,153 @@
+"""`hlat-train demo`: train the ``tiny-demo`` Llama on this Python's own standard library.
+
+The corpus (every ``.py`` file of the standard library, about 30 MB, no download) and the
+SentencePiece tokenizer trained on it are cached; the run checkpoints and resumes when the
+command is run again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import sysconfig
+import time
+from typing import Any
+
+from hlat_train.config import TrainConfig
+
+DEMO_VOCAB = 4096
+
+
+def default_cache_dir() -> str:
+    """``$HLAT_CACHE`` or ``~/.cache/hlat``."""
+    return os.environ.get("HLAT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hlat")
+
+
+def stdlib_files(max_files: int | None = None) -> list[str]:
+    """The standard library's ``.py`` files (site-packages excluded), in a stable order."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = sorted(
+            d for d in dirs if d not in ("site-packages", "dist-packages", "__pycache__")
+        )
+        files += [os.path.join(folder, n) for n in sorted(names) if n.endswith(".py")]
+    return files[:max_files] if max_files else files
+
+
+def build_corpus(
+    out_dir: str, max_files: int | None = None, valid_percent: int = 2
+) -> tuple[str, str]:
+    """Write ``train.arrow`` and ``valid.arrow`` (column ``text``) from the standard library.
+
+    A file goes to validation when a hash of its relative path falls in the first
+    ``valid_percent`` of 100 buckets, so the split is the same on every machine and run.
+    Returns the two paths; existing files are reused.
+    """
+    import pyarrow as pa
+
+    train_path = os.path.join(out_dir, "train.arrow")
+    valid_path = os.path.join(out_dir, "valid.arrow")
+    if os.path.exists(train_path) and os.path.exists(valid_path):
+        return train_path, valid_path
+    os.makedirs(out_dir, exist_ok=True)
+    root = sysconfig.get_paths()["stdlib"]
+    split: dict[str, list[str]] = {"train": [], "valid": []}
+    for path in stdlib_files(max_files):
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (UnicodeDecodeError, OSError):
+            continue  # a few test fixtures are deliberately not UTF-8
+        if not text.strip():
+            continue
+        rel = os.path.relpath(path, root)
+        bucket = int(hashlib.sha256(rel.encode()).hexdigest()[:8], 16) % 100
+        split["valid" if bucket < valid_percent else "train"].append(text)
+    for name, texts in split.items():
+        table = pa.table({"text": pa.array(texts, pa.string())})
+        target = train_path if name == "train" else valid_path
+        tmp = target + ".tmp"
+        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+            # one record batch per file, as HLAT's loader wanted
+            writer.write_table(table, max_chunksize=len(texts))
+        os.replace(tmp, target)
+    return train_path, valid_path
+
+
+def build_tokenizer(
+    corpus: str, out_dir: str, vocab_size: int = DEMO_VOCAB, max_lines: int = 300_000
+) -> str:
+    """Train (once) a SentencePiece BPE model on the corpus; returns its path."""
+    from hlat_data import train_tokenizer
+
+    path = os.path.join(out_dir, f"stdlib-bpe-{vocab_size}.model")
+    if not os.path.exists(path):
+        tmp = os.path.join(out_dir, f"tmp-{os.getpid()}")
+        written = train_tokenizer(corpus, tmp, vocab_size, max_lines=max_lines)
+        os.replace(written, path)
+        os.replace(tmp + ".vocab", path[: -len(".model")] + ".vocab")
+    return path
+
+
+def demo_config(
+    cache_dir: str,
+    out_dir: str,
+    overrides: list[str] | None = None,
+    *,
+    max_files: int | None = None,
+) -> TrainConfig:
+    """The ``tiny-demo`` preset pointed at the cached corpus and tokenizer."""
+    corpus_dir = os.path.join(
+        cache_dir,
+        f"stdlib-py{sys.version_info[0]}{sys.version_info[1]}"
+        + (f"-{max_files}" if max_files else ""),
+    )
+    train, valid = build_corpus(corpus_dir, max_files)
+    tokenizer = build_tokenizer(train, corpus_dir)
+    base = [
+        f"--data.paths={_toml_string_list([train])}",
+        f"--data.valid_paths={_toml_string_list([valid])}",
+        f"--data.tokenizer={_toml_string(tokenizer)}",
+        f"--train.out_dir={_toml_string(out_dir)}",
+    ]
+    return TrainConfig.preset("tiny-demo", base + list(overrides or []))
+
+
+def _toml_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _toml_string_list(items: list[str]) -> str:
+    return "[" + ", ".join(_toml_string(i) for i in items) + "]"
+
+
+def run_demo(
+    cache_dir: str,
+    out_dir: str,
+    overrides: list[str] | None = None,
+    *,
+    max_files: int | None = None,
+) -> dict[str, Any]:
+    """Build (or reuse) corpus and tokenizer, train, sample from ``train.sample_prompt``."""
+    from hlat_train.trainer import Trainer
+
+    start = time.perf_counter()
+    config = demo_config(cache_dir, out_dir, overrides, max_files=max_files)
+    prepared = time.perf_counter() - start
+    print(
+        f"hlat-train demo: corpus and tokenizer ready in {prepared:.1f}s under {cache_dir}",
+        file=sys.stderr,
+    )
+    trainer = Trainer(config)
+    try:
+        summary = trainer.fit()
+        if config.train.sample_prompt:
+            summary["sample"] = trainer.generate(
+                config.train.sample_prompt, config.train.sample_tokens
+            )
+    finally:
+        trainer.close()
+    summary["seconds"] = time.perf_counter() - start
+    return summary

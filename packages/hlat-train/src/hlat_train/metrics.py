@@ -1,0 +1,195 @@
+"""Throughput and MFU, and where metrics go: JSONL, TensorBoard, a progress bar, a plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+# Dense bf16 peak TFLOP/s per device (the unit one process drives), from vendor data sheets.
+PEAK_TFLOPS: dict[str, float] = {
+    "trainium-neuroncore-v2": 95.0,  # trn1: 190 TFLOP/s bf16 per Trainium chip of 2 cores
+    "h200": 989.0,  # SXM, same tensor cores as H100 SXM
+    "h100": 989.0,  # SXM; PCIe parts are lower, pass logging.peak_tflops
+    "a100": 312.0,
+}
+
+
+def device_peak_tflops(device: torch.device, backend: str = "torch") -> tuple[float, str]:
+    """(peak TFLOP/s of one device, what it is) for MFU.
+
+    Trainium and the GPUs above come from :data:`PEAK_TFLOPS`; on a CPU, or a GPU not in the
+    table, the peak is *measured* with a short fp32 matmul (so CPU MFU reads as a fraction
+    of what this machine's matmul reaches, not of a data-sheet number).
+    """
+    if backend == "neuron":
+        return PEAK_TFLOPS["trainium-neuroncore-v2"], "Trainium NeuronCore-v2 (table)"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower()
+        for key in ("h200", "h100", "a100"):
+            if key in name:
+                return PEAK_TFLOPS[key], f"{key.upper()} (table)"
+    return measure_matmul_tflops(device), f"{device.type} (measured fp32 matmul)"
+
+
+def measure_matmul_tflops(device: torch.device, size: int = 1024, seconds: float = 0.3) -> float:
+    """The fp32 matmul rate this device reaches now, in TFLOP/s (best of repeated timings)."""
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    torch.mm(a, b)  # warm-up: thread pool and kernels
+    best = math.inf
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or best == math.inf:
+        start = time.perf_counter()
+        torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e12
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak device memory (CUDA) or resident memory of this process (CPU), in GiB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (OSError, ValueError):
+        return 0.0
+
+
+class MetricsWriter:
+    """Writes one record per logged step to ``metrics.jsonl`` and, when asked and installed,
+    to TensorBoard. Only rank 0 should create one."""
+
+    def __init__(self, out_dir: str, jsonl: bool = True, tensorboard: bool = False) -> None:
+        os.makedirs(out_dir, exist_ok=True)
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self._file = open(self.path, "a") if jsonl else None  # noqa: SIM115 - closed in close()
+        self._tb: Any = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(os.path.join(out_dir, "tb"))
+            except Exception as e:  # tensorboard missing or broken: keep training
+                print(
+                    f"hlat-train: TensorBoard disabled ({e}); pip install tensorboard",
+                    file=sys.stderr,
+                )
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` (must hold ``step``); flushed at once so a killed run keeps it."""
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float):
+                    self._tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        """Flush and close."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl``; for a step logged twice (a resumed run repeats the
+    steps after its checkpoint), the last record wins. Sorted by step."""
+    by_step: dict[tuple[str, int], dict[str, Any]] = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                record = json.loads(line)
+                by_step[(record.get("kind", "train"), record["step"])] = record
+    return sorted(by_step.values(), key=lambda r: (r["step"], r.get("kind", "train")))
+
+
+class Progress:
+    """A progress bar with ETA (tqdm when installed, else a line every few seconds)."""
+
+    def __init__(self, total: int, initial: int, enabled: bool) -> None:
+        self._bar: Any = None
+        self._enabled = enabled
+        self._total = total
+        self._last_print = 0.0
+        self._start = time.perf_counter()
+        self._initial = initial
+        if not enabled:
+            return
+        try:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+        except ImportError:
+            self._bar = None
+
+    def update(self, step: int, postfix: str) -> None:
+        """Advance to ``step`` and show ``postfix`` (loss, lr, ...)."""
+        if not self._enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(step - self._bar.n)
+            self._bar.set_postfix_str(postfix, refresh=False)
+            return
+        now = time.perf_counter()
+        if now - self._last_print > 5 or step == self._total:
+            done = step - self._initial
+            eta = (now - self._start) / max(done, 1) * (self._total - step)
+            print(f"step {step}/{self._total} {postfix} eta {eta:.0f}s", flush=True)
+            self._last_print = now
+
+    def write(self, text: str) -> None:
+        """Print a line without breaking the bar."""
+        if self._bar is not None:
+            self._bar.write(text)
+        elif self._enabled:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        """Finish the bar."""
+        if self._bar is not None:
+            self._bar.close()
+
+
+def plot_metrics(records: list[dict[str, Any]], path: str) -> bool:
+    """A PNG with loss (train and validation), learning rate and gradient norm per step.
+
+    Returns False (and writes nothing) when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    train = [r for r in records if r.get("kind", "train") == "train"]
+    valid = [r for r in records if r.get("kind") == "valid"]
+    fig, axes = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
+    axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    if valid:
+        axes[0].plot([r["step"] for r in valid], [r["loss"] for r in valid], "o-", label="valid")
+    axes[0].set_ylabel("loss")
+    axes[0].legend()
+    axes[1].plot([r["step"] for r in train], [r["lr"] for r in train])
+    axes[1].set_ylabel("learning rate")
+    axes[2].plot([r["step"] for r in train], [r["grad_norm"] for r in train])
+    axes[2].set_ylabel("grad norm")
+    axes[2].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

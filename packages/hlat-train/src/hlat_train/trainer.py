@@ -1,0 +1,492 @@
+"""`Trainer(config).fit()`: the training loop, flat enough to read in one sitting."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hlat_train.config import TrainConfig
+from hlat_train.metrics import (
+    MetricsWriter,
+    Progress,
+    device_peak_tflops,
+    memory_gib,
+    plot_metrics,
+    read_metrics,
+)
+from hlat_train.neuron import apply_neuron_env, mark_step
+from hlat_train.spike import SpikeGuard
+from hlat_train.validation import validate
+
+
+class TrainState:
+    """Counters that are not in the model, optimizer, scheduler or loader: checkpointed."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.tokens = 0
+        self.micro_batches = 0
+        self.bad_micro_batches: list[int] = []
+        self.rollbacks = 0
+        self.guard: SpikeGuard | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data for the checkpoint."""
+        return {
+            "step": self.step,
+            "tokens": self.tokens,
+            "micro_batches": self.micro_batches,
+            "bad_micro_batches": list(self.bad_micro_batches),
+            "rollbacks": self.rollbacks,
+            "guard": self.guard.state_dict() if self.guard else {},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the counters."""
+        self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        self.micro_batches = int(state["micro_batches"])
+        self.bad_micro_batches = [int(x) for x in state["bad_micro_batches"]]
+        self.rollbacks = int(state["rollbacks"])
+        if self.guard is not None and state["guard"]:
+            self.guard.load_state_dict(state["guard"])
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class Trainer:
+    """Pre-trains the Llama that ``config`` describes, on every process torchrun started.
+
+    ``Trainer(config)`` validates everything (config, files, parallel layout against the
+    launched world size) before any process group exists; :meth:`fit` builds the pieces and
+    runs: batch -> forward -> loss -> backward (x gradient accumulation) -> clip ->
+    spike guard -> optimizer -> scheduler -> metrics -> validation -> checkpoint.
+
+    It resumes from the newest complete checkpoint under ``checkpoint.dir``, saves a
+    checkpoint and returns when the process receives SIGTERM (preemption), and leaves
+    restarts after crashes to ``torchrun --max-restarts``.
+    """
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        self.llama_config = validate(
+            config, self.world_size, local_world_size=int(local) if local else None
+        )
+        self.preempted = False
+        self._last_index = -1
+        self._spike_injections = set(config.spike.inject_at)
+
+    # --- setup -----------------------------------------------------------------------------
+
+    def _setup(self) -> None:
+        from hlat_ckpt import Checkpointer
+        from hlat_data import ArrowSource, PackedLoader, Tokenizer
+        from hlat_model import Llama
+        from hlat_optim import AdamW, cosine_with_warmup
+        from hlat_parallel import init_parallel, parallelize, shard_optimizer
+
+        c = self.config
+        if c.parallel.backend == "neuron":
+            multi_node = self.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+            apply_neuron_env(c.neuron, c.optim.precision, multi_node)
+        backend: Any = c.parallel.backend
+        self.dims = dims = init_parallel(c.parallel.tp, c.parallel.sp, backend)
+        self.rank0 = dims.rank == 0
+        device = dims.device if c.train.device == "auto" else torch.device(c.train.device)
+        self.device = device
+
+        # Note: the full model is initialised on every rank from the same seed, then split,
+        # so every parallel layout starts from identical weights (and losses agree across
+        # layouts). A model too large for host memory would be built on the meta device.
+        torch.manual_seed(c.train.seed)
+        model = Llama(self.llama_config).to(device)
+        if c.optim.precision != "fp32":
+            model = model.to(torch.bfloat16)
+        self.model = parallelize(model, dims, model.parallel_plan())
+        self.optimizer = shard_optimizer(
+            AdamW,
+            self.model.parameters(),
+            dims,
+            lr=c.optim.lr,
+            betas=(c.optim.beta1, c.optim.beta2),
+            eps=c.optim.eps,
+            weight_decay=c.optim.weight_decay,
+            stochastic_rounding=c.optim.precision == "bf16-sr",
+            master_weights=c.optim.precision == "mixed",
+            seed=c.train.seed,
+            impl=c.optim.impl,
+        )
+        self.scheduler = cosine_with_warmup(
+            self.optimizer,
+            warmup_steps=c.optim.warmup_steps,
+            total_steps=c.optim.decay_steps or c.train.steps,
+            min_lr_ratio=c.optim.min_lr_ratio,
+            constant_steps=c.optim.constant_steps,
+        )
+        self.tokenizer = Tokenizer.from_file(c.data.tokenizer)
+        self.loader = PackedLoader(
+            ArrowSource(c.data.paths, text_column=c.data.text_column),
+            self.tokenizer,
+            c.data.seq_len,
+            c.data.micro_batch_size,
+            dp_rank=dims.dp_rank,
+            dp_size=dims.dp,
+            seed=c.data.seed,
+            add_bos=c.data.add_bos,
+            num_workers=c.data.num_workers,
+        )
+        self.grad_accum = c.grad_accum(dims.dp)
+        self.state = TrainState()
+        self.state.guard = SpikeGuard(c.spike.window, c.spike.k, c.spike.min_history)
+        self.checkpointer = Checkpointer(
+            c.checkpoint_dir,
+            keep_last=c.checkpoint.keep_last,
+            async_save=c.checkpoint.async_save,
+            layout={"tp": dims.tp, "dp": dims.dp, "sp": dims.sp},
+        )
+        if self.rank0:
+            from hlat_train.export import save_run_files
+
+            save_run_files(c, c.checkpoint_dir)
+        self.checkpoint_state = {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "loader": self.loader,
+            "trainer": self.state,
+        }
+        self.writer = (
+            MetricsWriter(c.train.out_dir, c.logging.jsonl, c.logging.tensorboard)
+            if self.rank0
+            else None
+        )
+        self.peak_tflops, self.peak_source = (
+            (c.logging.peak_tflops, "logging.peak_tflops")
+            if c.logging.peak_tflops
+            else device_peak_tflops(device, dims.backend)
+        )
+        from hlat_model import flops_per_token
+
+        self.flops_per_token = flops_per_token(self.llama_config, c.data.seq_len)
+
+    def _log(self, text: str) -> None:
+        if self.rank0:
+            print(f"hlat-train: {text}", file=sys.stderr, flush=True)
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def fit(self) -> dict[str, Any]:
+        """Train up to ``train.steps`` (from the newest checkpoint when there is one).
+
+        Returns a summary: ``step`` reached, ``resumed_from``, ``preempted``, ``first_loss``
+        and ``last_loss`` of this process's run, and the output paths.
+        """
+        c = self.config
+        self._setup()
+        resumed = (
+            self.checkpointer.load_latest(self.checkpoint_state) if c.checkpoint.resume else None
+        )
+        if resumed is not None:
+            self._log(f"resumed from step {resumed} of {c.checkpoint_dir}")
+        start = self.state.step
+        previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        progress = Progress(c.train.steps, start, c.logging.progress and self.rank0)
+        batches = self._batches()
+        tokens_per_step = c.data.seq_len * c.data.micro_batch_size * self.grad_accum * self.dims.dp
+        first_loss = last_loss = math.nan
+        last_saved = start if resumed is not None else -1
+        try:
+            while self.state.step < c.train.steps:
+                t0 = time.perf_counter()
+                step = self.state.step + 1
+
+                # forward and backward over the micro-batches of one optimizer step
+                loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+                used: list[int] = []
+                for micro in range(self.grad_accum):
+                    batch = next(batches)
+                    used.append(self._last_index)
+                    last_micro = micro == self.grad_accum - 1
+                    loss = self._forward_backward(batch, last_micro)
+                    loss_sum += loss.detach()
+                loss_value = self._mean_over_dp(loss_sum)
+                if step in self._spike_injections:  # a drill: see SpikeConfig.inject_at
+                    self._spike_injections.discard(step)
+                    loss_value *= 100.0
+
+                grad_norm = self._clip()
+                verdict = (
+                    self.state.guard.check(loss_value, grad_norm)
+                    if self.state.guard and c.spike.policy != "off"
+                    else None
+                )
+                action = "update"
+                if verdict is not None and verdict.spike:
+                    action = "warn" if c.spike.policy == "warn" else c.spike.policy
+                    self._log(
+                        f"loss spike at step {step}: {verdict.reason}; policy {c.spike.policy}"
+                    )
+                if action in ("update", "warn"):
+                    self.optimizer.step()
+                    if self.state.guard:
+                        self.state.guard.accept(loss_value)
+                self.optimizer.zero_grad(set_to_none=True)
+                if action == "rollback":
+                    batches = self._rollback(used, batches)
+                    continue
+                lr = self.scheduler.get_last_lr()[0]  # the rate this step used
+                self.scheduler.step()
+                mark_step()
+                self.state.step = step
+                self.state.tokens += tokens_per_step
+                seconds = time.perf_counter() - t0
+                if math.isnan(first_loss):
+                    first_loss = loss_value
+                last_loss = loss_value
+
+                if step % c.logging.every == 0 or step == c.train.steps:
+                    record = self._metrics(
+                        step, loss_value, grad_norm, lr, seconds, tokens_per_step, action
+                    )
+                    if self.writer:
+                        self.writer.write(record)
+                    progress.update(
+                        step,
+                        f"loss {loss_value:.3f} lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s",
+                    )
+                    if action != "update":
+                        progress.write(f"step {step}: loss spike, {action}")
+                if c.train.eval_every and step % c.train.eval_every == 0:
+                    self._validate(step, progress)
+                stop = self._stop_requested()
+                if step % c.checkpoint.every == 0 or step == c.train.steps or stop:
+                    if (
+                        not c.train.eval_every
+                        and c.data.valid_paths
+                        and step % c.checkpoint.every == 0
+                    ):
+                        self._validate(step, progress)
+                    self.checkpointer.save(step, self.checkpoint_state)
+                    last_saved = step
+                if stop:
+                    self.preempted = True
+                    self._log(f"SIGTERM: saved step {step}, exiting")
+                    break
+            if self.state.step > last_saved and self.state.step > 0:
+                self.checkpointer.save(self.state.step, self.checkpoint_state)
+            self.checkpointer.wait()
+        finally:
+            progress.close()
+            signal.signal(signal.SIGTERM, previous_handler)
+        summary = {
+            "step": self.state.step,
+            "resumed_from": resumed,
+            "preempted": self.preempted,
+            "first_loss": first_loss,
+            "last_loss": last_loss,
+            "out_dir": c.train.out_dir,
+            "checkpoint_dir": c.checkpoint_dir,
+        }
+        if self.writer:
+            self.writer.close()
+            if c.logging.plot and c.logging.jsonl:
+                plot = os.path.join(c.train.out_dir, "training.png")
+                if plot_metrics(read_metrics(self.writer.path), plot):
+                    summary["plot"] = plot
+        return summary
+
+    # --- pieces of a step ------------------------------------------------------------------
+
+    def _batches(self) -> Iterator[Any]:
+        """Micro-batches, skipping the ones a rollback marked bad; counts what it consumes."""
+        for batch in self.loader:
+            index = self.state.micro_batches
+            self.state.micro_batches += 1
+            if index in self.state.bad_micro_batches:
+                continue
+            self._last_index = index
+            yield batch
+
+    def _forward_backward(self, batch: Any, sync: bool) -> torch.Tensor:
+        from hlat_model import cross_entropy_loss
+        from hlat_parallel import loss_parallel, no_grad_sync
+
+        def tensor(a: Any) -> torch.Tensor:
+            return torch.from_numpy(a).to(self.device, torch.long)
+
+        # Note: gradients are only reduced across data-parallel ranks on the last micro-step
+        no_sync = contextlib.nullcontext() if sync else no_grad_sync(self.model)
+        with no_sync, loss_parallel(self.dims):
+            logits = self.model(
+                tensor(batch.input_ids),
+                position_ids=tensor(batch.position_ids),
+                doc_lens=tensor(batch.doc_lens),
+            )
+            loss = cross_entropy_loss(logits, tensor(batch.labels)) / self.grad_accum
+            loss.backward()
+        return _full(loss)
+
+    def _mean_over_dp(self, value: torch.Tensor) -> float:
+        if self.dims.dp > 1:
+            value = value.clone()
+            dist.all_reduce(value, group=self.dims.dp_group)
+            value /= self.dims.dp
+        return float(value)
+
+    def _clip(self) -> float:
+        from hlat_parallel import clip_grad_norm_
+
+        max_norm = self.config.optim.clip or math.inf
+        return float(clip_grad_norm_(self.model.parameters(), max_norm, self.dims))
+
+    def _param_norm(self) -> float:
+        total = torch.zeros((), dtype=torch.float64)
+        for p in self.model.parameters():
+            total += _full(p.detach().float().pow(2).sum()).double().cpu()
+        return float(total.sqrt())
+
+    def _metrics(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        seconds: float,
+        tokens: int,
+        action: str,
+    ) -> dict[str, Any]:
+        tokens_per_s = tokens / seconds
+        achieved = self.flops_per_token * tokens_per_s / self.world_size
+        return {
+            "kind": "train",
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "param_norm": self._param_norm(),
+            "lr": lr,
+            "tokens": self.state.tokens,
+            "tokens_per_s": tokens_per_s,
+            "mfu": achieved / (self.peak_tflops * 1e12),
+            "memory_gib": memory_gib(self.device),
+            "step_s": seconds,
+            "action": action,
+        }
+
+    @torch.no_grad()
+    def _validate(self, step: int, progress: Progress) -> float | None:
+        """Mean loss over ``train.eval_batches`` held-out micro-batches (the same ones every
+        time), averaged over data-parallel ranks."""
+        from hlat_data import ArrowSource, PackedLoader
+        from hlat_model import cross_entropy_loss
+        from hlat_parallel import loss_parallel
+
+        c = self.config
+        if not c.data.valid_paths:
+            return None
+        loader = PackedLoader(
+            ArrowSource(c.data.valid_paths, text_column=c.data.text_column),
+            self.tokenizer,
+            c.data.seq_len,
+            c.data.micro_batch_size,
+            dp_rank=self.dims.dp_rank,
+            dp_size=self.dims.dp,
+            seed=c.data.seed,
+            add_bos=c.data.add_bos,
+            shuffle=False,
+            block_size=1,
+        )
+        total = torch.zeros((), dtype=torch.float32)
+        count = 0
+        for batch in loader:
+            with loss_parallel(self.dims):
+                ids = torch.from_numpy(batch.input_ids).to(self.device, torch.long)
+                labels = torch.from_numpy(batch.labels).to(self.device, torch.long)
+                doc_lens = torch.from_numpy(batch.doc_lens).to(self.device, torch.long)
+                loss = cross_entropy_loss(self.model(ids, doc_lens=doc_lens), labels)
+            total += _full(loss).float().cpu()
+            count += 1
+            if count == c.train.eval_batches:
+                break
+        value = self._mean_over_dp(total / max(count, 1))
+        if self.writer:
+            self.writer.write({"kind": "valid", "step": step, "loss": value})
+        progress.write(f"step {step}: validation loss {value:.4f}")
+        return value
+
+    def _rollback(self, bad: list[int], batches: Iterator[Any]) -> Iterator[Any]:
+        """Reload the newest checkpoint and mark the micro-batches of the spike as bad."""
+        c = self.config
+        if self.state.rollbacks >= c.spike.max_rollbacks:
+            raise RuntimeError(
+                f"loss spike at step {self.state.step + 1} after {self.state.rollbacks} "
+                "rollbacks (spike.max_rollbacks); inspect the data around it or lower the LR"
+            )
+        self.checkpointer.wait()
+        bad_all = sorted({*self.state.bad_micro_batches, *bad})
+        rollbacks = self.state.rollbacks + 1
+        batches.close()  # type: ignore[attr-defined]
+        restored = self.checkpointer.load_latest(self.checkpoint_state)
+        if restored is None:
+            # nothing saved yet: start over from the initial weights is not possible here
+            raise RuntimeError(
+                f"loss spike at step {self.state.step + 1} with policy 'rollback' but no "
+                f"checkpoint exists yet under {c.checkpoint_dir}; use spike.policy = 'skip' "
+                "or checkpoint more often (checkpoint.every)"
+            )
+        self.state.bad_micro_batches = bad_all
+        self.state.rollbacks = rollbacks
+        self._log(f"rolled back to step {restored}; skipping micro-batches {bad} from now on")
+        return self._batches()
+
+    # --- preemption ------------------------------------------------------------------------
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.preempted = True
+
+    def _stop_requested(self) -> bool:
+        """Whether any rank got SIGTERM; all ranks agree, so they stop at the same step."""
+        if self.world_size == 1:
+            return self.preempted
+        flag = torch.tensor([1 if self.preempted else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    @torch.no_grad()
+    def generate(self, prompt: str, max_new_tokens: int = 48) -> str:
+        """Greedy continuation of ``prompt`` (single process: every rank of a parallel run
+        would have to take part in each forward)."""
+        if self.world_size != 1:
+            raise RuntimeError("generate() runs in a single-process run only")
+        ids = self.tokenizer.encode(prompt)
+        if self.config.data.add_bos and self.tokenizer.bos_id >= 0:
+            ids = [self.tokenizer.bos_id, *ids]
+        start = len(ids)
+        window = self.config.data.seq_len
+        for _ in range(max_new_tokens):
+            x = torch.tensor([ids[-window:]], device=self.device)
+            next_id = int(self.model(x)[0, -1].argmax())
+            if next_id == self.tokenizer.eos_id:
+                break
+            ids.append(next_id)
+        return prompt + self.tokenizer.decode(ids[start:])
+
+    def close(self) -> None:
+        """Release the checkpointer and the process group."""
+        if hasattr(self, "checkpointer"):
+            self.checkpointer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

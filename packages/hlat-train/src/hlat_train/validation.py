@@ -1,0 +1,165 @@
+"""Checks of a :class:`~hlat_train.config.TrainConfig` that run before any process group,
+tensor or file is created. Pure arithmetic plus file-existence checks."""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+from hlat_train.config import ConfigError, TrainConfig
+
+PRECISIONS = ("bf16-sr", "bf16", "mixed", "fp32")
+SPIKE_POLICIES = ("off", "warn", "skip", "rollback")
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def _check_path(key: str, path: str, what: str) -> None:
+    if _is_url(path):
+        return  # remote objects are checked when opened, with the URL in the error
+    if not glob.glob(path):
+        raise ConfigError(
+            f"{key}: {what} {path!r} does not exist (working directory {os.getcwd()}); "
+            f"fix the path or create it first (e.g. `hlat-data` to write Arrow files or train a "
+            "tokenizer)"
+        )
+
+
+def validate(
+    config: TrainConfig,
+    world_size: int | None = None,
+    *,
+    local_world_size: int | None = None,
+    check_files: bool = True,
+) -> Any:
+    """Raise :class:`ConfigError` for the first problem; return the model's ``LlamaConfig``.
+
+    ``world_size`` (processes launched) enables the layout checks that depend on it;
+    ``check_files`` checks that data and tokenizer paths exist and reads the tokenizer's
+    vocabulary size (a few KB).
+    """
+    from hlat_model import ConfigError as ModelConfigError
+    from hlat_parallel import ParallelConfigError, check_parallel_config
+
+    run, data, optim, par = config.train, config.data, config.optim, config.parallel
+    for key, value, low in (
+        ("train.steps", run.steps, 1),
+        ("train.eval_batches", run.eval_batches, 1),
+        ("data.seq_len", data.seq_len, 1),
+        ("data.micro_batch_size", data.micro_batch_size, 1),
+        ("checkpoint.every", config.checkpoint.every, 1),
+        ("checkpoint.keep_last", config.checkpoint.keep_last, 1),
+        ("logging.every", config.logging.every, 1),
+        ("spike.window", config.spike.window, 2),
+        ("train.global_batch_size", run.global_batch_size, 0),
+        ("train.eval_every", run.eval_every, 0),
+        ("data.num_workers", data.num_workers, 0),
+        ("optim.warmup_steps", optim.warmup_steps, 0),
+    ):
+        if value < low:
+            raise ConfigError(f"{key} must be at least {low}, got {value}")
+    if run.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"train.device must be 'auto', 'cpu' or 'cuda', got {run.device!r}")
+    if optim.precision not in PRECISIONS:
+        raise ConfigError(
+            f"optim.precision must be one of {', '.join(PRECISIONS)}, got {optim.precision!r}"
+        )
+    if optim.impl not in ("auto", "compiled", "reference"):
+        raise ConfigError(f"optim.impl must be auto, compiled or reference, got {optim.impl!r}")
+    if not optim.lr > 0:
+        raise ConfigError(f"optim.lr must be positive, got {optim.lr}")
+    if not 0.0 <= optim.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio}")
+    horizon = optim.decay_steps or run.steps
+    if horizon < optim.warmup_steps + optim.constant_steps:
+        raise ConfigError(
+            f"the LR schedule horizon ({'optim.decay_steps' if optim.decay_steps else 'train.steps'}"
+            f" = {horizon}) is shorter than optim.warmup_steps + optim.constant_steps "
+            f"({optim.warmup_steps} + {optim.constant_steps}); shorten the warmup or lengthen "
+            "the horizon"
+        )
+    if config.spike.policy not in SPIKE_POLICIES:
+        raise ConfigError(
+            f"spike.policy must be one of {', '.join(SPIKE_POLICIES)}, got {config.spike.policy!r}"
+        )
+    if config.spike.policy == "rollback" and not config.checkpoint.resume:
+        raise ConfigError(
+            "spike.policy = 'rollback' reloads checkpoints: set checkpoint.resume = true"
+        )
+    if par.backend not in ("auto", "torch", "neuron"):
+        raise ConfigError(f"parallel.backend must be auto, torch or neuron, got {par.backend!r}")
+
+    tokenizer_vocab = None
+    if check_files:
+        if not data.paths:
+            raise ConfigError(
+                "data.paths is empty: give the training Arrow files, e.g. "
+                "--data.paths=corpus/train.arrow"
+            )
+        for path in data.paths:
+            _check_path("data.paths", path, "training data")
+        for path in data.valid_paths:
+            _check_path("data.valid_paths", path, "validation data")
+        if not data.tokenizer:
+            raise ConfigError("data.tokenizer is empty: give a SentencePiece .model file")
+        _check_path("data.tokenizer", data.tokenizer, "tokenizer")
+        from hlat_data import Tokenizer
+
+        tokenizer_vocab = Tokenizer.from_file(data.tokenizer, num_threads=1).vocab_size
+
+    try:
+        # without the tokenizer, vocab_size = 0 is checked as one padded block of 64
+        llama = config.llama_config(tokenizer_vocab if check_files else 64)
+    except ModelConfigError as e:
+        raise ConfigError(f"model (preset {config.model.preset!r}): {e}") from None
+    if tokenizer_vocab is not None and tokenizer_vocab > llama.vocab_size:
+        raise ConfigError(
+            f"tokenizer {data.tokenizer} has {tokenizer_vocab} pieces but model.vocab_size is "
+            f"{llama.vocab_size}; set model.vocab_size >= {tokenizer_vocab} (or 0 to follow "
+            "the tokenizer)"
+        )
+    if data.seq_len > llama.max_seq_len:
+        raise ConfigError(
+            f"data.seq_len {data.seq_len} exceeds max_seq_len {llama.max_seq_len} of preset "
+            f"{config.model.preset!r}; set model.max_seq_len or data.seq_len"
+        )
+    try:
+        check_parallel_config(
+            world_size if world_size is not None else par.tp * max(par.dp, 1),
+            par.tp,
+            par.sp,
+            n_heads=llama.n_heads,
+            n_kv_heads=llama.kv_heads,
+            seq_len=data.seq_len,
+        )
+    except ParallelConfigError as e:
+        raise ConfigError(f"parallel.tp = {par.tp}: {e}") from None
+    if llama.vocab_size % par.tp:
+        raise ConfigError(
+            f"parallel.tp {par.tp} does not divide model.vocab_size {llama.vocab_size} "
+            "(the embedding and LM head are split by vocabulary rows); pad the vocabulary "
+            "to a multiple of tp (model.vocab_size)"
+        )
+    if world_size is not None:
+        dp = world_size // par.tp
+        if par.dp and par.dp != dp:
+            raise ConfigError(
+                f"parallel.dp = {par.dp} but {world_size} processes at tp {par.tp} give dp {dp}; "
+                f"launch {par.dp * par.tp} processes or set parallel.dp = 0"
+            )
+        if par.nodes and local_world_size and world_size // local_world_size != par.nodes:
+            raise ConfigError(
+                f"parallel.nodes = {par.nodes} but torchrun started "
+                f"{world_size // local_world_size} nodes of {local_world_size} processes"
+            )
+        per_step = data.micro_batch_size * dp
+        if run.global_batch_size % per_step:
+            raise ConfigError(
+                f"train.global_batch_size {run.global_batch_size} is not a multiple of "
+                f"data.micro_batch_size x dp = {data.micro_batch_size} x {dp} = {per_step}; "
+                "gradient accumulation needs a whole number of micro-steps"
+            )
+    return llama

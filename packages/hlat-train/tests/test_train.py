@@ -1,0 +1,76 @@
+"""Single-process training: the loop, metrics, checkpoints, auto-resume, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from train_helpers import tiny_config, wait_for_step, write_config
+
+from hlat_ckpt import Checkpointer, consolidate
+from hlat_train import Trainer, read_metrics
+
+
+def _fit(config):
+    trainer = Trainer(config)
+    try:
+        return trainer, trainer.fit()
+    finally:
+        trainer.close()
+
+
+def test_training_lowers_loss_writes_metrics_and_checkpoints(corpus, tmp_path):
+    _, summary = _fit(tiny_config(corpus, tmp_path, "--logging.plot=true", steps=12))
+    records = read_metrics(str(tmp_path / "metrics.jsonl"))
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 13))
+    assert summary["step"] == 12 and summary["resumed_from"] is None
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5
+    for key in ("grad_norm", "param_norm", "lr", "tokens_per_s", "mfu", "memory_gib"):
+        assert all(r[key] > 0 for r in train[1:]), key
+    assert train[-1]["tokens"] == 12 * 2 * 64
+    assert [r["lr"] for r in train[:3]] == pytest.approx([0.0, 1.5e-3, 3e-3])  # 2-step warmup
+    assert [r["step"] for r in records if r["kind"] == "valid"] == [2, 4, 6, 8, 10, 12]
+    assert (tmp_path / "training.png").stat().st_size > 1000
+    kept = [c.step for c in Checkpointer(str(tmp_path / "checkpoints"), async_save=False).list()]
+    assert kept == [10, 12]  # keep_last = 2 of the tiny-demo preset
+
+
+def test_rerun_resumes_from_newest_checkpoint_and_continues_identically(corpus, tmp_path):
+    horizon = "--optim.decay_steps=6"  # the same LR schedule whatever train.steps says
+    _fit(tiny_config(corpus, tmp_path / "full", horizon, steps=6))
+    _fit(tiny_config(corpus, tmp_path / "split", horizon, steps=4))
+    _, resumed = _fit(tiny_config(corpus, tmp_path / "split", horizon, steps=6))
+    assert resumed["resumed_from"] == 4
+    a = read_metrics(str(tmp_path / "full" / "metrics.jsonl"))
+    b = read_metrics(str(tmp_path / "split" / "metrics.jsonl"))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    pa = consolidate(str(tmp_path / "full" / "checkpoints"))["model"]
+    pb = consolidate(str(tmp_path / "split" / "checkpoints"))["model"]
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    _, again = _fit(tiny_config(corpus, tmp_path / "split", horizon, steps=6))
+    assert again["resumed_from"] == 6 and again["step"] == 6
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_143(corpus, tmp_path):
+    config = tiny_config(corpus, tmp_path, "--checkpoint.every=1000", steps=5000)
+    path = write_config(config, tmp_path / "run.toml")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hlat_train", "train", "--config", path],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    wait_for_step(tmp_path / "metrics.jsonl", 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143, output
+    last = read_metrics(str(tmp_path / "metrics.jsonl"))[-1]["step"]
+    steps = [c.step for c in Checkpointer(str(tmp_path / "checkpoints"), async_save=False).list()]
+    assert 3 <= last < 5000 and steps == [last]
+    assert "SIGTERM" in output
+    assert json.loads(output.strip().splitlines()[-1])["preempted"] is True

@@ -1,0 +1,23 @@
+"""hlat-data: streaming Arrow documents, online SentencePiece tokenization, exact packing and
+exact resume, for LLM pre-training. Imports without torch.
+
+>>> from hlat_data import ArrowSource, PackedLoader, Tokenizer
+"""
+
+from hlat_data.errors import DataError
+from hlat_data.loader import PackedLoader
+from hlat_data.packer import IGNORE_INDEX, Batch
+from hlat_data.source import ArrowSource
+from hlat_data.tokenizer import Tokenizer, train_tokenizer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "IGNORE_INDEX",
+    "ArrowSource",
+    "Batch",
+    "DataError",
+    "PackedLoader",
+    "Tokenizer",
+    "train_tokenizer",
+]

@@ -1,0 +1,399 @@
+"""`PackedLoader`: ordered documents -> tokenized in worker processes -> packed batches."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import multiprocessing
+import queue
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from hlat_data.errors import DataError
+from hlat_data.order import RankShare, check_layout
+from hlat_data.packer import Batch, Chunk, Packer
+from hlat_data.source import ArrowSource
+from hlat_data.tokenizer import Tokenizer
+
+STATE_FORMAT = "hlat-data/1"
+
+
+class PackedLoader:
+    """Packed, exactly resumable micro-batches of one data-parallel rank.
+
+    Iterating yields :class:`~hlat_data.Batch` es of ``micro_batch_size`` rows of
+    ``seq_len`` tokens. Documents come in a seeded order that changes every epoch
+    (:mod:`hlat_data.order`); this rank reads its disjoint share, tokenizes it (with
+    ``num_workers`` processes when > 0, keeping ``prefetch`` chunks per worker in flight),
+    appends EOS (and BOS when asked) to each document and packs the stream into rows
+    (:mod:`hlat_data.packer`). The stream runs on across epochs, so leftovers carry over.
+
+    Args:
+        source: the corpus.
+        tokenizer: encodes the documents; its ``eos_id``/``bos_id`` are the separators.
+        seq_len: tokens per row.
+        micro_batch_size: rows per batch.
+        dp_rank, dp_size: this rank and the number of data-parallel ranks.
+        seed: seeds the order of every epoch.
+        add_bos, add_eos: separators around each document (HLAT: EOS only).
+        block_size: documents per shuffle block (see :mod:`hlat_data.order`).
+        shuffle: False reads blocks and documents in corpus order.
+        num_workers: tokenizer processes; 0 tokenizes in this process with threads.
+        prefetch: chunks in flight per worker; bounds memory.
+        chunk_docs: documents per unit of work sent to a worker.
+        num_epochs: stop after this many epochs (None: run forever).
+        drop_last: at the end of the last epoch, drop the partial batch (True) or yield it
+            padded with ``-100`` labels past ``doc_lens.sum(-1)`` (False).
+        mp_context: multiprocessing start method for the workers.
+
+    Note:
+        The state is a cursor into the document stream, not the leftover tokens: on
+        resume, the document under the cursor is tokenized again and the tokens already
+        emitted are skipped. So the state is a handful of integers, and it does not depend
+        on ``num_workers``, ``chunk_docs``, ``micro_batch_size`` or even ``seq_len``.
+    """
+
+    def __init__(
+        self,
+        source: ArrowSource,
+        tokenizer: Tokenizer,
+        seq_len: int,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: int = 0,
+        add_bos: bool = False,
+        add_eos: bool = True,
+        *,
+        block_size: int = 1024,
+        shuffle: bool = True,
+        num_workers: int = 0,
+        prefetch: int = 4,
+        chunk_docs: int = 64,
+        num_epochs: int | None = None,
+        drop_last: bool = True,
+        mp_context: str = "spawn",
+    ) -> None:
+        for name, value in (
+            ("seq_len", seq_len),
+            ("micro_batch_size", micro_batch_size),
+            ("prefetch", prefetch),
+            ("chunk_docs", chunk_docs),
+        ):
+            if value < 1:
+                raise DataError(f"{name} must be at least 1, got {value}")
+        if num_workers < 0:
+            raise DataError(f"num_workers must be 0 or more, got {num_workers}")
+        if num_epochs is not None and num_epochs < 1:
+            raise DataError(f"num_epochs must be at least 1 or None, got {num_epochs}")
+        if add_eos and tokenizer.eos_id < 0:
+            raise DataError(
+                f"add_eos=True but tokenizer {tokenizer.name} has no EOS token; train it with "
+                "an EOS id or pass eos_token= to Tokenizer.from_file"
+            )
+        if add_bos and tokenizer.bos_id < 0:
+            raise DataError(f"add_bos=True but tokenizer {tokenizer.name} has no BOS token")
+        check_layout(len(source), block_size, dp_rank, dp_size)
+        self.source = source
+        self.tokenizer = tokenizer
+        self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
+        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.add_bos, self.add_eos = add_bos, add_eos
+        self.block_size, self.shuffle = block_size, shuffle
+        self.num_workers, self.prefetch, self.chunk_docs = num_workers, prefetch, chunk_docs
+        self.num_epochs, self.drop_last, self.mp_context = num_epochs, drop_last, mp_context
+        self._cursor = (0, 0, 0)  # epoch, share position, token offset of the next input
+        self._batches = 0
+        self._active: weakref.ref[Iterator[Batch]] | None = None
+        self.empty_documents = 0
+        """Empty documents met (skipped; they add no tokens and no separator)."""
+
+    # --- the order -------------------------------------------------------------------------
+
+    def share(self, epoch: int) -> RankShare:
+        """The documents this rank reads in ``epoch``, in order."""
+        return RankShare(
+            len(self.source),
+            self.block_size,
+            self.seed,
+            epoch,
+            self.dp_rank,
+            self.dp_size,
+            self.shuffle,
+        )
+
+    def _tasks(self) -> Iterator[tuple[int, int, np.ndarray, int]]:
+        epoch, position, skip = self._cursor
+        while self.num_epochs is None or epoch < self.num_epochs:
+            share = self.share(epoch)
+            for start in range(position, len(share), self.chunk_docs):
+                yield epoch, start, share.documents(start, start + self.chunk_docs), skip
+                skip = 0
+            epoch, position = epoch + 1, 0
+
+    def _normalize(self, cursor: tuple[int, int, int]) -> tuple[int, int, int]:
+        epoch, position, offset = cursor
+        if offset == 0 and position >= len(self.share(epoch)):
+            return epoch + 1, 0, 0
+        return cursor
+
+    # --- iteration -------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        self._close_active()
+        iterator = self._run()
+        # Note: held weakly, so dropping the iterator (end of a for loop, an islice going
+        # away) closes it and stops its workers at once instead of at the next GC cycle
+        self._active = weakref.ref(iterator)
+        return iterator
+
+    def _close_active(self) -> None:
+        active = self._active() if self._active is not None else None
+        if active is not None:
+            active.close()  # type: ignore[attr-defined]
+        self._active = None
+
+    def _run(self) -> Iterator[Batch]:
+        packer = Packer(self.seq_len, self.micro_batch_size, pad_id=max(self.tokenizer.eos_id, 0))
+        chunks = self._chunks()
+        try:
+            for chunk in chunks:
+                self.empty_documents += int(np.count_nonzero(chunk.lens == 0))
+                packer.push(chunk)
+                while packer.ready():
+                    batch = packer.pop()
+                    self._advance(packer)
+                    yield batch
+            if not self.drop_last:
+                batch_or_none = packer.pop_partial()
+                if batch_or_none is not None:
+                    self._advance(packer)
+                    yield batch_or_none
+        finally:
+            chunks.close()  # type: ignore[attr-defined]
+
+    def _advance(self, packer: Packer) -> None:
+        cursor = packer.cursor()
+        if cursor is not None:
+            self._cursor = self._normalize(cursor)
+        self._batches += 1
+
+    def _chunks(self) -> Iterator[Chunk]:
+        encode = _Encoder(self.source, self.tokenizer, self.add_bos, self.add_eos)
+        if self.num_workers == 0:
+            for task in self._tasks():
+                yield encode(task)
+            return
+        context: Any = multiprocessing.get_context(self.mp_context)
+        results: Any = context.Queue()
+        stop = context.Event()
+        inboxes = [context.Queue() for _ in range(self.num_workers)]
+        worker_encode = _Encoder(
+            self.source, self.tokenizer.with_threads(1), self.add_bos, self.add_eos
+        )
+        workers = [
+            context.Process(
+                target=_work,
+                args=(worker_encode, inbox, results, stop),
+                daemon=True,
+                name="hlat-data-tokenizer",
+            )
+            for inbox in inboxes
+        ]
+        for worker in workers:
+            worker.start()
+        try:
+            tasks = enumerate(self._tasks())
+            in_flight = 0
+            done: dict[int, Chunk] = {}
+            for number, task in itertools.islice(tasks, self.num_workers * self.prefetch):
+                inboxes[number % self.num_workers].put((number, task))
+                in_flight += 1
+            wanted = 0
+            while in_flight:
+                while wanted not in done:
+                    done.update([_receive(results, workers)])
+                chunk = done.pop(wanted)
+                wanted += 1
+                in_flight -= 1
+                for number, task in itertools.islice(tasks, 1):
+                    inboxes[number % self.num_workers].put((number, task))
+                    in_flight += 1
+                yield chunk
+        finally:
+            _shut_down(workers, inboxes, results, stop)
+
+    # --- state -----------------------------------------------------------------------------
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What the stream depends on: corpus, tokenizer, separators and shuffle layout."""
+        return {
+            "source": self.source.fingerprint(),
+            "tokenizer": self.tokenizer.fingerprint(),
+            "packing": {
+                "add_bos": self.add_bos,
+                "add_eos": self.add_eos,
+                "block_size": self.block_size,
+                "shuffle": self.shuffle,
+            },
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """A small, plain-data state: where this rank's stream stands, and what it reads.
+
+        ``epoch``/``position``/``offset`` locate the next input token: the document at
+        ``position`` of this rank's share of ``epoch``, ``offset`` tokens in.
+        """
+        epoch, position, offset = self._cursor
+        return {
+            "format": STATE_FORMAT,
+            "fingerprint": self.fingerprint(),
+            "seed": self.seed,
+            "dp_rank": self.dp_rank,
+            "dp_size": self.dp_size,
+            "epoch": epoch,
+            "position": position,
+            "offset": offset,
+            "batches": self._batches,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly where ``state`` left off.
+
+        Raises :class:`DataError` naming what differs when the corpus, tokenizer,
+        separators, shuffle layout, seed or data-parallel layout do not match.
+        """
+        if state.get("format") != STATE_FORMAT:
+            raise DataError(
+                f"not a PackedLoader state (format {state.get('format')!r}, expected {STATE_FORMAT!r})"
+            )
+        problems = _differences(state["fingerprint"], self.fingerprint())
+        if state["seed"] != self.seed:
+            problems.append(f"seed: state has {state['seed']}, this loader has {self.seed}")
+        if (state["dp_rank"], state["dp_size"]) != (self.dp_rank, self.dp_size):
+            problems.append(
+                f"data-parallel layout: state is rank {state['dp_rank']} of {state['dp_size']}, "
+                f"this loader is rank {self.dp_rank} of {self.dp_size}; load each rank's own state"
+            )
+        if problems:
+            raise DataError("cannot resume the data loader: " + "; ".join(problems))
+        self._close_active()
+        self._cursor = (int(state["epoch"]), int(state["position"]), int(state["offset"]))
+        self._batches = int(state["batches"])
+
+    def __repr__(self) -> str:
+        return (
+            f"PackedLoader({self.source!r}, seq_len={self.seq_len}, "
+            f"micro_batch_size={self.micro_batch_size}, rank {self.dp_rank}/{self.dp_size})"
+        )
+
+
+class _Encoder:
+    """Reads and tokenizes one task; picklable, so it runs the same in a worker."""
+
+    def __init__(self, source: ArrowSource, tokenizer: Tokenizer, add_bos: bool, add_eos: bool):
+        self.source, self.tokenizer = source, tokenizer
+        self.add_bos, self.add_eos = add_bos, add_eos
+
+    def __call__(self, task: tuple[int, int, np.ndarray, int]) -> Chunk:
+        epoch, start, ids, skip = task
+        documents = self.source.documents(ids)
+        pieces = [piece for doc in documents for piece in doc]
+        encoded = self.tokenizer.encode_batch(pieces) if pieces else []
+        piece_lens = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+        flat = np.fromiter(
+            itertools.chain.from_iterable(encoded), dtype=np.int32, count=int(piece_lens.sum())
+        )
+        owners = np.repeat(np.arange(len(documents)), [len(d) for d in documents])
+        content = np.bincount(owners, weights=piece_lens, minlength=len(documents)).astype(np.int64)
+        nonempty = np.flatnonzero([len(d) > 0 for d in documents])
+        content_end = np.cumsum(content)
+        where: list[np.ndarray] = []
+        values: list[np.ndarray] = []
+        if self.add_bos:
+            where.append(content_end[nonempty] - content[nonempty])
+            values.append(np.full(len(nonempty), self.tokenizer.bos_id, dtype=np.int32))
+        if self.add_eos:
+            where.append(content_end[nonempty])
+            values.append(np.full(len(nonempty), self.tokenizer.eos_id, dtype=np.int32))
+        if where:
+            # interleave so that at equal positions the EOS of a document precedes the BOS
+            # of the next (np.insert keeps the given order among equal indices)
+            at = np.stack(where, axis=1).reshape(-1)
+            flat = np.insert(flat, at, np.stack(values, axis=1).reshape(-1))
+        lens = content.copy()
+        lens[nonempty] += int(self.add_bos) + int(self.add_eos)
+        if skip:
+            if not len(lens) or skip >= lens[0]:
+                raise DataError(
+                    f"the loader state points {skip} tokens into document {int(ids[0]) if len(ids) else '?'} "
+                    "which is shorter: the state does not belong to this corpus and tokenizer"
+                )
+            flat = flat[skip:]
+            lens[0] -= skip
+        return Chunk(epoch, start, flat, lens, skip)
+
+
+def _work(encode: _Encoder, inbox: Any, results: Any, stop: Any) -> None:
+    while True:
+        item = inbox.get()
+        if item is None or stop.is_set():
+            # Note: exiting flushes what was put; the parent drains it, so no message is
+            # cut short (a half-written message would block the parent's next read)
+            return
+        number, task = item
+        try:
+            results.put((number, encode(task)))
+        except BaseException as e:
+            try:
+                results.put((number, e))
+            except Exception:
+                results.put((number, RuntimeError(f"{type(e).__name__}: {e}")))
+
+
+def _shut_down(workers: list[Any], inboxes: list[Any], results: Any, stop: Any) -> None:
+    stop.set()
+    for inbox in inboxes:
+        inbox.put(None)
+    deadline = time.monotonic() + 10
+    while any(w.is_alive() for w in workers) and time.monotonic() < deadline:
+        with contextlib.suppress(queue.Empty):  # a worker blocked on a full pipe exits once drained
+            results.get(timeout=0.05)
+    for worker in workers:
+        if worker.is_alive():
+            worker.terminate()  # stuck: nothing more is read from its pipe after this
+        worker.join()
+    for q in (*inboxes, results):
+        q.cancel_join_thread()
+        q.close()
+
+
+def _receive(results: Any, workers: list[Any]) -> tuple[int, Chunk]:
+    while True:
+        try:
+            number, payload = results.get(timeout=1.0)
+        except queue.Empty:
+            dead = [w for w in workers if not w.is_alive()]
+            if dead:
+                raise DataError(
+                    f"a tokenizer worker died (exit code {dead[0].exitcode}); "
+                    "see its output above, or run with num_workers=0 to debug"
+                ) from None
+            continue
+        if isinstance(payload, BaseException):
+            raise payload
+        return number, payload
+
+
+def _differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        if saved.get(key) != current.get(key):
+            out.append(
+                f"{key} changed: state has {saved.get(key)}, this loader has {current.get(key)}"
+            )
+    return out

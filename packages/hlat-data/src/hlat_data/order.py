@@ -1,0 +1,114 @@
+"""The global document order: a seeded permutation per epoch, dealt to DP ranks by blocks.
+
+Documents are grouped into blocks of ``block_size`` consecutive indices. Each epoch permutes
+the blocks with ``(seed, epoch)`` and the documents inside each block with
+``(seed, epoch, block)``; DP rank ``r`` of ``n`` takes blocks ``r, r + n, r + 2n, ...`` of the
+permuted list. Every document is in exactly one block and every block goes to exactly one
+rank, so an epoch covers the corpus once across ranks. Reads stay local (a block is a few
+neighbouring record batches) and memory is one integer per block, not per document.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hlat_data.errors import DataError
+
+
+def num_blocks(num_docs: int, block_size: int) -> int:
+    """How many blocks ``num_docs`` documents make (the last one may be short)."""
+    return -(-num_docs // block_size)
+
+
+def block_order(
+    num_docs: int, block_size: int, seed: int, epoch: int, shuffle: bool = True
+) -> np.ndarray:
+    """The block ids of an epoch, in the order they are read."""
+    blocks = num_blocks(num_docs, block_size)
+    if not shuffle:
+        return np.arange(blocks, dtype=np.int64)
+    return np.random.default_rng([seed, epoch]).permutation(blocks).astype(np.int64)
+
+
+def block_documents(
+    block: int, num_docs: int, block_size: int, seed: int, epoch: int, shuffle: bool = True
+) -> np.ndarray:
+    """The document ids of one block, in the order they are read in ``epoch``."""
+    start = block * block_size
+    size = min(block_size, num_docs - start)
+    if not shuffle:
+        return np.arange(start, start + size, dtype=np.int64)
+    return start + np.random.default_rng([seed, epoch, block]).permutation(size).astype(np.int64)
+
+
+class RankShare:
+    """The documents one DP rank reads in one epoch, with random access by position.
+
+    Note:
+        Shares differ by at most one block in length; ranks cross epoch boundaries at
+        slightly different steps, which is harmless because each rank's stream is
+        continuous across epochs.
+    """
+
+    def __init__(
+        self,
+        num_docs: int,
+        block_size: int,
+        seed: int,
+        epoch: int,
+        dp_rank: int,
+        dp_size: int,
+        shuffle: bool = True,
+    ) -> None:
+        check_layout(num_docs, block_size, dp_rank, dp_size)
+        self.num_docs, self.block_size, self.seed, self.epoch = num_docs, block_size, seed, epoch
+        self.shuffle = shuffle
+        self.blocks = block_order(num_docs, block_size, seed, epoch, shuffle)[dp_rank::dp_size]
+        sizes = np.minimum(block_size, num_docs - self.blocks * block_size)
+        self._ends = np.cumsum(sizes)
+        self._cached: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def documents(self, start: int, stop: int) -> np.ndarray:
+        """Document ids at positions ``start:stop`` of this share."""
+        stop = min(stop, len(self))
+        out = []
+        position = start
+        while position < stop:
+            k = int(np.searchsorted(self._ends, position, side="right"))
+            block_start = int(self._ends[k - 1]) if k else 0
+            docs = self._block(k)
+            take = docs[position - block_start : stop - block_start]
+            out.append(take)
+            position += len(take)
+        return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
+
+    def _block(self, k: int) -> np.ndarray:
+        if self._cached[0] != k:
+            docs = block_documents(
+                int(self.blocks[k]),
+                self.num_docs,
+                self.block_size,
+                self.seed,
+                self.epoch,
+                self.shuffle,
+            )
+            self._cached = (k, docs)
+        return self._cached[1]
+
+
+def check_layout(num_docs: int, block_size: int, dp_rank: int, dp_size: int) -> None:
+    """Raise a :class:`DataError` unless every DP rank gets at least one block."""
+    if block_size < 1:
+        raise DataError(f"block_size must be at least 1, got {block_size}")
+    if not 0 <= dp_rank < dp_size:
+        raise DataError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1} (dp_size {dp_size})")
+    blocks = num_blocks(num_docs, block_size)
+    if blocks < dp_size:
+        raise DataError(
+            f"{num_docs} documents make {blocks} block(s) of block_size {block_size}, fewer than "
+            f"dp_size {dp_size}, so some ranks would get no data; lower block_size to at most "
+            f"{max(1, num_docs // dp_size)} or add documents"
+        )

@@ -1,0 +1,352 @@
+"""Documents from Arrow IPC files, `datasets.save_to_disk` directories and Parquet files.
+
+A source is a list of files, each cut into *parts* (Arrow record batches, Parquet row groups),
+and a cumulative row offset per part, so document ``i`` is found with one binary search and
+read from one part. Local files are memory-mapped; any other fsspec URL (``s3://`` through
+s3fs) is read through ranged requests without copying the file to local disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from hlat_data.errors import DataError
+
+_FILE_MAGIC = b"ARROW1"
+_STRING_TYPES = (pa.string(), pa.large_string(), pa.string_view())
+_PARQUET_SUFFIXES = (".parquet", ".pq")
+_ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
+
+
+@dataclass(frozen=True)
+class _File:
+    url: str  # what the user sees in errors
+    path: str  # path inside ``fs``
+    fs: Any
+    fmt: str  # "ipc" or "parquet"
+    size: int
+
+
+@dataclass(frozen=True)
+class _Part:
+    file: int
+    locator: int  # byte offset of the record-batch message, or the Parquet row-group index
+    rows: int
+    first_row: int  # row of the file where this part starts
+
+
+def split_text(text: str, max_chars: int) -> list[str]:
+    """Cut ``text`` into pieces of at most ``max_chars`` characters.
+
+    Each cut is made at the last whitespace in the final tenth of the window when there is
+    one, so words are not split; otherwise exactly at ``max_chars``.
+    """
+    if len(text) <= max_chars:
+        return [text]
+    pieces = []
+    start = 0
+    floor = max(1, max_chars - max_chars // 10)
+    while len(text) - start > max_chars:
+        end = start + max_chars
+        cut = max(text.rfind(" ", start + floor, end), text.rfind("\n", start + floor, end))
+        end = cut + 1 if cut > 0 else end
+        pieces.append(text[start:end])
+        start = end
+    pieces.append(text[start:])
+    return pieces
+
+
+class ArrowSource:
+    """A corpus of text documents with cheap random access to document ``i``.
+
+    Args:
+        paths_or_urls: a path or URL, or a list of them. Each may be an Arrow IPC file
+            (file or stream format), a Parquet file, a directory written by
+            ``datasets.Dataset.save_to_disk``, a directory of such files, or a glob.
+            Local paths are memory-mapped; other fsspec URLs (``s3://...``) are streamed.
+        text_column: the string column holding the documents.
+        max_chars: documents longer than this are split into pieces (tokenized one by one,
+            still one document for packing), so one huge document cannot stall a worker.
+        nulls: ``"error"`` (default) raises on a null text naming file and row; ``"skip"``
+            treats nulls as empty documents (skipped and counted by the loader).
+        storage_options: passed to fsspec for URLs (credentials, ``client_kwargs``).
+
+    Note:
+        Remote Arrow IPC files are read once when the source is created, to find where
+        each record batch starts (Arrow keeps no row counts in its footer); Parquet files
+        keep them in the footer, so a remote Parquet source opens with a few small reads.
+        The index is pickled with the source, so loader workers never repeat it.
+    """
+
+    def __init__(
+        self,
+        paths_or_urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        text_column: str = "text",
+        max_chars: int = 500_000,
+        nulls: str = "error",
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        if max_chars < 1:
+            raise DataError(f"max_chars must be at least 1, got {max_chars}")
+        if nulls not in ("error", "skip"):
+            raise DataError(f"nulls must be 'error' or 'skip', got {nulls!r}")
+        entries = [paths_or_urls] if isinstance(paths_or_urls, str | os.PathLike) else paths_or_urls
+        self.text_column = text_column
+        self.max_chars = max_chars
+        self.nulls = nulls
+        self._files: list[_File] = []
+        for entry in entries:
+            self._files += _resolve(os.fspath(entry), storage_options or {})
+        if not self._files:
+            raise DataError(f"no data files given: {paths_or_urls!r}")
+        self._parts: list[_Part] = []
+        self._schemas: dict[int, pa.Schema] = {}
+        for index, file in enumerate(self._files):
+            self._parts += self._index(index, file)
+        rows = np.array([p.rows for p in self._parts], dtype=np.int64)
+        self._offsets = np.concatenate([[0], np.cumsum(rows)])
+        if self._offsets[-1] == 0:
+            raise DataError(
+                f"the corpus is empty: {len(self._files)} file(s) with no rows "
+                f"({', '.join(f.url for f in self._files[:3])})"
+            )
+        self._handles: dict[int, Any] = {}
+        self._cache: OrderedDict[int, pa.Array] = OrderedDict()
+
+    # --- public ---------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return int(self._offsets[-1])
+
+    @property
+    def files(self) -> list[str]:
+        """The data files, in the order their rows are numbered."""
+        return [f.url for f in self._files]
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What identifies this corpus: file names, sizes and row counts, column, split limit.
+
+        Note:
+            Names are base names, so the same files read from a local disk and from
+            ``s3://`` have the same fingerprint and a loader state moves between them.
+        """
+        files = [(os.path.basename(f.path), f.size) for f in self._files]
+        rows = [int(self._offsets[-1])]
+        payload = json.dumps([files, rows, self.text_column, self.max_chars, self.nulls])
+        return {
+            "hash": hashlib.sha256(payload.encode()).hexdigest()[:16],
+            "documents": len(self),
+            "files": len(self._files),
+        }
+
+    def text(self, index: int) -> str:
+        """Document ``index`` as stored ("" for a null when ``nulls="skip"``)."""
+        return self.texts([index])[0]
+
+    def texts(self, indices: Iterable[int]) -> list[str]:
+        """The documents at ``indices``, in that order."""
+        ids = np.asarray(list(indices) if not isinstance(indices, np.ndarray) else indices)
+        if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
+            raise IndexError(f"document index out of range 0..{len(self) - 1}")
+        parts = np.searchsorted(self._offsets, ids, side="right") - 1
+        out = []
+        for index, part in zip(ids.tolist(), parts.tolist(), strict=True):
+            value = self._part(part)[index - int(self._offsets[part])].as_py()
+            out.append("" if value is None else value)
+        return out
+
+    def documents(self, indices: Iterable[int]) -> list[list[str]]:
+        """The documents at ``indices`` split into pieces of at most ``max_chars``; an empty
+        document is an empty list."""
+        return [split_text(t, self.max_chars) if t else [] for t in self.texts(indices)]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_handles"] = {}
+        state["_cache"] = OrderedDict()
+        return state
+
+    def __repr__(self) -> str:
+        return f"ArrowSource({len(self)} documents in {len(self._files)} file(s), column {self.text_column!r})"
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _open(self, index: int) -> Any:
+        handle = self._handles.get(index)
+        if handle is None:
+            file = self._files[index]
+            handle = _open(file)
+            if file.fmt == "parquet":
+                handle = pq.ParquetFile(handle)
+            self._handles[index] = handle
+        return handle
+
+    def _check_schema(self, file: _File, schema: pa.Schema) -> None:
+        if self.text_column not in schema.names:
+            raise DataError(
+                f"{file.url}: no column {self.text_column!r} (columns: "
+                f"{', '.join(schema.names) or 'none'}); pass text_column= to ArrowSource"
+            )
+        kind = schema.field(self.text_column).type
+        if kind not in _STRING_TYPES:
+            raise DataError(
+                f"{file.url}: column {self.text_column!r} has type {kind}, not a string "
+                "type; convert it to text first (hlat-data convert)"
+            )
+
+    def _index(self, index: int, file: _File) -> list[_Part]:
+        try:
+            handle = _open(file)
+        except FileNotFoundError:
+            raise DataError(f"{file.url}: no such file") from None
+        try:
+            if file.fmt == "parquet":
+                try:
+                    reader = pq.ParquetFile(handle)
+                except (pa.ArrowException, OSError) as e:
+                    raise DataError(
+                        f"{file.url}: not a readable Parquet file ({e}); rewrite it"
+                    ) from None
+                self._check_schema(file, reader.schema_arrow)
+                parts: list[_Part] = []
+                first = 0
+                for group in range(reader.metadata.num_row_groups):
+                    rows = reader.metadata.row_group(group).num_rows
+                    parts.append(_Part(index, group, rows, first))
+                    first += rows
+                return parts
+            return self._index_ipc(index, file, handle)
+        finally:
+            handle.close()
+
+    def _index_ipc(self, index: int, file: _File, handle: Any) -> list[_Part]:
+        def corrupt(what: str, error: Exception | None = None) -> DataError:
+            detail = f" ({error})" if error else ""
+            return DataError(
+                f"{file.url}: {what}{detail}; the file is truncated or corrupt: write it again "
+                "(hlat-data convert writes Arrow files)"
+            )
+
+        head = handle.read(8)
+        is_file_format = head[:6] == _FILE_MAGIC
+        if is_file_format:
+            handle.seek(file.size - 6)
+            if handle.read(6) != _FILE_MAGIC:
+                raise corrupt("the Arrow file footer is missing")
+        else:
+            handle.seek(max(0, file.size - 8))
+            tail = handle.read(8)
+            if not (tail == b"\xff\xff\xff\xff\x00\x00\x00\x00" or tail[-4:] == b"\x00" * 4):
+                raise corrupt("the Arrow stream has no end-of-stream marker")
+        handle.seek(8 if is_file_format else 0)
+        try:
+            reader = pa.ipc.MessageReader.open_stream(handle)
+            schema = pa.ipc.read_schema(reader.read_next_message())
+        except (pa.ArrowException, OSError, StopIteration) as e:
+            raise corrupt("no Arrow schema at its start", e) from None
+        self._check_schema(file, schema)
+        parts: list[_Part] = []
+        first = 0
+        while True:
+            offset = handle.tell()
+            try:
+                message = reader.read_next_message()
+            except StopIteration:
+                break
+            except (pa.ArrowException, OSError) as e:
+                raise corrupt(
+                    f"record batch {len(parts)} at byte {offset} is unreadable", e
+                ) from None
+            if message.type != "record batch":
+                raise DataError(
+                    f"{file.url}: Arrow message of type {message.type!r} at byte {offset}; "
+                    "dictionary-encoded columns are not supported: cast the text column to string"
+                )
+            try:
+                rows = pa.ipc.read_record_batch(message, schema).num_rows
+            except (pa.ArrowException, OSError) as e:
+                raise corrupt(
+                    f"record batch {len(parts)} at byte {offset} is unreadable", e
+                ) from None
+            parts.append(_Part(index, offset, rows, first))
+            first += rows
+        self._schemas[index] = schema
+        return parts
+
+    def _part(self, part_index: int) -> pa.Array:
+        column = self._cache.get(part_index)
+        if column is not None:
+            self._cache.move_to_end(part_index)
+            return column
+        part = self._parts[part_index]
+        file = self._files[part.file]
+        handle = self._open(part.file)
+        if file.fmt == "parquet":
+            table = handle.read_row_group(part.locator, columns=[self.text_column])
+            column = table.column(0).combine_chunks()
+        else:
+            handle.seek(part.locator)
+            batch = pa.ipc.read_record_batch(pa.ipc.read_message(handle), self._schemas[part.file])
+            column = batch.column(self.text_column)
+        if column.null_count and self.nulls == "error":
+            row = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
+            raise DataError(
+                f"{file.url}: row {part.first_row + row} has a null {self.text_column!r}; "
+                "clean the data, or pass nulls='skip' to treat nulls as empty documents"
+            )
+        self._cache[part_index] = column
+        if len(self._cache) > 4:  # a shuffle block spans a few parts; keep those
+            self._cache.popitem(last=False)
+        return column
+
+
+def _resolve(entry: str, storage_options: dict[str, Any]) -> list[_File]:
+    """Expand one user entry (file, directory, `save_to_disk` directory, glob) to files."""
+    fs, path = fsspec.core.url_to_fs(entry, **storage_options)
+    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    if any(c in path for c in "*?["):
+        paths = sorted(fs.glob(path))
+        if not paths:
+            raise DataError(f"{entry}: the pattern matches no files")
+    elif fs.isdir(path):
+        state = f"{path.rstrip('/')}/state.json"
+        if fs.exists(state):  # written by datasets' save_to_disk, lists its shards in order
+            with fs.open(state, "r") as f:
+                names = [d["filename"] for d in json.load(f).get("_data_files", [])]
+            paths = [f"{path.rstrip('/')}/{n}" for n in names]
+        else:
+            paths = sorted(
+                p for p in fs.find(path) if p.endswith(_ARROW_SUFFIXES + _PARQUET_SUFFIXES)
+            )
+        if not paths:
+            raise DataError(f"{entry}: the directory holds no .arrow or .parquet files")
+    elif fs.exists(path):
+        paths = [path]
+    else:
+        raise DataError(f"{entry}: no such file or directory")
+    files = []
+    for p in paths:
+        if not fs.exists(p):
+            raise DataError(f"{p}: no such file (listed in {entry})")
+        fmt = "parquet" if p.endswith(_PARQUET_SUFFIXES) else "ipc"
+        url = p if local else fs.unstrip_protocol(p)
+        files.append(_File(url, p, fs, fmt, int(fs.size(p))))
+    return files
+
+
+def _open(file: _File) -> Any:
+    protocols = file.fs.protocol if isinstance(file.fs.protocol, tuple) else (file.fs.protocol,)
+    if "file" in protocols:
+        return pa.memory_map(file.path, "r")
+    return pa.PythonFile(file.fs.open(file.path, "rb"), mode="r")

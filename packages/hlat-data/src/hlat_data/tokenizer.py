@@ -1,0 +1,257 @@
+"""A thin, picklable tokenizer: SentencePiece models, or Hugging Face `tokenizers` JSON files."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+from typing import Any
+
+import fsspec
+
+from hlat_data.errors import DataError
+
+_HF_EOS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
+_HF_BOS = ("<s>", "<|begin_of_text|>", "<bos>")
+
+
+class Tokenizer:
+    """Batch encoding with the BOS/EOS ids the model defines.
+
+    Build one with :meth:`from_file`. The object pickles as the model file's bytes, so it
+    travels to worker processes cheaply and is rebuilt there.
+
+    Attributes:
+        kind: ``"sentencepiece"`` or ``"hf"``.
+        bos_id, eos_id: special ids (-1 when the model has none).
+        vocab_size: number of ids.
+        num_threads: threads used by :meth:`encode_batch`.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        model: bytes,
+        *,
+        name: str = "",
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        if kind not in ("sentencepiece", "hf"):
+            raise DataError(f"tokenizer kind must be 'sentencepiece' or 'hf', got {kind!r}")
+        self.kind = kind
+        self.name = name
+        self._model = model
+        self._bos_token = bos_token
+        self._eos_token = eos_token
+        self.num_threads = num_threads or os.cpu_count() or 1
+        self._impl: Any = None
+        self._load()
+
+    @classmethod
+    def from_file(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        num_threads: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> Tokenizer:
+        """Load a SentencePiece ``.model`` or a Hugging Face ``tokenizer.json`` (by suffix).
+
+        ``bos_token``/``eos_token`` name the special tokens of a Hugging Face tokenizer
+        (default: the first of ``</s>``, ``<|endoftext|>``, ... it knows); a SentencePiece
+        model carries its own ids. Local paths and fsspec URLs are accepted.
+        """
+        url = os.fspath(path)
+        try:
+            with fsspec.open(url, "rb", **(storage_options or {})) as f:
+                model = f.read()
+        except FileNotFoundError:
+            raise DataError(
+                f"tokenizer file {url} not found; train one with "
+                "`hlat-data train-tokenizer` or pass the path of a SentencePiece .model"
+            ) from None
+        kind = "hf" if url.endswith(".json") else "sentencepiece"
+        return cls(
+            kind,
+            model,
+            name=os.path.basename(url),
+            bos_token=bos_token,
+            eos_token=eos_token,
+            num_threads=num_threads,
+        )
+
+    def _load(self) -> None:
+        if self.kind == "sentencepiece":
+            import sentencepiece
+
+            processor = sentencepiece.SentencePieceProcessor()
+            try:
+                processor.LoadFromSerializedProto(self._model)
+            except Exception as e:
+                raise DataError(
+                    f"tokenizer {self.name or '<bytes>'} is not a SentencePiece model ({e})"
+                ) from None
+            self._impl = processor
+            self.vocab_size = processor.get_piece_size()
+            self.bos_id = processor.bos_id()
+            self.eos_id = processor.eos_id()
+            return
+        try:
+            import tokenizers
+        except ImportError:
+            raise DataError(
+                "reading a tokenizer.json needs the `tokenizers` package: pip install tokenizers"
+            ) from None
+        try:
+            impl = tokenizers.Tokenizer.from_str(self._model.decode())
+        except Exception as e:
+            raise DataError(f"tokenizer {self.name} is not a tokenizers JSON file ({e})") from None
+        self._impl = impl
+        self.vocab_size = impl.get_vocab_size(with_added_tokens=True)
+        self.bos_id = _token_id(impl, self._bos_token, _HF_BOS, self.name)
+        self.eos_id = _token_id(impl, self._eos_token, _HF_EOS, self.name)
+
+    def with_threads(self, num_threads: int) -> Tokenizer:
+        """A copy that encodes batches with ``num_threads`` threads."""
+        clone = copy.copy(self)
+        clone.num_threads = num_threads
+        return clone
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of one text, without BOS/EOS."""
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Ids of each text, without BOS/EOS, using :attr:`num_threads` threads."""
+        if self.kind == "sentencepiece":
+            return self._impl.encode(texts, num_threads=self.num_threads)
+        encode = getattr(self._impl, "encode_batch_fast", self._impl.encode_batch)
+        encodings = encode(texts, add_special_tokens=False)
+        return [e.ids for e in encodings]
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids``."""
+        return self._impl.decode(ids)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What identifies this tokenizer: a hash of the model file and the special ids."""
+        digest = hashlib.sha256(self._model).hexdigest()[:16]
+        return {"hash": digest, "vocab_size": self.vocab_size, "eos_id": self.eos_id}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_impl"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._load()
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer({self.kind}, {self.name!r}, vocab {self.vocab_size}, "
+            f"bos {self.bos_id}, eos {self.eos_id})"
+        )
+
+
+def _token_id(impl: Any, wanted: str | None, candidates: tuple[str, ...], name: str) -> int:
+    if wanted is not None:
+        token_id = impl.token_to_id(wanted)
+        if token_id is None:
+            raise DataError(f"tokenizer {name} has no token {wanted!r}")
+        return int(token_id)
+    for token in candidates:
+        token_id = impl.token_to_id(token)
+        if token_id is not None:
+            return int(token_id)
+    return -1
+
+
+def train_tokenizer(
+    inputs: str | os.PathLike[str] | list[str | os.PathLike[str]],
+    output: str | os.PathLike[str],
+    vocab_size: int = 32000,
+    *,
+    text_column: str = "text",
+    model_type: str = "bpe",
+    byte_fallback: bool = True,
+    max_lines: int = 2_000_000,
+    num_threads: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> str:
+    """Train a SentencePiece model (BPE with byte fallback, Llama-style) and write it.
+
+    Args:
+        inputs: Arrow/Parquet files or directories (anything :class:`ArrowSource` reads),
+            or plain text files (``.txt``, ``.md`` or any suffix it does not know).
+        output: where to write the model; ``.model`` is appended when missing, and a
+            ``.vocab`` file is written next to it.
+        vocab_size: number of pieces.
+        max_lines: lines fed to the trainer at most (documents are fed line by line,
+            in order; SentencePiece drops longer "sentences" than 4 KB).
+
+    Returns:
+        The path of the written ``.model`` file. Ids: 0 unk, 1 BOS, 2 EOS.
+    """
+    import itertools
+
+    import sentencepiece
+
+    from hlat_data.source import ArrowSource
+
+    entries = [
+        os.fspath(e) for e in ([inputs] if isinstance(inputs, str | os.PathLike) else inputs)
+    ]
+    prefix = os.fspath(output)
+    prefix = prefix[: -len(".model")] if prefix.endswith(".model") else prefix
+    if not entries:
+        raise DataError("train_tokenizer needs at least one input file")
+    if vocab_size < 8:
+        raise DataError(f"vocab_size must be at least 8, got {vocab_size}")
+
+    def documents() -> Any:
+        for entry in entries:
+            if entry.endswith((".arrow", ".parquet", ".pq", ".ipc", ".feather")) or os.path.isdir(
+                entry
+            ):
+                source = ArrowSource(
+                    entry, text_column=text_column, nulls="skip", storage_options=storage_options
+                )
+                for start in range(0, len(source), 256):
+                    yield from source.texts(range(start, min(start + 256, len(source))))
+            else:
+                try:
+                    with fsspec.open(entry, "rt", encoding="utf-8", **(storage_options or {})) as f:
+                        yield f.read()
+                except FileNotFoundError:
+                    raise DataError(f"{entry}: no such file") from None
+
+    def lines() -> Any:
+        for document in documents():
+            for line in document.splitlines():
+                if line.strip():
+                    yield line
+
+    sentences = itertools.islice(lines(), max_lines)
+    try:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=sentences,
+            model_prefix=prefix,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            byte_fallback=byte_fallback,
+            character_coverage=0.9995,
+            unk_id=0,
+            bos_id=1,
+            eos_id=2,
+            pad_id=-1,
+            num_threads=num_threads or os.cpu_count() or 1,
+            minloglevel=2,
+        )
+    except RuntimeError as e:
+        raise DataError(f"SentencePiece training failed: {e}") from None
+    return prefix + ".model"

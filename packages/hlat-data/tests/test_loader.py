@@ -1,0 +1,234 @@
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hlat_data import IGNORE_INDEX, ArrowSource, DataError, PackedLoader, Tokenizer
+
+SEQ, BATCH = 64, 2
+
+
+def make_loader(source, tokenizer, **overrides):
+    kwargs = dict(seq_len=SEQ, micro_batch_size=BATCH, seed=7, block_size=4)
+    kwargs.update(overrides)
+    return PackedLoader(source, tokenizer, **kwargs)
+
+
+def assert_same_batches(expected, actual):
+    assert len(expected) == len(actual)
+    for i, (a, b) in enumerate(zip(expected, actual, strict=True)):
+        for field in a._fields:
+            np.testing.assert_array_equal(
+                getattr(a, field), getattr(b, field), err_msg=f"batch {i} {field}"
+            )
+
+
+@pytest.fixture(scope="module")
+def source(corpus):
+    return ArrowSource(corpus)
+
+
+@pytest.fixture(scope="module")
+def reference(source, tokenizer):
+    """Two and a half epochs, uninterrupted, with the state after each batch."""
+    loader = make_loader(source, tokenizer)
+    batches, states = [], []
+    epoch_batches = None
+    for batch in loader:
+        batches.append(batch)
+        states.append(loader.state_dict())
+        if states[-1]["epoch"] == 1 and epoch_batches is None:
+            epoch_batches = len(batches)
+        if states[-1]["epoch"] == 2 and states[-1]["position"] >= 10:
+            break
+    return batches, states, epoch_batches
+
+
+def cut_points(reference):
+    batches, _, epoch_batches = reference
+    # the start, mid-epoch, the batch that straddles the epoch boundary, and the one after
+    return [0, epoch_batches // 2, epoch_batches - 1, epoch_batches, len(batches) - 5]
+
+
+def test_reference_run_crosses_epoch_boundaries(reference):
+    batches, states, epoch_batches = reference
+    assert 20 < epoch_batches < len(batches) - 10
+    assert states[-1]["epoch"] == 2
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2])
+def test_resume_gives_the_same_batches_as_the_uninterrupted_run(
+    source, tokenizer, reference, workers
+):
+    batches = reference[0]
+    for cut in cut_points(reference):
+        first = make_loader(source, tokenizer, num_workers=workers)
+        head = list(itertools.islice(first, cut))
+        state = first.state_dict()
+        second = make_loader(source, tokenizer, num_workers=(workers + 1) % 3)
+        second.load_state_dict(state)
+        tail = list(itertools.islice(second, len(batches) - cut))
+        assert_same_batches(batches, head + tail)
+
+
+def test_state_is_small_plain_data_independent_of_workers(source, tokenizer, reference):
+    state = reference[1][30]
+    assert set(state) >= {"epoch", "position", "offset", "seed", "fingerprint", "batches"}
+    assert all(isinstance(state[k], int) for k in ("epoch", "position", "offset", "batches"))
+    assert len(repr(state)) < 600
+
+
+def test_batches_do_not_depend_on_the_number_of_workers(source, tokenizer, reference):
+    batches = reference[0][:40]
+    assert_same_batches(
+        batches,
+        list(itertools.islice(make_loader(source, tokenizer, num_workers=2, chunk_docs=3), 40)),
+    )
+
+
+def test_every_row_is_exact_with_next_token_labels_and_consistent_positions(reference, tokenizer):
+    batches = reference[0]
+    stream = np.concatenate([b.input_ids.reshape(-1) for b in batches])
+    for k, batch in enumerate(batches):
+        assert (
+            batch.input_ids.shape == batch.labels.shape == batch.position_ids.shape == (BATCH, SEQ)
+        )
+        flat_labels = batch.labels.reshape(-1)
+        np.testing.assert_array_equal(flat_labels[:-1], batch.input_ids.reshape(-1)[1:])
+        if k + 1 < len(batches):
+            assert flat_labels[-1] == stream[(k + 1) * BATCH * SEQ]
+        for row in range(BATCH):
+            ids, positions, lens = (
+                batch.input_ids[row],
+                batch.position_ids[row],
+                batch.doc_lens[row],
+            )
+            lens = lens[lens > 0]
+            assert lens.sum() == SEQ
+            np.testing.assert_array_equal(positions, np.concatenate([np.arange(n) for n in lens]))
+            # every segment but the last ends with EOS; the next one starts after it
+            ends = np.cumsum(lens)[:-1] - 1
+            assert (ids[ends] == tokenizer.eos_id).all()
+            eos_inside = np.flatnonzero(ids[:-1] == tokenizer.eos_id)
+            np.testing.assert_array_equal(eos_inside, ends)
+
+
+@pytest.mark.parametrize("dp_size", [1, 2, 4])
+def test_an_epoch_packs_every_document_once_across_ranks(source, tokenizer, documents, dp_size):
+    expected = sorted(tuple(tokenizer.encode(d)) for d in documents if d)
+    seen, packed = [], 0
+    for rank in range(dp_size):
+        loader = make_loader(
+            source, tokenizer, dp_rank=rank, dp_size=dp_size, num_epochs=1, drop_last=False
+        )
+        batches = list(loader)
+        real = [b.input_ids.reshape(-1)[: b.doc_lens.sum()] for b in batches]
+        packed += sum(len(r) for r in real)
+        stream = np.concatenate(real)
+        assert stream[-1] == tokenizer.eos_id
+        cuts = np.flatnonzero(stream == tokenizer.eos_id)
+        seen += [tuple(doc) for doc in np.split(stream, cuts + 1)[:-1]]
+        seen = [tuple(d[:-1]) if d and d[-1] == tokenizer.eos_id else d for d in seen]
+        assert loader.empty_documents == (
+            1 if any(not documents[i] for i in loader.share(0).documents(0, len(documents))) else 0
+        )
+    assert sorted(seen) == expected
+    assert packed == sum(len(d) for d in expected) + len(expected)  # + one EOS each
+
+
+def test_final_partial_batch_is_padded_past_doc_lens(source, tokenizer):
+    last = list(make_loader(source, tokenizer, num_epochs=1, drop_last=False))[-1]
+    real = int(last.doc_lens.sum())
+    assert 0 < real < BATCH * SEQ
+    assert (last.labels.reshape(-1)[real - 1 :] == IGNORE_INDEX).all()
+    assert last.input_ids.shape == (BATCH, SEQ)
+
+
+def test_bos_and_eos_surround_each_document(source, tokenizer):
+    batch = next(iter(make_loader(source, tokenizer, add_bos=True, shuffle=False, block_size=1)))
+    ids = batch.input_ids.reshape(-1)
+    assert ids[0] == tokenizer.bos_id
+    first_eos = int(np.flatnonzero(ids == tokenizer.eos_id)[0])
+    assert ids[first_eos + 1] == tokenizer.bos_id
+    assert batch.position_ids.reshape(-1)[first_eos + 1] == 0
+
+
+def test_changed_corpus_is_an_error_naming_what_changed(
+    tmp_path, source, tokenizer, documents, arrow_writer
+):
+    state = make_loader(source, tokenizer).state_dict()
+    other = ArrowSource(arrow_writer(tmp_path / "corpus.arrow", documents[:-3]))
+    with pytest.raises(DataError, match=r"source changed: .*'documents': 49.*'documents': 46"):
+        make_loader(other, tokenizer).load_state_dict(state)
+
+
+def test_changed_tokenizer_seed_or_separators_are_errors(
+    source, tokenizer, tokenizer_path, tmp_path
+):
+    from hlat_data import train_tokenizer
+
+    state = make_loader(source, tokenizer).state_dict()
+    with pytest.raises(DataError, match=r"seed: state has 7, this loader has 8"):
+        make_loader(source, tokenizer, seed=8).load_state_dict(state)
+    with pytest.raises(DataError, match=r"packing changed"):
+        make_loader(source, tokenizer, add_bos=True).load_state_dict(state)
+    text = tmp_path / "t.txt"
+    text.write_text("different text for a different model\n" * 50)
+    other = Tokenizer.from_file(train_tokenizer(str(text), tmp_path / "o", vocab_size=300))
+    with pytest.raises(DataError, match=r"tokenizer changed"):
+        make_loader(source, other).load_state_dict(state)
+
+
+def test_loading_another_ranks_state_is_an_error(source, tokenizer):
+    state = make_loader(source, tokenizer, dp_rank=1, dp_size=2).state_dict()
+    with pytest.raises(DataError, match=r"state is rank 1 of 2, this loader is rank 0 of 2"):
+        make_loader(source, tokenizer, dp_rank=0, dp_size=2).load_state_dict(state)
+
+
+def test_missing_tokenizer_file_is_an_error_with_a_remedy(tmp_path):
+    with pytest.raises(DataError, match=r"tokenizer file .*nope\.model not found.*train-tokenizer"):
+        Tokenizer.from_file(tmp_path / "nope.model")
+
+
+def test_invalid_arguments_are_errors_before_any_work(source, tokenizer):
+    with pytest.raises(DataError, match=r"seq_len must be at least 1"):
+        make_loader(source, tokenizer, seq_len=0)
+    with pytest.raises(DataError, match=r"fewer than dp_size 64"):
+        make_loader(source, tokenizer, dp_rank=0, dp_size=64)
+
+
+def test_reading_from_s3_gives_the_same_batches_as_the_local_file(
+    corpus, tokenizer, s3_bucket, reference
+):
+    import fsspec
+
+    url, options = s3_bucket
+    fsspec.filesystem("s3", **options).put(str(corpus), f"{url}/corpus.arrow")
+    remote = ArrowSource(f"{url}/corpus.arrow", storage_options=options)
+    batches = list(itertools.islice(make_loader(remote, tokenizer, num_workers=1), 60))
+    assert_same_batches(reference[0][:60], batches)
+
+
+def test_hlat_data_imports_and_packs_without_torch(corpus, tokenizer_path):
+    code = f"""
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked")
+sys.meta_path.insert(0, Block())
+from hlat_data import ArrowSource, PackedLoader, Tokenizer
+loader = PackedLoader(ArrowSource({str(corpus)!r}), Tokenizer.from_file({tokenizer_path!r}), 32, 2, block_size=4)
+batch = next(iter(loader))
+assert "torch" not in sys.modules
+print(batch.input_ids.shape)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "(2, 32)"

@@ -1,0 +1,160 @@
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from hlat_data import ArrowSource, DataError
+from hlat_data.source import split_text
+
+
+def test_random_access_across_record_batches_returns_each_document(corpus, documents):
+    source = ArrowSource(corpus)
+    assert len(source) == len(documents)
+    order = np.random.default_rng(0).permutation(len(documents))
+    assert source.texts(order) == [documents[i] for i in order]
+
+
+@pytest.mark.parametrize("layout", ["file", "stream", "parquet", "save_to_disk", "glob", "list"])
+def test_every_layout_reads_the_same_documents(arrow_writer, tmp_path, documents, layout):
+    half = len(documents) // 2
+    if layout == "file":
+        target = str(arrow_writer(tmp_path / "a.arrow", documents))
+    elif layout == "stream":
+        target = str(arrow_writer(tmp_path / "a.arrow", documents, stream=True))
+    elif layout == "parquet":
+        pq.write_table(pa.table({"text": documents}), tmp_path / "a.parquet", row_group_size=6)
+        target = str(tmp_path / "a.parquet")
+    elif layout == "save_to_disk":
+        datasets = pytest.importorskip("datasets")
+        datasets.Dataset.from_dict({"text": documents}).save_to_disk(tmp_path / "ds", num_shards=3)
+        target = str(tmp_path / "ds")
+    elif layout == "glob":
+        arrow_writer(tmp_path / "part-0.arrow", documents[:half])
+        arrow_writer(tmp_path / "part-1.arrow", documents[half:], stream=True)
+        target = str(tmp_path / "part-*.arrow")
+    else:
+        pq.write_table(pa.table({"text": documents[:half]}), tmp_path / "a.parquet")
+        arrow_writer(tmp_path / "b.arrow", documents[half:])
+        target = [str(tmp_path / "a.parquet"), str(tmp_path / "b.arrow")]
+    source = ArrowSource(target)
+    assert source.texts(range(len(source))) == documents
+
+
+def test_long_documents_are_split_into_pieces_that_join_back():
+    text = ("word " * 50 + "\n") * 40
+    pieces = split_text(text, 300)
+    assert "".join(pieces) == text
+    assert all(0 < len(p) <= 300 for p in pieces)
+    assert all(p.endswith((" ", "\n")) for p in pieces[:-1])
+    assert split_text("x" * 1000, 300) == ["x" * 300] * 3 + ["x" * 100]
+
+
+def test_source_splits_documents_over_max_chars(arrow_writer, tmp_path):
+    path = arrow_writer(tmp_path / "a.arrow", ["a " * 600, "", "short"])
+    assert ArrowSource(path, max_chars=500).documents([0, 1, 2]) == [
+        split_text("a " * 600, 500),
+        [],
+        ["short"],
+    ]
+
+
+def test_same_files_locally_and_on_s3_have_the_same_fingerprint_and_texts(
+    tmp_path, corpus, documents, s3_bucket
+):
+    import fsspec
+
+    url, options = s3_bucket
+    fs = fsspec.filesystem("s3", **options)
+    fs.put(str(corpus), f"{url}/corpus.arrow")
+    remote = ArrowSource(f"{url}/corpus.arrow", storage_options=options)
+    local = ArrowSource(corpus)
+    assert remote.fingerprint() == local.fingerprint()
+    assert remote.texts([40, 3, 17]) == [documents[i] for i in (40, 3, 17)]
+    assert remote.files == [f"{url}/corpus.arrow"]
+
+
+# --- bad input ----------------------------------------------------------------------------
+
+
+def test_truncated_arrow_file_is_an_error_naming_the_file(tmp_path, corpus):
+    broken = tmp_path / "broken.arrow"
+    data = corpus.read_bytes()
+    broken.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError, match=r"broken\.arrow.*truncated or corrupt"):
+        ArrowSource(broken)
+
+
+def test_truncated_arrow_stream_is_an_error_naming_the_file(arrow_writer, tmp_path, documents):
+    path = arrow_writer(tmp_path / "s.arrow", documents, stream=True)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(DataError, match=r"s\.arrow.*truncated or corrupt"):
+        ArrowSource(path)
+
+
+def test_garbage_file_is_an_error_naming_the_file(tmp_path):
+    path = tmp_path / "garbage.arrow"
+    path.write_bytes(b"this is not arrow at all" * 10 + b"\xff\xff\xff\xff\x00\x00\x00\x00")
+    with pytest.raises(DataError, match=r"garbage\.arrow"):
+        ArrowSource(path)
+
+
+def test_corrupt_parquet_file_is_an_error_naming_the_file(tmp_path):
+    path = tmp_path / "bad.parquet"
+    path.write_bytes(b"PAR1 definitely not parquet")
+    with pytest.raises(DataError, match=r"bad\.parquet.*Parquet"):
+        ArrowSource(path)
+
+
+def test_missing_column_names_the_file_and_the_columns_present(tmp_path):
+    path = tmp_path / "a.arrow"
+    table = pa.table({"content": ["x"]})
+    with pa.ipc.new_file(path, table.schema) as writer:
+        writer.write_table(table)
+    with pytest.raises(DataError, match=r"a\.arrow: no column 'text' \(columns: content\)"):
+        ArrowSource(path)
+
+
+def test_non_string_column_is_an_error(tmp_path):
+    path = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"text": [1, 2, 3]}), path)
+    with pytest.raises(DataError, match=r"a\.parquet: column 'text' has type int64"):
+        ArrowSource(path)
+
+
+def test_null_text_is_an_error_naming_file_and_row(arrow_writer, tmp_path):
+    path = arrow_writer(tmp_path / "n.arrow", ["a", "b", "c", None, "e"], batch_rows=2)
+    source = ArrowSource(path)
+    with pytest.raises(DataError, match=r"n\.arrow: row 3 has a null 'text'"):
+        source.texts([2, 3])
+
+
+def test_null_texts_read_as_empty_when_skipping(arrow_writer, tmp_path):
+    path = arrow_writer(tmp_path / "n.arrow", ["a", None, "c"])
+    assert ArrowSource(path, nulls="skip").texts([0, 1, 2]) == ["a", "", "c"]
+
+
+def test_empty_corpus_is_an_error(arrow_writer, tmp_path):
+    path = arrow_writer(tmp_path / "empty.arrow", [])
+    with pytest.raises(DataError, match=r"corpus is empty.*empty\.arrow"):
+        ArrowSource(path)
+
+
+def test_missing_path_and_unmatched_glob_are_errors(tmp_path):
+    with pytest.raises(DataError, match=r"nope\.arrow: no such file"):
+        ArrowSource(tmp_path / "nope.arrow")
+    with pytest.raises(DataError, match=r"matches no files"):
+        ArrowSource(str(tmp_path / "*.arrow"))
+
+
+def test_save_to_disk_directory_with_a_missing_shard_is_an_error(tmp_path):
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "state.json").write_text(
+        json.dumps({"_data_files": [{"filename": "x.arrow"}]})
+    )
+    with pytest.raises(DataError, match=r"x\.arrow: no such file"):
+        ArrowSource(tmp_path / "ds")

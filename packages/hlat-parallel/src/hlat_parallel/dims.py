@@ -193,16 +193,16 @@ def _init_torch(
         pg_backend = "gloo"
     if not dist.is_initialized():
         kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-        if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(pg_backend, world_size=world_size, rank=rank, **kwargs)
-        else:  # a single process without a launcher: an in-memory store is enough
-            if world_size != 1:
-                raise ParallelConfigError(
-                    f"WORLD_SIZE={world_size} but MASTER_ADDR is not set; launch with torchrun"
-                )
+        if world_size == 1:  # one process needs no rendezvous: an in-memory store will do
             dist.init_process_group(
                 pg_backend, store=dist.HashStore(), world_size=1, rank=0, **kwargs
             )
+        elif "MASTER_ADDR" not in os.environ:
+            raise ParallelConfigError(
+                f"WORLD_SIZE={world_size} but MASTER_ADDR is not set; launch with torchrun"
+            )
+        else:
+            dist.init_process_group(pg_backend, world_size=world_size, rank=rank, **kwargs)
     dp = world_size // tp
     mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     return ParallelDims(

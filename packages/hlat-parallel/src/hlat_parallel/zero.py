@@ -9,9 +9,10 @@ too, which ZeRO-1 does not).
 
 Note: chosen over ``ZeroRedundancyOptimizer`` because it composes with DTensor TP on the
 2-D mesh, overlaps communication with backward, and leaves the optimizer state as DTensors
-that ``torch.distributed.checkpoint`` reshards to any other dp or tp size;
-``ZeroRedundancyOptimizer`` partitions whole tensors by rank, cannot hold DTensor
-parameters, and checkpoints by consolidating everything on one rank.
+that ``torch.distributed.checkpoint`` reshards to any other dp or tp size.
+``ZeroRedundancyOptimizer`` fails on DTensor parameters (torch 2.13: "Operator
+c10d.broadcast_.default does not have a sharding strategy registered"), assigns whole
+tensors to ranks, and checkpoints by consolidating all state on one rank.
 """
 
 from __future__ import annotations

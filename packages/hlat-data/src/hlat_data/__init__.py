@@ -4,6 +4,7 @@ exact resume, for LLM pre-training. Imports without torch.
 >>> from hlat_data import ArrowSource, PackedLoader, Tokenizer
 """
 
+from hlat_data.convert import convert_to_arrow, corpus_stats
 from hlat_data.errors import DataError
 from hlat_data.loader import PackedLoader
 from hlat_data.packer import IGNORE_INDEX, Batch
@@ -19,5 +20,7 @@ __all__ = [
     "DataError",
     "PackedLoader",
     "Tokenizer",
+    "convert_to_arrow",
+    "corpus_stats",
     "train_tokenizer",
 ]

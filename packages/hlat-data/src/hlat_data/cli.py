@@ -1,0 +1,86 @@
+"""The ``hlat-data`` command: ``convert``, ``train-tokenizer`` and ``stats``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from hlat_data.convert import convert_to_arrow, corpus_stats
+from hlat_data.errors import DataError
+from hlat_data.source import ArrowSource
+from hlat_data.tokenizer import Tokenizer, train_tokenizer
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``hlat-data``."""
+    parser = argparse.ArgumentParser(prog="hlat-data", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    convert = commands.add_parser(
+        "convert",
+        help="jsonl, jsonl.gz, parquet, plain text, datasets directories -> one Arrow file",
+    )
+    convert.add_argument("inputs", nargs="+", help="files, globs or directories")
+    convert.add_argument("-o", "--output", required=True, help="the Arrow file to write")
+    convert.add_argument("--text-field", default="text", help="field/column with the text")
+    convert.add_argument("--batch-rows", type=int, default=8192, help="rows per record batch")
+    convert.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    train = commands.add_parser(
+        "train-tokenizer", help="SentencePiece BPE with byte fallback from Arrow or text"
+    )
+    train.add_argument("inputs", nargs="+", help="Arrow/Parquet files, directories, text files")
+    train.add_argument("-o", "--output", required=True, help="model path (.model appended)")
+    train.add_argument("--vocab-size", type=int, default=32000)
+    train.add_argument("--text-column", default="text")
+    train.add_argument("--max-lines", type=int, default=2_000_000)
+
+    stats = commands.add_parser("stats", help="documents, characters, tokens, length histogram")
+    stats.add_argument("inputs", nargs="+", help="anything ArrowSource reads")
+    stats.add_argument("--tokenizer", help="a .model or tokenizer.json to count tokens")
+    stats.add_argument("--text-column", default="text")
+    stats.add_argument("--max-documents", type=int, help="read only the first N documents")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``hlat-data``; returns the exit status (2 with a one-line message on bad input)."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "convert":
+            result = convert_to_arrow(
+                args.inputs,
+                args.output,
+                text_field=args.text_field,
+                batch_rows=args.batch_rows,
+                progress=not args.no_progress,
+            )
+            print(json.dumps({"output": args.output, **result}))
+        elif args.command == "train-tokenizer":
+            path = train_tokenizer(
+                args.inputs,
+                args.output,
+                args.vocab_size,
+                text_column=args.text_column,
+                max_lines=args.max_lines,
+            )
+            tokenizer = Tokenizer.from_file(path)
+            print(json.dumps({"model": path, "vocab_size": tokenizer.vocab_size}))
+        else:
+            source = ArrowSource(args.inputs, text_column=args.text_column, nulls="skip")
+            counter = Tokenizer.from_file(args.tokenizer) if args.tokenizer else None
+            print(
+                json.dumps(
+                    corpus_stats(source, counter, max_documents=args.max_documents), indent=2
+                )
+            )
+    except DataError as e:
+        print(f"hlat-data {args.command}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""Conversion of raw corpora to Arrow IPC files with a ``text`` column, and corpus statistics.
+
+Conversion streams: it holds one output record batch at a time, so peak memory is bounded
+by ``batch_bytes`` (plus one input line or one plain-text file), whatever the input size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from hlat_data.errors import DataError
+from hlat_data.source import ArrowSource
+from hlat_data.tokenizer import Tokenizer
+
+_JSON_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".ndjson", ".ndjson.gz")
+_TABLE_SUFFIXES = (".arrow", ".parquet", ".pq", ".ipc", ".feather")
+
+
+def convert_to_arrow(
+    inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    output: str | os.PathLike[str],
+    *,
+    text_field: str = "text",
+    batch_rows: int = 8192,
+    batch_bytes: int = 32 << 20,
+    progress: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, int]:
+    """Write the documents of ``inputs`` to one Arrow IPC file with a ``text`` column.
+
+    Args:
+        inputs: files or globs: JSON lines (``.jsonl``, ``.jsonl.gz``, ...; the document is
+            field ``text_field`` of each line), Parquet and Arrow files and ``save_to_disk``
+            directories (column ``text_field``), and plain text files (any other suffix; one
+            document per file).
+        output: the Arrow file to write (written to ``<output>.tmp``, then renamed).
+        batch_rows, batch_bytes: a record batch is written once either is reached; they
+            bound memory and set the granularity of random access.
+        progress: show a progress bar of documents written (needs ``tqdm``).
+
+    Returns:
+        ``{"files", "documents", "characters"}`` written.
+
+    Raises:
+        DataError: naming file and line for broken JSON, invalid UTF-8, a missing or
+            non-string field; before anything is renamed into place.
+    """
+    entries = [inputs] if isinstance(inputs, str | os.PathLike) else list(inputs)
+    options = storage_options or {}
+    files = _expand([os.fspath(e) for e in entries], options)
+    output = os.fspath(output)
+    schema = pa.schema([pa.field("text", pa.string())])
+    counts = {"files": len(files), "documents": 0, "characters": 0}
+    bar = _progress(progress)
+    temporary = output + ".tmp"
+    with fsspec.open(temporary, "wb", **options) as raw, pa.ipc.new_file(raw, schema) as writer:
+        pending: list[str] = []
+        size = 0
+        for url in files:
+            for text in _documents(url, text_field, options):
+                pending.append(text)
+                size += len(text)
+                counts["documents"] += 1
+                counts["characters"] += len(text)
+                if len(pending) >= batch_rows or size >= batch_bytes:
+                    writer.write_batch(
+                        pa.record_batch([pa.array(pending, pa.string())], schema=schema)
+                    )
+                    if bar is not None:
+                        bar.update(len(pending))
+                    pending, size = [], 0
+        if pending:
+            writer.write_batch(pa.record_batch([pa.array(pending, pa.string())], schema=schema))
+    if bar is not None:
+        bar.close()
+    fs, path = fsspec.core.url_to_fs(output, **options)
+    fs.mv(path + ".tmp", path)
+    return counts
+
+
+def corpus_stats(
+    source: ArrowSource,
+    tokenizer: Tokenizer | None = None,
+    *,
+    max_documents: int | None = None,
+) -> dict[str, Any]:
+    """Documents, empty documents, characters and (with a tokenizer) tokens of a corpus,
+    and a histogram of document lengths over power-of-two bins.
+
+    ``max_documents`` reads only the first that many documents (a quick look at a big
+    corpus); the returned ``documents_read`` says how many were read.
+    """
+    total = len(source) if max_documents is None else min(len(source), max_documents)
+    lengths: list[np.ndarray] = []
+    tokens = 0
+    for start in range(0, total, 1024):
+        texts = source.texts(range(start, min(start + 1024, total)))
+        lengths.append(np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)))
+        if tokenizer is not None:
+            pieces = [t for t in texts if t]
+            tokens += sum(map(len, tokenizer.encode_batch(pieces))) if pieces else 0
+    chars = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
+    bins = np.zeros(1, dtype=np.int64)
+    nonzero = chars[chars > 0]
+    if len(nonzero):
+        bins = np.bincount(np.floor(np.log2(nonzero)).astype(np.int64))
+    out: dict[str, Any] = {
+        "documents": len(source),
+        "documents_read": int(total),
+        "empty": int((chars == 0).sum()),
+        "characters": int(chars.sum()),
+        "histogram": {f"{1 << k}-{(2 << k) - 1}": int(n) for k, n in enumerate(bins) if n},
+    }
+    if tokenizer is not None:
+        out["tokens"] = int(tokens)
+        out["characters_per_token"] = round(out["characters"] / max(tokens, 1), 3)
+    return out
+
+
+def _expand(entries: list[str], options: dict[str, Any]) -> list[str]:
+    files: list[str] = []
+    for entry in entries:
+        fs, path = fsspec.core.url_to_fs(entry, **options)
+        if any(c in path for c in "*?["):
+            matches = sorted(fs.glob(path))
+            if not matches:
+                raise DataError(f"{entry}: the pattern matches no files")
+            files += [entry if fs.protocol == "file" else fs.unstrip_protocol(m) for m in matches]
+        elif fs.isdir(path):
+            files.append(entry)  # read as a table directory by ArrowSource
+        elif fs.exists(path):
+            files.append(entry)
+        else:
+            raise DataError(f"{entry}: no such file or directory")
+    if not files:
+        raise DataError("convert needs at least one input")
+    return [os.path.abspath(f) if "://" not in f and "*" not in f else f for f in files]
+
+
+def _documents(url: str, field: str, options: dict[str, Any]) -> Iterator[str]:
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    if path.endswith(_JSON_SUFFIXES):
+        yield from _json_lines(url, field, options)
+    elif path.endswith(".parquet") or path.endswith(".pq"):
+        with fs.open(path, "rb") as f:
+            reader = pq.ParquetFile(f)
+            _check_field(url, field, reader.schema_arrow)
+            for batch in reader.iter_batches(columns=[field], batch_size=4096):
+                yield from _strings(url, batch.column(0))
+    elif path.endswith(_TABLE_SUFFIXES) or fs.isdir(path):
+        source = ArrowSource(url, text_column=field, storage_options=options, nulls="error")
+        for start in range(0, len(source), 4096):
+            yield from source.texts(range(start, min(start + 4096, len(source))))
+    else:
+        with fs.open(path, "rb") as f:
+            data = f.read()
+        try:
+            yield data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data[: e.start].count(b"\n") + 1
+            raise DataError(f"{url}:{line}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def _json_lines(url: str, field: str, options: dict[str, Any]) -> Iterator[str]:
+    with fsspec.open(url, "rb", compression="infer", **options) as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{url}:{number}: invalid UTF-8 ({e.reason} at column {e.start + 1})"
+                ) from None
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{url}:{number}: not valid JSON ({e.msg} at column {e.colno})"
+                ) from None
+            if not isinstance(record, dict) or field not in record:
+                raise DataError(
+                    f"{url}:{number}: no field {field!r} in this line; pass --text-field "
+                    "(text_field=) to name the field holding the document"
+                )
+            text = record[field]
+            if text is None:
+                continue  # a null document is an empty one: nothing to write
+            if not isinstance(text, str):
+                raise DataError(
+                    f"{url}:{number}: field {field!r} is {type(text).__name__}, not a string"
+                )
+            yield text
+
+
+def _check_field(url: str, field: str, schema: pa.Schema) -> None:
+    if field not in schema.names:
+        raise DataError(f"{url}: no column {field!r} (columns: {', '.join(schema.names)})")
+    if schema.field(field).type not in (pa.string(), pa.large_string()):
+        raise DataError(f"{url}: column {field!r} has type {schema.field(field).type}, not string")
+
+
+def _strings(url: str, column: pa.Array) -> Iterator[str]:
+    for value in column.to_pylist():
+        if value is not None:
+            yield value
+
+
+def _progress(enabled: bool) -> Any:
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(unit=" documents", desc="convert", unit_scale=True)

@@ -1,0 +1,110 @@
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from hlat_data import ArrowSource, DataError, Tokenizer, convert_to_arrow, corpus_stats
+from hlat_data.cli import main
+
+
+def test_convert_reads_jsonl_gzip_parquet_text_and_datasets_dirs_in_order(tmp_path, documents):
+    datasets = pytest.importorskip("datasets")
+    docs = [d for d in documents if d][:20]
+    (tmp_path / "a.jsonl").write_text(
+        "".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs[:5]))
+    )
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs[5:10])
+    pq.write_table(pa.table({"text": docs[10:14]}), tmp_path / "c.parquet")
+    (tmp_path / "d.txt").write_text(docs[14])
+    datasets.Dataset.from_dict({"text": docs[15:20]}).save_to_disk(tmp_path / "e_ds")
+    inputs = [str(tmp_path / n) for n in ("a.jsonl", "b.jsonl.gz", "c.parquet", "d.txt", "e_ds")]
+    counts = convert_to_arrow(inputs, tmp_path / "out.arrow", batch_rows=3)
+    assert counts == {"files": 5, "documents": 20, "characters": sum(map(len, docs))}
+    assert ArrowSource(tmp_path / "out.arrow").texts(range(20)) == docs
+    assert not (tmp_path / "out.arrow.tmp").exists()
+
+
+def test_convert_of_a_broken_json_line_names_file_and_line(tmp_path):
+    (tmp_path / "x.jsonl").write_text('{"text": "ok"}\n{"text": "cut\n')
+    with pytest.raises(DataError, match=r"x\.jsonl:2: not valid JSON"):
+        convert_to_arrow(str(tmp_path / "x.jsonl"), tmp_path / "out.arrow")
+    assert not (tmp_path / "out.arrow").exists()
+
+
+def test_convert_of_invalid_utf8_names_file_and_line(tmp_path):
+    (tmp_path / "x.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "ok"}\n{"text": "\xff\xfe"}\n')
+    with pytest.raises(DataError, match=r"x\.jsonl:3: invalid UTF-8"):
+        convert_to_arrow(str(tmp_path / "x.jsonl"), tmp_path / "out.arrow")
+    (tmp_path / "y.txt").write_bytes(b"line one\nline two \xc3\x28\n")
+    with pytest.raises(DataError, match=r"y\.txt:2: invalid UTF-8"):
+        convert_to_arrow(str(tmp_path / "y.txt"), tmp_path / "out.arrow")
+
+
+def test_convert_of_a_missing_or_non_string_field_is_an_error(tmp_path):
+    (tmp_path / "x.jsonl").write_text('{"content": "a"}\n')
+    with pytest.raises(DataError, match=r"x\.jsonl:1: no field 'text'"):
+        convert_to_arrow(str(tmp_path / "x.jsonl"), tmp_path / "out.arrow")
+    (tmp_path / "y.jsonl").write_text('{"text": "a"}\n{"text": 5}\n')
+    with pytest.raises(DataError, match=r"y\.jsonl:2: field 'text' is int"):
+        convert_to_arrow(str(tmp_path / "y.jsonl"), tmp_path / "out.arrow")
+
+
+def test_stats_counts_documents_characters_tokens_and_lengths(corpus, documents, tokenizer):
+    stats = corpus_stats(ArrowSource(corpus), tokenizer)
+    assert stats["documents"] == len(documents)
+    assert stats["empty"] == 1
+    assert stats["characters"] == sum(map(len, documents))
+    assert stats["tokens"] == sum(len(tokenizer.encode(d)) for d in documents if d)
+    assert sum(stats["histogram"].values()) == len(documents) - 1
+
+
+def test_command_line_converts_trains_a_tokenizer_and_reports_stats(tmp_path, documents, capsys):
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"body": d}) + "\n" for d in documents))
+    out = tmp_path / "c.arrow"
+    assert (
+        main(
+            [
+                "convert",
+                str(tmp_path / "in.jsonl"),
+                "-o",
+                str(out),
+                "--text-field",
+                "body",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["documents"] == len(documents)
+    assert (
+        main(["train-tokenizer", str(out), "-o", str(tmp_path / "sp"), "--vocab-size", "400"]) == 0
+    )
+    assert json.loads(capsys.readouterr().out)["vocab_size"] == 400
+    assert main(["stats", str(out), "--tokenizer", str(tmp_path / "sp.model")]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["tokens"] == sum(
+        len(t)
+        for t in Tokenizer.from_file(tmp_path / "sp.model").encode_batch(
+            [d for d in documents if d]
+        )
+    )
+
+
+def test_command_line_reports_bad_input_in_one_line_with_status_2(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "hlat_data.cli", "stats", str(tmp_path / "missing.arrow")],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip()
+        == f"hlat-data stats: {tmp_path / 'missing.arrow'}: no such file or directory"
+    )

@@ -128,11 +128,13 @@ class PackedLoader:
 
     def _tasks(self) -> Iterator[tuple[int, int, np.ndarray, int]]:
         epoch, position, skip = self._cursor
+        size = 1  # Note: chunks grow 1, 2, 4, ... to chunk_docs, so the first batch comes fast
         while self.num_epochs is None or epoch < self.num_epochs:
             share = self.share(epoch)
-            for start in range(position, len(share), self.chunk_docs):
-                yield epoch, start, share.documents(start, start + self.chunk_docs), skip
-                skip = 0
+            while position < len(share):
+                yield epoch, position, share.documents(position, position + size), skip
+                position += size
+                size, skip = min(2 * size, self.chunk_docs), 0
             epoch, position = epoch + 1, 0
 
     def _normalize(self, cursor: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -189,43 +191,50 @@ class PackedLoader:
                 yield encode(task)
             return
         context: Any = multiprocessing.get_context(self.mp_context)
+        inbox: Any = context.Queue()
         results: Any = context.Queue()
         stop = context.Event()
-        inboxes = [context.Queue() for _ in range(self.num_workers)]
         worker_encode = _Encoder(
             self.source, self.tokenizer.with_threads(1), self.add_bos, self.add_eos
         )
+        # Note: the encoder (tokenizer model, source index) goes through a queue, not the
+        # process arguments: spawn writes arguments synchronously into a pipe the child
+        # reads only once booted, which blocked start() for the whole interpreter start-up
+        setup: Any = context.Queue()
         workers = [
             context.Process(
                 target=_work,
-                args=(worker_encode, inbox, results, stop),
+                args=(setup, inbox, results, stop),
                 daemon=True,
                 name="hlat-data-tokenizer",
             )
-            for inbox in inboxes
+            for _ in range(self.num_workers)
         ]
         for worker in workers:
             worker.start()
+            setup.put(worker_encode)
         try:
             tasks = enumerate(self._tasks())
             in_flight = 0
-            done: dict[int, Chunk] = {}
             for number, task in itertools.islice(tasks, self.num_workers * self.prefetch):
-                inboxes[number % self.num_workers].put((number, task))
+                inbox.put((number, task))
                 in_flight += 1
+            done: dict[int, Chunk] = {}
             wanted = 0
             while in_flight:
                 while wanted not in done:
-                    done.update([_receive(results, workers)])
-                chunk = done.pop(wanted)
+                    number, chunk = _next_result(results, inbox, workers, encode)
+                    done[number] = chunk
+                yield done.pop(wanted)
                 wanted += 1
                 in_flight -= 1
                 for number, task in itertools.islice(tasks, 1):
-                    inboxes[number % self.num_workers].put((number, task))
+                    inbox.put((number, task))
                     in_flight += 1
-                yield chunk
         finally:
-            _shut_down(workers, inboxes, results, stop)
+            _shut_down(workers, inbox, results, stop)
+            setup.cancel_join_thread()
+            setup.close()
 
     # --- state -----------------------------------------------------------------------------
 
@@ -338,7 +347,8 @@ class _Encoder:
         return Chunk(epoch, start, flat, lens, skip)
 
 
-def _work(encode: _Encoder, inbox: Any, results: Any, stop: Any) -> None:
+def _work(setup: Any, inbox: Any, results: Any, stop: Any) -> None:
+    encode = setup.get()
     while True:
         item = inbox.get()
         if item is None or stop.is_set():
@@ -355,9 +365,9 @@ def _work(encode: _Encoder, inbox: Any, results: Any, stop: Any) -> None:
                 results.put((number, RuntimeError(f"{type(e).__name__}: {e}")))
 
 
-def _shut_down(workers: list[Any], inboxes: list[Any], results: Any, stop: Any) -> None:
+def _shut_down(workers: list[Any], inbox: Any, results: Any, stop: Any) -> None:
     stop.set()
-    for inbox in inboxes:
+    for _ in workers:
         inbox.put(None)
     deadline = time.monotonic() + 10
     while any(w.is_alive() for w in workers) and time.monotonic() < deadline:
@@ -367,23 +377,45 @@ def _shut_down(workers: list[Any], inboxes: list[Any], results: Any, stop: Any) 
         if worker.is_alive():
             worker.terminate()  # stuck: nothing more is read from its pipe after this
         worker.join()
-    for q in (*inboxes, results):
+    for q in (inbox, results):
         q.cancel_join_thread()
         q.close()
 
 
-def _receive(results: Any, workers: list[Any]) -> tuple[int, Chunk]:
+def _next_result(
+    results: Any, inbox: Any, workers: list[Any], encode: _Encoder
+) -> tuple[int, Chunk]:
+    """The next finished chunk, in any order.
+
+    Note:
+        While no worker result is ready (workers still starting, or all busy), this
+        process takes a pending task from the shared inbox and encodes it itself: it would
+        otherwise sit idle, since the caller is waiting for data anyway.
+    """
+    waited = 0.0
     while True:
         try:
-            number, payload = results.get(timeout=1.0)
+            number, payload = results.get_nowait()
         except queue.Empty:
-            dead = [w for w in workers if not w.is_alive()]
-            if dead:
-                raise DataError(
-                    f"a tokenizer worker died (exit code {dead[0].exitcode}); "
-                    "see its output above, or run with num_workers=0 to debug"
-                ) from None
-            continue
+            try:
+                item = inbox.get_nowait()
+            except queue.Empty:
+                item = None
+            if item is not None:
+                number, task = item
+                return number, encode(task)
+            try:  # short waits, so a task put moments ago can still be taken here
+                number, payload = results.get(timeout=0.01)
+            except queue.Empty:
+                waited += 0.01
+                dead = [w for w in workers if not w.is_alive()] if waited >= 1 else []
+                if dead:
+                    raise DataError(
+                        f"a tokenizer worker died (exit code {dead[0].exitcode}); "
+                        "see its output above, or run with num_workers=0 to debug"
+                    ) from None
+                waited = 0.0 if waited >= 1 else waited
+                continue
         if isinstance(payload, BaseException):
             raise payload
         return number, payload

@@ -1,0 +1,125 @@
+"""Packed tokens per second on the Python standard library's sources, CPU, one run each,
+against raw SentencePiece batch encoding (the ceiling) and the usual `datasets` recipe
+(`map(tokenize)` then `map(group_texts)`, num_proc=2). Figures are ratios to the peers."""
+
+from __future__ import annotations
+
+import sysconfig
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from hlat_data import ArrowSource, PackedLoader, Tokenizer, train_tokenizer
+
+SEQ_LEN, BATCH, CHARS = 2048, 8, 6_000_000
+RESULTS: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    texts, total = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        texts.append(text)
+        total += len(text)
+        if total >= CHARS:
+            break
+    table = pa.table({"text": texts})
+    with pa.ipc.new_file(root / "stdlib.arrow", table.schema) as writer:
+        writer.write_table(table, max_chunksize=64)
+    (root / "train.txt").write_text("\n".join(texts[:200]))
+    model = train_tokenizer(str(root / "train.txt"), root / "sp", vocab_size=8000)
+    return root / "stdlib.arrow", model, texts
+
+
+def _record(benchmark, name, tokens, seconds):
+    RESULTS[name] = tokens / seconds
+    benchmark.extra_info["tokens_per_s"] = round(tokens / seconds)
+    print(f"\n{name}: {tokens / seconds / 1e6:.2f} M tokens/s")
+
+
+def test_raw_sentencepiece_batch_encode(benchmark, corpus):
+    _, model, texts = corpus
+    tokenizer = Tokenizer.from_file(model, num_threads=2)
+
+    def run():
+        start = time.perf_counter()
+        tokens = sum(map(len, tokenizer.encode_batch(texts)))
+        return tokens, time.perf_counter() - start
+
+    tokens, seconds = benchmark.pedantic(run, rounds=1, iterations=1)
+    _record(benchmark, "raw", tokens, seconds)
+
+
+def test_datasets_map_tokenize_then_group_texts(benchmark, corpus, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    _, model, texts = corpus
+
+    def run():
+        start = time.perf_counter()
+        ds = datasets.Dataset.from_dict({"text": texts})
+        ds = ds.map(
+            _tokenize,
+            batched=True,
+            num_proc=2,
+            remove_columns=["text"],
+            fn_kwargs={"model": str(model)},
+        )
+        ds = ds.map(_group_texts, batched=True, num_proc=2)
+        tokens = len(ds) * SEQ_LEN
+        return tokens, time.perf_counter() - start
+
+    datasets.disable_caching()
+    tokens, seconds = benchmark.pedantic(run, rounds=1, iterations=1)
+    _record(benchmark, "datasets", tokens, seconds)
+
+
+def test_packed_loader_two_workers(benchmark, corpus):
+    path, model, _ = corpus
+    tokenizer = Tokenizer.from_file(model)
+
+    def run():
+        start = time.perf_counter()
+        loader = PackedLoader(
+            ArrowSource(path),
+            tokenizer,
+            SEQ_LEN,
+            BATCH,
+            block_size=16,
+            num_workers=2,
+            num_epochs=1,
+            chunk_docs=32,
+        )
+        tokens = sum(b.input_ids.size for b in loader)
+        return tokens, time.perf_counter() - start
+
+    tokens, seconds = benchmark.pedantic(run, rounds=1, iterations=1)
+    _record(benchmark, "hlat-data", tokens, seconds)
+    if "raw" in RESULTS:
+        benchmark.extra_info["vs_raw_encode"] = round(RESULTS["hlat-data"] / RESULTS["raw"], 2)
+        print(f"hlat-data / raw encode: {RESULTS['hlat-data'] / RESULTS['raw']:.2f}x")
+    if "datasets" in RESULTS:
+        benchmark.extra_info["vs_datasets"] = round(RESULTS["hlat-data"] / RESULTS["datasets"], 2)
+        print(f"hlat-data / datasets recipe: {RESULTS['hlat-data'] / RESULTS['datasets']:.2f}x")
+
+
+_PROCESSORS: dict = {}
+
+
+def _tokenize(batch, model):
+    import sentencepiece
+
+    processor = _PROCESSORS.get(model)
+    if processor is None:
+        processor = _PROCESSORS[model] = sentencepiece.SentencePieceProcessor(model_file=model)
+    return {"input_ids": [[*ids, processor.eos_id()] for ids in processor.encode(batch["text"])]}
+
+
+def _group_texts(batch):
+    concatenated = [t for ids in batch["input_ids"] for t in ids]
+    total = (len(concatenated) // SEQ_LEN) * SEQ_LEN
+    rows = [concatenated[i : i + SEQ_LEN] for i in range(0, total, SEQ_LEN)]
+    return {"input_ids": rows, "labels": [list(r) for r in rows]}

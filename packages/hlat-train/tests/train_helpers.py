@@ -30,6 +30,7 @@ def tiny_overrides(corpus: dict[str, str], out_dir: str | Path, steps: int = 6) 
         "--model.max_seq_len=64",
         "--data.seq_len=64",
         "--data.micro_batch_size=2",
+        "--data.block_size=8",
         "--optim.warmup_steps=2",
         "--optim.lr=3e-3",
         "--optim.impl=reference",

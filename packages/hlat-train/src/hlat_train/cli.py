@@ -127,6 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"hlat-train: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    except Exception as e:
+        from hlat_data import DataError
+
+        if not isinstance(e, DataError):
+            raise
+        print(f"hlat-train: data error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
 
 
 def _report(summary: dict) -> None:

@@ -84,6 +84,8 @@ class DataConfig:
     """Tokenizer processes per rank (0: tokenize in the training process)."""
     seed: int = 1234
     """Seed of the document order (changes per epoch)."""
+    block_size: int = 1024
+    """Documents per shuffle block; each data-parallel rank needs at least one block."""
 
 
 @dataclass

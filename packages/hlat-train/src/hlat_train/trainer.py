@@ -60,6 +60,38 @@ class TrainState:
             self.guard.load_state_dict(state["guard"])
 
 
+def _init_process_group_per_attempt(world_size: int) -> None:
+    """Create the default process group on a store namespace of this torchrun attempt.
+
+    Note: after ``torchrun --max-restarts`` restarts the workers, the launcher's store still
+    holds the gloo/NCCL addresses the dead workers published, and the new workers would
+    try to connect to them ("Connection refused"). Prefixing every key with the restart
+    count gives each attempt a clean namespace. Without torchrun this does nothing and
+    ``hlat_parallel.init_parallel`` creates the group as usual.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if world_size == 1 or attempt is None or dist.is_initialized():
+        return
+    rank = int(os.environ["RANK"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=not agent_store and rank == 0,
+        multi_tenant=True,
+    )
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"hlat-train/attempt-{attempt}", store),
+        rank=rank,
+        world_size=world_size,
+    )
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -104,6 +136,8 @@ class Trainer:
             multi_node = self.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
             apply_neuron_env(c.neuron, c.optim.precision, multi_node)
         backend: Any = c.parallel.backend
+        if backend != "neuron":
+            _init_process_group_per_attempt(self.world_size)
         self.dims = dims = init_parallel(c.parallel.tp, c.parallel.sp, backend)
         self.rank0 = dims.rank == 0
         device = dims.device if c.train.device == "auto" else torch.device(c.train.device)
@@ -147,6 +181,7 @@ class Trainer:
             dp_size=dims.dp,
             seed=c.data.seed,
             add_bos=c.data.add_bos,
+            block_size=c.data.block_size,
             num_workers=c.data.num_workers,
         )
         self.grad_accum = c.grad_accum(dims.dp)
@@ -248,7 +283,7 @@ class Trainer:
                 if action == "rollback":
                     batches = self._rollback(used, batches)
                     continue
-                lr = self.scheduler.get_last_lr()[0]  # the rate this step used
+                lr = float(self.scheduler.get_last_lr()[0])  # the rate this step used
                 self.scheduler.step()
                 mark_step()
                 self.state.step = step
@@ -421,11 +456,25 @@ class Trainer:
             count += 1
             if count == c.train.eval_batches:
                 break
+        self._reshard()
         value = self._mean_over_dp(total / max(count, 1))
         if self.writer:
             self.writer.write({"kind": "valid", "step": step, "loss": value})
         progress.write(f"step {step}: validation loss {value:.4f}")
         return value
+
+    def _reshard(self) -> None:
+        """Free the parameters FSDP gathered for a forward without backward.
+
+        Note: the model is sharded with ``reshard_after_forward=False`` (gather once per
+        step); after an evaluation forward the modules would keep the gathered parameters,
+        which are not the ones the optimizer and the checkpoint know.
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def _rollback(self, bad: list[int], batches: Iterator[Any]) -> Iterator[Any]:
         """Reload the newest checkpoint and mark the micro-batches of the spike as bad."""

@@ -13,7 +13,7 @@ import pytest
 
 from hlat_data import ArrowSource, PackedLoader, Tokenizer, train_tokenizer
 
-SEQ_LEN, BATCH, CHARS = 2048, 8, 6_000_000
+SEQ_LEN, BATCH, CHARS = 2048, 8, 15_000_000
 RESULTS: dict[str, float] = {}
 
 

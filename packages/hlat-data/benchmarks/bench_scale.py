@@ -1,0 +1,147 @@
+"""Time to the first batch from a large Arrow file (against a small one), resident memory
+over a full epoch, and peak memory of `hlat-data convert` on a large JSONL file.
+
+Sizes: ``HLAT_DATA_BENCH_GB`` (default 1) gigabytes for the large files; the files are
+written to a temporary directory by the benchmark itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from hlat_data import ArrowSource, PackedLoader, Tokenizer, train_tokenizer
+
+GB = float(os.environ.get("HLAT_DATA_BENCH_GB", "1"))
+
+
+def _stdlib_texts(chars: int) -> list[str]:
+    texts, total = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        texts.append(path.read_text(encoding="utf-8", errors="replace"))
+        total += len(texts[-1])
+        if total >= chars:
+            break
+    return texts
+
+
+def _write(path: Path, texts: list[str], size: float) -> Path:
+    batch = pa.record_batch([pa.array(texts, pa.string())], names=["text"])
+    with pa.ipc.new_file(path, batch.schema) as writer:
+        for _ in range(max(1, int(size // batch.nbytes))):
+            writer.write_batch(batch)
+    return path
+
+
+def _rss_anon_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("scale")
+    texts = _stdlib_texts(4_000_000)  # one 4 MB record batch of ~500 documents, repeated
+    (root / "train.txt").write_text("\n".join(texts[:150]))
+    model = train_tokenizer(str(root / "train.txt"), root / "sp", vocab_size=4000)
+    large = _write(root / "large.arrow", texts, GB * 1e9)
+    small = _write(root / "small.arrow", texts, 1)
+    return root, Tokenizer.from_file(model), large, small
+
+
+def _first_batch(path, tokenizer, workers):
+    start = time.perf_counter()
+    loader = PackedLoader(ArrowSource(path), tokenizer, 4096, 8, num_workers=workers)
+    batches = iter(loader)
+    next(batches)
+    seconds = time.perf_counter() - start
+    batches.close()
+    return seconds
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_time_to_first_batch_does_not_grow_with_file_size(benchmark, files, workers):
+    _, tokenizer, large, small = files
+    small_s = _first_batch(small, tokenizer, workers)
+    large_s = benchmark.pedantic(
+        _first_batch, args=(large, tokenizer, workers), rounds=1, iterations=1
+    )
+    benchmark.extra_info.update(
+        large_file_gb=round(large.stat().st_size / 1e9, 2),
+        large_s=round(large_s, 3),
+        small_s=round(small_s, 3),
+        large_over_small=round(large_s / small_s, 2),
+    )
+    print(
+        f"\nfirst batch, {workers} workers: {large.stat().st_size / 1e9:.2f} GB file {large_s:.3f} s, "
+        f"4 MB file {small_s:.3f} s ({large_s / small_s:.2f}x)"
+    )
+
+
+def test_resident_memory_is_flat_over_an_epoch(benchmark, files):
+    root, tokenizer, _, _ = files
+    path = _write(root / "epoch.arrow", _stdlib_texts(4_000_000), 24e6)  # ~24 MB, ~7M tokens
+
+    def run():
+        loader = PackedLoader(
+            ArrowSource(path), tokenizer, 4096, 8, num_workers=2, num_epochs=1, block_size=64
+        )
+        samples = []
+        for k, _ in enumerate(loader):
+            if k % 5 == 0:
+                samples.append(_rss_anon_mb())
+        return samples
+
+    samples = benchmark.pedantic(run, rounds=1, iterations=1)
+    quarter = max(1, len(samples) // 4)
+    benchmark.extra_info.update(
+        rss_anon_mb_first_quarter=round(max(samples[:quarter]), 1),
+        rss_anon_mb_last_quarter=round(max(samples[-quarter:]), 1),
+        samples=len(samples),
+    )
+    print(
+        f"\nanonymous RSS over an epoch (MB): first quarter max {max(samples[:quarter]):.1f}, "
+        f"last quarter max {max(samples[-quarter:]):.1f}, {len(samples)} samples"
+    )
+
+
+def test_convert_of_a_large_jsonl_keeps_peak_memory_bounded(benchmark, files):
+    root, _, _, _ = files
+    texts = _stdlib_texts(4_000_000)
+    jsonl = root / "large.jsonl"
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in texts)
+    with open(jsonl, "w") as f:
+        for _ in range(max(1, int(GB * 1e9 // len(lines)))):
+            f.write(lines)
+
+    def run():
+        code = (
+            "import resource, sys; from hlat_data.cli import main; "
+            f"main(['convert', {str(jsonl)!r}, '-o', {str(root / 'converted.arrow')!r}, '--no-progress']); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)"
+        )
+        start = time.perf_counter()
+        result = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        )
+        return int(result.stderr.strip().splitlines()[-1]) / 1024, time.perf_counter() - start
+
+    peak_mb, seconds = benchmark.pedantic(run, rounds=1, iterations=1)
+    size_gb = jsonl.stat().st_size / 1e9
+    benchmark.extra_info.update(
+        jsonl_gb=round(size_gb, 2), peak_rss_mb=round(peak_mb), seconds=round(seconds, 1)
+    )
+    print(
+        f"\nconvert {size_gb:.2f} GB JSONL: peak RSS {peak_mb:.0f} MB, {size_gb * 1e3 / seconds:.0f} MB/s"
+    )

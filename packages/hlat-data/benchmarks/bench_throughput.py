@@ -123,3 +123,32 @@ def _group_texts(batch):
     total = (len(concatenated) // SEQ_LEN) * SEQ_LEN
     rows = [concatenated[i : i + SEQ_LEN] for i in range(0, total, SEQ_LEN)]
     return {"input_ids": rows, "labels": [list(r) for r in rows]}
+
+
+def test_encode_step_alone_against_raw_encode_on_one_thread(benchmark, corpus):
+    """What a worker does per chunk (read from Arrow, encode, add separators), in one
+    process, against raw encoding of the same texts on one thread: the loader's own cost."""
+    import numpy as np
+
+    from hlat_data.loader import _Encoder
+
+    path, model, _ = corpus
+    tokenizer = Tokenizer.from_file(model, num_threads=1)
+    source = ArrowSource(path)
+    texts = source.texts(range(len(source)))
+    encode = _Encoder(source, tokenizer, add_bos=False, add_eos=True)
+
+    def run():
+        start = time.perf_counter()
+        raw = sum(map(len, tokenizer.encode_batch(texts)))
+        middle = time.perf_counter()
+        ours = sum(
+            len(encode((0, s, np.arange(s, min(s + 64, len(source))), 0)).tokens)
+            for s in range(0, len(source), 64)
+        )
+        end = time.perf_counter()
+        return raw / (middle - start), ours / (end - middle)
+
+    raw, ours = benchmark.pedantic(run, rounds=1, iterations=1)
+    benchmark.extra_info.update(raw_tokens_per_s=round(raw), ours_tokens_per_s=round(ours))
+    print(f"\nencode step alone / raw encode, one thread: {ours / raw:.2f}x")

@@ -232,3 +232,81 @@ print(batch.input_ids.shape)
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "(2, 32)"
+
+
+def _consumed(source, tokenizer, dp_size, steps):
+    """Run each of ``dp_size`` ranks for ``steps`` batches; their states and loaders."""
+    loaders = [
+        make_loader(source, tokenizer, dp_rank=r, dp_size=dp_size, block_size=2)
+        for r in range(dp_size)
+    ]
+    for loader in loaders:
+        list(itertools.islice(loader, steps))
+    return [loader.state_dict() for loader in loaders], loaders
+
+
+@pytest.mark.parametrize(("old", "new"), [(2, 3), (4, 1), (1, 2)])
+def test_changing_dp_size_mid_epoch_reads_every_document_of_the_epoch_once(
+    source, tokenizer, old, new
+):
+    from hlat_data import merge_states
+
+    states, loaders = _consumed(source, tokenizer, old, steps=40)
+    assert {s["epoch"] for s in states} == {0}
+    read = [
+        loader.share(0).documents(0, s["position"] + (1 if s["offset"] else 0))
+        for loader, s in zip(loaders, states, strict=True)
+    ]
+    merged = merge_states(states)
+    resumed = [
+        make_loader(source, tokenizer, dp_rank=r, dp_size=new, block_size=2) for r in range(new)
+    ]
+    for loader in resumed:
+        loader.load_state_dict(merged)
+        read.append(loader.share(0).documents(0, len(loader.share(0))))
+        assert loader.state_dict()["epoch"] == 0
+    seen = np.concatenate(read)
+    assert np.array_equal(np.sort(seen), np.arange(len(source)))
+    # the next epoch follows the new layout
+    nxt = np.concatenate([loader.share(1).documents(0, 10**6) for loader in resumed])
+    assert np.array_equal(np.sort(nxt), np.arange(len(source)))
+
+
+def test_a_resumed_layout_itself_resumes_exactly(source, tokenizer):
+    from hlat_data import merge_states
+
+    states, _ = _consumed(source, tokenizer, 2, steps=30)
+    first = make_loader(source, tokenizer, dp_rank=1, dp_size=3, block_size=2)
+    first.load_state_dict(merge_states(states))
+    expected = list(itertools.islice(first, 30))
+    again = make_loader(source, tokenizer, dp_rank=1, dp_size=3, block_size=2)
+    again.load_state_dict(merge_states(states))
+    head = list(itertools.islice(again, 12))
+    state = again.state_dict()
+    assert state["resumed_from"] is not None
+    last = make_loader(source, tokenizer, dp_rank=1, dp_size=3, block_size=2)
+    last.load_state_dict(state)
+    assert_same_batches(expected, head + list(itertools.islice(last, 18)))
+
+
+def test_a_merged_state_with_the_same_dp_size_resumes_each_rank_exactly(source, tokenizer):
+    from hlat_data import merge_states
+
+    states, _ = _consumed(source, tokenizer, 2, steps=25)
+    for rank in range(2):
+        expected = list(
+            itertools.islice(
+                make_loader(source, tokenizer, dp_rank=rank, dp_size=2, block_size=2), 35
+            )
+        )[25:]
+        loader = make_loader(source, tokenizer, dp_rank=rank, dp_size=2, block_size=2)
+        loader.load_state_dict(merge_states(states))
+        assert_same_batches(expected, list(itertools.islice(loader, 10)))
+
+
+def test_merging_an_incomplete_set_of_ranks_is_an_error(source, tokenizer):
+    from hlat_data import merge_states
+
+    states, _ = _consumed(source, tokenizer, 4, steps=1)
+    with pytest.raises(DataError, match=r"needs ranks 0..3, got \[0, 1, 3\]"):
+        merge_states([states[0], states[1], states[3]])

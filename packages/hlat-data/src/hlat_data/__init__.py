@@ -6,7 +6,7 @@ exact resume, for LLM pre-training. Imports without torch.
 
 from hlat_data.convert import convert_to_arrow, corpus_stats
 from hlat_data.errors import DataError
-from hlat_data.loader import PackedLoader
+from hlat_data.loader import PackedLoader, merge_states
 from hlat_data.packer import IGNORE_INDEX, Batch
 from hlat_data.source import ArrowSource
 from hlat_data.tokenizer import Tokenizer, train_tokenizer
@@ -22,5 +22,6 @@ __all__ = [
     "Tokenizer",
     "convert_to_arrow",
     "corpus_stats",
+    "merge_states",
     "train_tokenizer",
 ]

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from hlat_data.errors import DataError
-from hlat_data.order import RankShare, check_layout
+from hlat_data.order import RankShare, ResumedShare, check_layout
 from hlat_data.packer import Batch, Chunk, Packer
 from hlat_data.source import ArrowSource
 from hlat_data.tokenizer import Tokenizer
@@ -107,6 +107,7 @@ class PackedLoader:
         self.num_workers, self.prefetch, self.chunk_docs = num_workers, prefetch, chunk_docs
         self.num_epochs, self.drop_last, self.mp_context = num_epochs, drop_last, mp_context
         self._cursor = (0, 0, 0)  # epoch, share position, token offset of the next input
+        self._resumed: dict[str, Any] | None = None  # old layout, after a dp_size change
         self._batches = 0
         self._active: weakref.ref[Iterator[Batch]] | None = None
         self.empty_documents = 0
@@ -114,8 +115,19 @@ class PackedLoader:
 
     # --- the order -------------------------------------------------------------------------
 
-    def share(self, epoch: int) -> RankShare:
+    def share(self, epoch: int) -> RankShare | ResumedShare:
         """The documents this rank reads in ``epoch``, in order."""
+        if self._resumed is not None and self._resumed["epoch"] == epoch:
+            return ResumedShare(
+                len(self.source),
+                self.block_size,
+                self.seed,
+                epoch,
+                self.dp_rank,
+                self.dp_size,
+                [tuple(c) for c in self._resumed["cursors"]],
+                self.shuffle,
+            )
         return RankShare(
             len(self.source),
             self.block_size,
@@ -258,8 +270,10 @@ class PackedLoader:
         ``position`` of this rank's share of ``epoch``, ``offset`` tokens in.
         """
         epoch, position, offset = self._cursor
+        resumed = self._resumed if self._resumed and self._resumed["epoch"] == epoch else None
         return {
             "format": STATE_FORMAT,
+            "resumed_from": resumed,
             "fingerprint": self.fingerprint(),
             "seed": self.seed,
             "dp_rank": self.dp_rank,
@@ -273,6 +287,14 @@ class PackedLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where ``state`` left off.
 
+        ``state`` is this rank's own :meth:`state_dict`, or :func:`merge_states` of all
+        ranks' states. With a merged state and a different ``dp_size``, the documents of
+        the current epoch that no old rank has read yet are dealt anew to the new ranks
+        (:class:`~hlat_data.order.ResumedShare`); later epochs follow the new layout. That
+        resume is not token-exact: the rest of each document an old rank had started and
+        the tokens it held back for its next row are dropped, and an old rank's progress
+        into a later epoch is read again.
+
         Raises :class:`DataError` naming what differs when the corpus, tokenizer,
         separators, shuffle layout, seed or data-parallel layout do not match.
         """
@@ -283,16 +305,38 @@ class PackedLoader:
         problems = _differences(state["fingerprint"], self.fingerprint())
         if state["seed"] != self.seed:
             problems.append(f"seed: state has {state['seed']}, this loader has {self.seed}")
-        if (state["dp_rank"], state["dp_size"]) != (self.dp_rank, self.dp_size):
+        merged = "ranks" in state
+        if not merged and (state["dp_rank"], state["dp_size"]) != (self.dp_rank, self.dp_size):
             problems.append(
                 f"data-parallel layout: state is rank {state['dp_rank']} of {state['dp_size']}, "
-                f"this loader is rank {self.dp_rank} of {self.dp_size}; load each rank's own state"
+                f"this loader is rank {self.dp_rank} of {self.dp_size}; load each rank's own "
+                "state, or merge_states() of all ranks' states to change dp_size"
             )
         if problems:
             raise DataError("cannot resume the data loader: " + "; ".join(problems))
         self._close_active()
-        self._cursor = (int(state["epoch"]), int(state["position"]), int(state["offset"]))
-        self._batches = int(state["batches"])
+        if not merged:
+            self._resumed = state.get("resumed_from")
+            self._cursor = (int(state["epoch"]), int(state["position"]), int(state["offset"]))
+            self._batches = int(state["batches"])
+            return
+        ranks = state["ranks"]
+        if state["dp_size"] == self.dp_size:
+            own = ranks[self.dp_rank]
+            self._resumed = own.get("resumed_from")
+            self._cursor = (int(own["epoch"]), int(own["position"]), int(own["offset"]))
+            self._batches = int(own["batches"])
+            return
+        if any(r.get("resumed_from") for r in ranks):
+            raise DataError(
+                f"dp_size changed again ({state['dp_size']} -> {self.dp_size}) before the epoch "
+                "of the previous change ended; resume with the previous dp_size until it ends"
+            )
+        cursors = [(int(r["epoch"]), int(r["position"]), int(r["offset"])) for r in ranks]
+        epoch = min(c[0] for c in cursors)
+        self._resumed = {"epoch": epoch, "cursors": [list(c) for c in cursors]}
+        self._cursor = self._normalize((epoch, 0, 0))
+        self._batches = max(int(r["batches"]) for r in ranks)
 
     def __repr__(self) -> str:
         return (
@@ -429,3 +473,33 @@ def _differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
                 f"{key} changed: state has {saved.get(key)}, this loader has {current.get(key)}"
             )
     return out
+
+
+def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """One state for all data-parallel ranks, from each rank's :meth:`PackedLoader.state_dict`.
+
+    Gather the ranks' states (e.g. ``torch.distributed.all_gather_object``) and merge them
+    to checkpoint one global object, or to resume with a different ``dp_size``.
+    """
+    if not states:
+        raise DataError("merge_states needs the state of every rank, got none")
+    first = states[0]
+    size = first["dp_size"]
+    by_rank = {s["dp_rank"]: s for s in states}
+    if sorted(by_rank) != list(range(size)):
+        raise DataError(f"merge_states needs ranks 0..{size - 1}, got {sorted(by_rank)}")
+    for s in states:
+        if (s["fingerprint"], s["seed"], s["dp_size"]) != (
+            first["fingerprint"],
+            first["seed"],
+            size,
+        ):
+            raise DataError(f"rank {s['dp_rank']}'s state reads other data than rank 0's")
+    keys = ("epoch", "position", "offset", "batches", "resumed_from")
+    return {
+        "format": STATE_FORMAT,
+        "fingerprint": first["fingerprint"],
+        "seed": first["seed"],
+        "dp_size": size,
+        "ranks": [{k: by_rank[r][k] for k in keys} for r in range(size)],
+    }

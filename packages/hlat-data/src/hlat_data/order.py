@@ -112,3 +112,61 @@ def check_layout(num_docs: int, block_size: int, dp_rank: int, dp_size: int) -> 
             f"dp_size {dp_size}, so some ranks would get no data; lower block_size to at most "
             f"{max(1, num_docs // dp_size)} or add documents"
         )
+
+
+class ResumedShare:
+    """The rest of an epoch, dealt anew after a resume with a different ``dp_size``.
+
+    ``cursors`` are the old ranks' ``(epoch, position, offset)``. Of this epoch, every old
+    rank still in it leaves the documents after its cursor (a document it had started
+    counts as read); those remainders, cut into pieces of ``block_size`` documents in old
+    rank order, are dealt round-robin to the new ranks. Old ranks already in a later epoch
+    have read all of their share of this one.
+    """
+
+    def __init__(
+        self,
+        num_docs: int,
+        block_size: int,
+        seed: int,
+        epoch: int,
+        dp_rank: int,
+        dp_size: int,
+        cursors: list[tuple[int, int, int]],
+        shuffle: bool = True,
+    ) -> None:
+        if not 0 <= dp_rank < dp_size:
+            raise DataError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1} (dp_size {dp_size})")
+        self.epoch = epoch
+        self._old: dict[int, RankShare] = {}
+        pieces: list[tuple[int, int, int]] = []
+        for rank, (old_epoch, position, offset) in enumerate(cursors):
+            if old_epoch != epoch:
+                continue
+            old = RankShare(num_docs, block_size, seed, epoch, rank, len(cursors), shuffle)
+            self._old[rank] = old
+            start = position + (1 if offset else 0)
+            pieces += [
+                (rank, s, min(s + block_size, len(old))) for s in range(start, len(old), block_size)
+            ]
+        self.pieces = pieces[dp_rank::dp_size]
+        self._ends = np.cumsum([stop - start for _, start, stop in self.pieces], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def documents(self, start: int, stop: int) -> np.ndarray:
+        """Document ids at positions ``start:stop`` of this share."""
+        stop = min(stop, len(self))
+        out = []
+        position = start
+        while position < stop:
+            k = int(np.searchsorted(self._ends, position, side="right"))
+            piece_start = int(self._ends[k - 1]) if k else 0
+            rank, begin, end = self.pieces[k]
+            take = self._old[rank].documents(
+                begin + position - piece_start, min(end, begin + stop - piece_start)
+            )
+            out.append(take)
+            position += len(take)
+        return np.concatenate(out) if out else np.empty(0, dtype=np.int64)

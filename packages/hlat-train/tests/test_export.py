@@ -1,0 +1,96 @@
+"""`hlat-train export-hf`: a Hugging Face Llama directory from checkpoints of any layout."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from train_helpers import tiny_config
+
+from hlat_ckpt import consolidate
+from hlat_model import Llama
+from hlat_train import ConfigError, Trainer, export_hf
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export-run")
+    config = tiny_config(corpus, out, steps=4)
+    trainer = Trainer(config)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return config, out / "checkpoints"
+
+
+def test_exported_model_loads_in_transformers_with_the_same_logits(trained, tmp_path):
+    config, checkpoints = trained
+    out = export_hf(str(checkpoints), str(tmp_path / "hf"), dtype="float32")
+    hf = transformers.LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    llama = Llama(config.llama_config(384))
+    llama.load_state_dict(consolidate(str(checkpoints))["model"])
+    ids = torch.randint(0, 384, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, llama(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_exported_tokenizer_matches_sentencepiece_and_the_model_generates(
+    corpus, trained, tmp_path
+):
+    from hlat_data import Tokenizer
+
+    _, checkpoints = trained
+    out = export_hf(str(checkpoints), str(tmp_path / "hf"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    reference = Tokenizer.from_file(corpus["tokenizer"])
+    text = "def main(argv):\n    return 0\n"
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] == reference.encode(text)
+    assert tokenizer.eos_token_id == reference.eos_id
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    prompt = tokenizer("def ", return_tensors="pt")
+    generated = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+    assert generated.shape[1] > prompt["input_ids"].shape[1]
+    assert isinstance(tokenizer.decode(generated[0]), str)
+
+
+def test_a_tp2_checkpoint_exports_like_the_single_process_one(corpus, tmp_path, trained):
+    """A checkpoint written at tp=2 by torchrun exports to the same tensors as tp=1."""
+    from safetensors.torch import load_file
+    from train_helpers import torchrun, write_config
+
+    _, single = trained
+    config = tiny_config(corpus, tmp_path / "tp2", "--parallel.tp=2", steps=4)
+    proc = torchrun(2, write_config(config, tmp_path / "tp2.toml"), stdout=subprocess.DEVNULL)
+    assert proc.wait(timeout=300) == 0
+    a = load_file(
+        export_hf(str(tmp_path / "tp2" / "checkpoints"), str(tmp_path / "a"), dtype="float32")
+        + "/model.safetensors"
+    )
+    b = load_file(
+        export_hf(str(single), str(tmp_path / "b"), dtype="float32") + "/model.safetensors"
+    )
+    assert set(a) == set(b)
+    for name in b:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-5)
+
+
+def test_export_of_a_directory_without_a_run_config_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"hlat-train-config\.toml"):
+        export_hf(str(tmp_path), str(tmp_path / "out"))
+
+
+def test_export_hf_command_writes_the_directory(trained, tmp_path):
+    _, checkpoints = trained
+    result = subprocess.run(
+        [sys.executable, "-m", "hlat_train", "export-hf", str(checkpoints), str(tmp_path / "cli")],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    names = {p.name for p in (tmp_path / "cli").iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.model", "tokenizer_config.json"} <= names

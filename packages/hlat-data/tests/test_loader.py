@@ -310,3 +310,14 @@ def test_merging_an_incomplete_set_of_ranks_is_an_error(source, tokenizer):
     states, _ = _consumed(source, tokenizer, 4, steps=1)
     with pytest.raises(DataError, match=r"needs ranks 0..3, got \[0, 1, 3\]"):
         merge_states([states[0], states[1], states[3]])
+
+
+def test_an_error_in_a_worker_reaches_the_caller_with_its_message(
+    tmp_path, tokenizer, arrow_writer
+):
+    path = arrow_writer(
+        tmp_path / "nulls.arrow", ["fine text"] * 30 + [None] + ["more"] * 9, batch_rows=8
+    )
+    loader = make_loader(ArrowSource(path), tokenizer, num_workers=1, shuffle=False, block_size=8)
+    with pytest.raises(DataError, match=r"nulls\.arrow: row 30 has a null 'text'"):
+        list(itertools.islice(loader, 1000))

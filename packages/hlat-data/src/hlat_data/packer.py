@@ -21,7 +21,7 @@ IGNORE_INDEX = -100
 
 
 class Batch(NamedTuple):
-    """One micro-batch of packed rows, as NumPy arrays.
+    """One micro-batch of packed rows, as int64 NumPy arrays.
 
     Attributes:
         input_ids: [B, S] token ids.

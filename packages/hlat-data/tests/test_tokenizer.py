@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from hlat_data import ArrowSource, DataError, PackedLoader, Tokenizer
+
+
+def test_sentencepiece_ids_come_from_the_model_and_survive_pickling(tokenizer, documents):
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (1, 2)
+    clone = pickle.loads(pickle.dumps(tokenizer))
+    texts = [d for d in documents if d][:5]
+    assert clone.encode_batch(texts) == tokenizer.encode_batch(texts)
+    assert clone.fingerprint() == tokenizer.fingerprint()
+
+
+def test_batch_encoding_on_several_threads_equals_one_by_one(tokenizer_path, documents):
+    tokenizer = Tokenizer.from_file(tokenizer_path, num_threads=2)
+    texts = [d for d in documents if d]
+    assert tokenizer.encode_batch(texts) == [tokenizer.encode(t) for t in texts]
+
+
+def test_hugging_face_tokenizer_json_packs_with_its_eos(tmp_path, corpus, documents):
+    tokenizers = pytest.importorskip("tokenizers")
+    model = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"]
+    )
+    model.train_from_iterator([d for d in documents if d], trainer)
+    model.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(tmp_path / "tokenizer.json")
+    assert (tokenizer.kind, tokenizer.bos_id, tokenizer.eos_id) == ("hf", 1, 2)
+    loader = PackedLoader(
+        ArrowSource(corpus), tokenizer, 64, 2, block_size=4, num_epochs=1, drop_last=False
+    )
+    eos = sum(int((b.input_ids.reshape(-1)[: b.doc_lens.sum()] == 2).sum()) for b in loader)
+    assert eos == sum(1 for d in documents if d)
+    assert pickle.loads(pickle.dumps(tokenizer)).encode("def f(): pass") == tokenizer.encode(
+        "def f(): pass"
+    )
+
+
+def test_a_file_that_is_not_a_model_is_an_error(tmp_path):
+    (tmp_path / "bad.model").write_bytes(b"not a model")
+    with pytest.raises(DataError, match=r"bad\.model is not a SentencePiece model"):
+        Tokenizer.from_file(tmp_path / "bad.model")
+
+
+def test_loader_without_an_eos_token_is_an_error(tmp_path, corpus):
+    tokenizers = pytest.importorskip("tokenizers")
+    model = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")
+    )
+    model.save(str(tmp_path / "plain.json"))
+    with pytest.raises(DataError, match=r"add_eos=True but tokenizer plain\.json has no EOS token"):
+        PackedLoader(
+            ArrowSource(corpus), Tokenizer.from_file(tmp_path / "plain.json"), 64, 2, block_size=4
+        )

@@ -16,6 +16,17 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
     return None
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Benchmarks (``packages/*/benchmarks``) run only under ``--benchmark-only`` (``nox -s bench``):
+    they take minutes and measure, rather than check, behaviour."""
+    if config.getoption("benchmark_only", default=False):
+        return
+    skip = pytest.mark.skip(reason="benchmark: run with --benchmark-only (nox -s bench)")
+    for item in items:
+        if "benchmarks" in item.path.parts[:-1]:
+            item.add_marker(skip)
+
+
 class ReadmeFile(pytest.File):
     def collect(self):
         code = "\n".join(_BLOCK.findall(self.path.read_text()))

@@ -13,15 +13,6 @@ def optimizer_results() -> dict[str, dict[str, float]]:
     return RESULTS
 
 
-def pytest_collection_modifyitems(config, items):
-    # 50M-parameter steps for seven optimizers do not belong in the test suite.
-    if not config.getoption("benchmark_only", default=False):
-        skip = pytest.mark.skip(reason="benchmark: run with --benchmark-only (nox -s bench)")
-        for item in items:
-            if "benchmarks" in str(item.path) and "hlat-optim" in str(item.path):
-                item.add_marker(skip)
-
-
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not RESULTS:
         return

@@ -1,5 +1,4 @@
-"""Keeps the multi-process throughput runs out of the test suite (``nox -s bench`` passes
---benchmark-only) and prints their comparison table at the end of the run."""
+"""Prints the tensor-parallel throughput comparison table at the end of the benchmark run."""
 
 from __future__ import annotations
 
@@ -12,14 +11,6 @@ RESULTS: dict[str, dict] = {}
 def tp_results() -> dict[str, dict]:
     """Filled by each throughput run, printed at the end of the session."""
     return RESULTS
-
-
-def pytest_collection_modifyitems(config, items):
-    if not config.getoption("benchmark_only", default=False):
-        skip = pytest.mark.skip(reason="benchmark: run with --benchmark-only (nox -s bench)")
-        for item in items:
-            if "hlat-parallel/benchmarks" in str(item.path):
-                item.add_marker(skip)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

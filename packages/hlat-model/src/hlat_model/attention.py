@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hlat_model.linear import cpu_has_native_bf16
+
 
 def document_ids(doc_lens: torch.Tensor, seq_len: int) -> torch.Tensor:
     """[B, S] index of the document each token belongs to.
@@ -68,6 +70,10 @@ def attention(
 
     Softmax statistics accumulate in fp32 in every kernel used here, also for bf16 inputs.
     """
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not cpu_has_native_bf16():
+        # Note: the CPU flash kernel's backward multiplies in bf16, emulated (10x slower) on
+        # CPUs without bf16 instructions; fp32 operands give the same fp32-accumulated result.
+        return attention(q.float(), k.float(), v.float(), mask).to(q.dtype)
     gqa = q.shape[1] != k.shape[1]
     if mask.backend == "causal":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)

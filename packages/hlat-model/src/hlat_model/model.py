@@ -17,7 +17,7 @@ Fused layouts (TP-independent; see ``parallel_plan``):
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hlat_model.attention import AttentionMask, attention, document_positions
 from hlat_model.config import LlamaConfig
+from hlat_model.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -73,8 +74,8 @@ class Attention(nn.Module):
         self.q_per_kv = config.q_per_kv
         self.selective = config.checkpointing == "selective"
         qkv_rows = (config.n_heads + 2 * config.kv_heads) * config.head_dim
-        self.qkv_proj = nn.Linear(config.dim, qkv_rows, bias=False)
-        self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+        self.qkv_proj = Linear(config.dim, qkv_rows)
+        self.o_proj = Linear(config.n_heads * config.head_dim, config.dim)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask
@@ -97,8 +98,8 @@ class MLP(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.selective = config.checkpointing == "selective"
-        self.gate_up_proj = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
+        self.gate_up_proj = Linear(config.dim, 2 * config.ffn_dim)
+        self.down_proj = Linear(config.ffn_dim, config.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -145,7 +146,7 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.dim, config.vocab_size)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         if self.embed_tokens.weight.device.type != "meta":
@@ -161,7 +162,7 @@ class Llama(nn.Module):
         std = self.config.init_std
         out_std = std / math.sqrt(2 * self.config.n_layers) if self.config.scaled_init else std
         nn.init.normal_(self.embed_tokens.weight, std=std)
-        for block in self.layers:
+        for block in cast("list[Block]", list(self.layers)):
             nn.init.normal_(block.attention.qkv_proj.weight, std=std)
             nn.init.normal_(block.attention.o_proj.weight, std=out_std)
             nn.init.normal_(block.mlp.gate_up_proj.weight, std=std)

@@ -1,0 +1,114 @@
+"""Training-step throughput of hlat-model against Hugging Face's LlamaForCausalLM.
+
+Both models have the same shape (8 layers, hidden 512, FFN 1376, vocab 8192, 8 heads) and run
+forward + backward on batch 4 x 512 tokens. The peer step runs in the (untimed) setup of every
+round, so both see the same machine state; its time is taken by hand. A third figure is the
+matrix products alone (the model's own GEMM shapes, forward and backward, through the same
+``Linear``), the ceiling that the rest of the step (attention, norms, RoPE, loss) eats into.
+
+Run: ``nox -s bench -- packages/hlat-model/benchmarks``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from hlat_model import Llama, LlamaConfig, cross_entropy_loss, flops_per_token
+from hlat_model.linear import Linear
+
+transformers = pytest.importorskip("transformers")
+
+BATCH, SEQ = 4, 512
+CONFIG = dict(vocab_size=8192, dim=512, n_layers=8, n_heads=8, ffn_dim=1376, max_seq_len=SEQ)
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+ROUNDS = int(os.environ.get("HLAT_BENCH_ROUNDS", "3"))
+
+
+def _hf_model(dtype: torch.dtype) -> torch.nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=CONFIG["vocab_size"],
+        hidden_size=CONFIG["dim"],
+        intermediate_size=CONFIG["ffn_dim"],
+        num_hidden_layers=CONFIG["n_layers"],
+        num_attention_heads=CONFIG["n_heads"],
+        num_key_value_heads=CONFIG["n_heads"],
+        max_position_embeddings=SEQ,
+    )
+    return transformers.LlamaForCausalLM(config).to(dtype)
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _gemm_step(config: LlamaConfig, dtype: torch.dtype):
+    """Forward + backward of every linear layer of the model at its real shapes, nothing else."""
+    shapes = [
+        (config.dim, (config.n_heads + 2 * config.kv_heads) * config.head_dim),
+        (config.n_heads * config.head_dim, config.dim),
+        (config.dim, 2 * config.ffn_dim),
+        (config.ffn_dim, config.dim),
+    ] * config.n_layers + [(config.dim, config.vocab_size)]
+    layers = [Linear(i, o).to(dtype) for i, o in shapes]
+    inputs = [torch.randn(BATCH, SEQ, i, dtype=dtype, requires_grad=True) for i, _ in shapes]
+
+    def step() -> None:
+        for layer, x in zip(layers, inputs, strict=True):
+            layer(x).sum().backward()
+
+    return step
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_train_step_tokens_per_second(benchmark, dtype):
+    torch.manual_seed(0)
+    torch_dtype = DTYPES[dtype]
+    config = LlamaConfig(**CONFIG)
+    ours, peer = Llama(config).to(torch_dtype), _hf_model(torch_dtype)
+    tokens = torch.randint(0, config.vocab_size, (BATCH, SEQ + 1))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+
+    def ours_step() -> None:
+        cross_entropy_loss(ours(inputs), labels).backward()
+        ours.zero_grad(set_to_none=True)
+
+    def peer_step() -> None:
+        peer(inputs, labels=inputs).loss.backward()  # HF shifts labels itself
+        peer.zero_grad(set_to_none=True)
+
+    gemms = _gemm_step(config, torch_dtype)
+    peer_times: list[float] = []
+    gemm_times: list[float] = []
+
+    def setup() -> None:
+        peer_times.append(_timed(peer_step))
+        gemm_times.append(_timed(gemms))
+
+    ours_step()  # warm-up of both, outside the measurement
+    setup()
+    peer_times.clear(), gemm_times.clear()
+    benchmark.pedantic(ours_step, setup=setup, rounds=ROUNDS, iterations=1)
+
+    tokens_per_step = BATCH * SEQ
+    ours_tps = tokens_per_step / benchmark.stats.stats.min
+    peer_tps = tokens_per_step / min(peer_times)
+    model_flops = flops_per_token(config, SEQ) * tokens_per_step
+    gemm_flops = 6 * sum(p.numel() for p in ours.parameters() if p.dim() == 2) * tokens_per_step
+    gemm_flops -= 6 * ours.embed_tokens.weight.numel() * tokens_per_step
+    benchmark.extra_info.update(
+        tokens_per_s=round(ours_tps),
+        hf_tokens_per_s=round(peer_tps),
+        speedup_vs_hf=round(ours_tps / peer_tps, 3),
+        model_gflops=round(model_flops / benchmark.stats.stats.min / 1e9, 1),
+        matmul_only_gflops=round(gemm_flops / min(gemm_times) / 1e9, 1),
+        fraction_of_matmul=round(
+            (model_flops / benchmark.stats.stats.min) / (gemm_flops / min(gemm_times)), 3
+        ),
+    )
+    print(f"\n[{dtype}] {benchmark.extra_info}")

@@ -1,0 +1,64 @@
+"""A bias-free ``nn.Linear`` that stays fast for bf16 on CPUs without native bf16 math.
+
+On x86 CPUs without AVX512-BF16/AMX, oneDNN emulates bf16 matrix products and runs them 5-50x
+slower than fp32 (worst for the transposed layouts of backward). There we compute the
+product in fp32 from the bf16 operands and round the result to bf16: the same numbers a
+native bf16 GEMM produces (bf16 inputs, fp32 accumulation, bf16 output), at fp32 speed, with
+only bf16 tensors saved for backward. Everywhere else (GPU, Neuron, DTensor shards, CPUs with
+native bf16, other dtypes) it is exactly ``nn.Linear``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (oneDNN's own check)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except Exception:  # private op missing in some builds: assume native (plain F.linear)
+        return True
+
+
+class _Fp32AccumulateLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return F.linear(x.float(), weight.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x, weight = ctx.saved_tensors
+        grad32 = grad.float()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad32 @ weight.float()).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            flat_grad = grad32.reshape(-1, grad32.shape[-1])
+            grad_w = (flat_grad.t() @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
+        return grad_x, grad_w
+
+
+class Linear(nn.Linear):
+    """``nn.Linear(in, out, bias=False)``; see the module docstring for the CPU bf16 path."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if (
+            x.dtype == torch.bfloat16
+            and x.device.type == "cpu"
+            and type(x) is torch.Tensor
+            and type(weight) is nn.Parameter
+            and not cpu_has_native_bf16()
+        ):
+            return _Fp32AccumulateLinear.apply(x, weight)
+        return F.linear(x, weight)

@@ -1,0 +1,30 @@
+import pytest
+import torch
+
+from hlat_model import Llama, LlamaConfig, cross_entropy_loss
+
+
+def _grads(mode: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.preset("tiny", n_layers=2, checkpointing=mode)).to(dtype)
+    tokens = torch.randint(0, 8192, (2, 65), generator=torch.Generator().manual_seed(1))
+    doc_lens = torch.tensor([[30, 34], [64, 0]])
+    loss = cross_entropy_loss(model(tokens[:, :-1], doc_lens=doc_lens), tokens[:, 1:])
+    loss.backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_checkpointing_modes_give_the_gradients_of_no_checkpointing(mode, dtype):
+    expected, got = _grads("none", dtype), _grads(mode, dtype)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+
+
+def test_checkpointing_mode_does_not_change_parameter_names():
+    names = {
+        m: list(Llama(LlamaConfig.preset("tiny", checkpointing=m)).state_dict())
+        for m in ("none", "selective", "full")
+    }
+    assert names["none"] == names["selective"] == names["full"]

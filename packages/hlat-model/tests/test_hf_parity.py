@@ -1,0 +1,108 @@
+"""hlat-model against Hugging Face transformers' LlamaForCausalLM with the same weights."""
+
+import pytest
+import torch
+
+from hlat_model import cross_entropy_loss
+from hlat_model.hf import config_from_hf, config_to_hf, from_hf, to_hf
+
+transformers = pytest.importorskip("transformers")
+
+CONFIGS = {
+    "mha": dict(num_attention_heads=8, num_key_value_heads=8),
+    "gqa": dict(num_attention_heads=8, num_key_value_heads=2),
+}
+
+
+def _hf_model(kind: str, **extra):
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=3,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+        **CONFIGS[kind],
+        **extra,
+    )
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():  # HF initialises norms to ones: make them non-trivial
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_logits_match_transformers_in_fp32(kind):
+    hf = _hf_model(kind)
+    ours = from_hf(hf.state_dict(), hf.config).eval()
+    tokens = torch.randint(0, 512, (2, 64))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        got = ours(tokens)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_export_returns_the_original_hf_state_dict(kind):
+    hf = _hf_model(kind)
+    original = hf.state_dict()
+    exported = to_hf(from_hf(original, hf.config))
+    assert set(exported) == set(original)
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_loss_gradients_match_transformers(kind):
+    hf = _hf_model(kind)
+    ours = from_hf(hf.state_dict(), hf.config)
+    tokens = torch.randint(0, 512, (2, 33))
+    hf_loss = hf(tokens, labels=tokens).loss
+    hf_loss.backward()
+    loss = cross_entropy_loss(ours(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=1e-6)
+    ours_grads = to_hf_grads(ours)
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(ours_grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def to_hf_grads(model):
+    from hlat_model.hf import state_dict_to_hf
+
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    return state_dict_to_hf(grads, model.config)
+
+
+def test_tied_embeddings_round_trip():
+    hf = _hf_model("gqa")
+    hf.config.tie_word_embeddings = True
+    state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    ours = from_hf(state, hf.config)
+    assert ours.lm_head.weight is ours.embed_tokens.weight
+    assert set(to_hf(ours)) == set(state)
+
+
+def test_config_round_trips_through_hf_json():
+    hf = _hf_model("gqa")
+    config = config_from_hf(hf.config)
+    as_json = config_to_hf(config)
+    assert config_from_hf(as_json) == config
+    rebuilt = transformers.LlamaConfig(**as_json)
+    assert rebuilt.num_key_value_heads == 2 and rebuilt.intermediate_size == 344
+
+
+def test_non_llama_or_biased_configs_are_refused():
+    with pytest.raises(ValueError, match="expected a Llama config"):
+        config_from_hf({"model_type": "mistral"})
+    base = config_to_hf(config_from_hf(_hf_model("mha").config))
+    with pytest.raises(ValueError, match="attention_bias=True is not supported"):
+        config_from_hf({**base, "attention_bias": True})
+    with pytest.raises(ValueError, match="rope_scaling"):
+        config_from_hf({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})

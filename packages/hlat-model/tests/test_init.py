@@ -1,0 +1,44 @@
+import math
+
+import torch
+
+from hlat_model import Llama, LlamaConfig
+
+
+def _std_ok(t: torch.Tensor, std: float) -> bool:
+    # The sample std of n normals has standard error std / sqrt(2n); allow 6 of them.
+    n = t.numel()
+    return abs(t.float().std().item() - std) < 6 * std / math.sqrt(2 * n) and abs(
+        t.float().mean().item()
+    ) < 6 * std / math.sqrt(n)
+
+
+def test_meta_build_then_init_weights_gives_configured_and_scaled_std():
+    config = LlamaConfig.preset("tiny", init_std=0.021)
+    with torch.device("meta"):
+        model = Llama(config)
+    assert model.lm_head.weight.is_meta
+    model.to_empty(device="cpu")
+    model.init_weights()
+    scaled = 0.021 / math.sqrt(2 * config.n_layers)
+    assert _std_ok(model.embed_tokens.weight, 0.021)
+    assert _std_ok(model.lm_head.weight, 0.021)
+    for block in model.layers:
+        assert _std_ok(block.attention.qkv_proj.weight, 0.021)
+        assert _std_ok(block.mlp.gate_up_proj.weight, 0.021)
+        assert _std_ok(block.attention.o_proj.weight, scaled)
+        assert _std_ok(block.mlp.down_proj.weight, scaled)
+        assert torch.equal(block.attention_norm.weight, torch.ones(config.dim))
+    assert torch.equal(model.norm.weight, torch.ones(config.dim))
+
+
+def test_scaled_init_can_be_turned_off():
+    model = Llama(LlamaConfig.preset("tiny", init_std=0.02, scaled_init=False))
+    assert _std_ok(model.layers[0].attention.o_proj.weight, 0.02)
+
+
+def test_tied_embeddings_share_one_tensor():
+    model = Llama(LlamaConfig.preset("tiny", tie_embeddings=True))
+    assert model.lm_head.weight is model.embed_tokens.weight
+    untied = Llama(LlamaConfig.preset("tiny"))
+    assert model.num_params() == untied.num_params() - untied.lm_head.weight.numel()

@@ -62,7 +62,8 @@ def _install(session: nox.Session, packages: list[str], extra: str, editable: bo
 def tests(session: nox.Session) -> None:
     """All packages installed editable in one environment; every test suite and README example."""
     _install(session, PACKAGES, "test", editable=True)
-    session.run("pytest", *(f"packages/{p}" for p in PACKAGES), *session.posargs)
+    repo_tests = ["tests"] if (ROOT / "tests").is_dir() else []  # tools/ and docs/
+    session.run("pytest", *(f"packages/{p}" for p in PACKAGES), *repo_tests, *session.posargs)
 
 
 for _package in PACKAGES:

@@ -4,7 +4,8 @@ Both models have the same shape (8 layers, hidden 512, FFN 1376, vocab 8192, 8 h
 forward + backward on batch 4 x 512 tokens. The peer step runs in the (untimed) setup of every
 round, so both see the same machine state; its time is taken by hand. A third figure is the
 matrix products alone (the model's own GEMM shapes, forward and backward, through the same
-``Linear``), the ceiling that the rest of the step (attention, norms, RoPE, loss) eats into.
+``Linear`` and through torch's ``nn.Linear``), the ceiling that the rest of the step
+(attention, norms, RoPE, loss) eats into.
 
 Run: ``nox -s bench -- packages/hlat-model/benchmarks``.
 """
@@ -47,15 +48,18 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _gemm_step(config: LlamaConfig, dtype: torch.dtype):
-    """Forward + backward of every linear layer of the model at its real shapes, nothing else."""
+def _gemm_step(config: LlamaConfig, dtype: torch.dtype, native: bool = False):
+    """Forward + backward of every linear layer of the model at its real shapes, nothing else:
+    through hlat-model's ``Linear``, or (``native``) torch's own ``nn.Linear``."""
     shapes = [
         (config.dim, (config.n_heads + 2 * config.kv_heads) * config.head_dim),
         (config.n_heads * config.head_dim, config.dim),
         (config.dim, 2 * config.ffn_dim),
         (config.ffn_dim, config.dim),
     ] * config.n_layers + [(config.dim, config.vocab_size)]
-    layers = [Linear(i, o).to(dtype) for i, o in shapes]
+    layers = [
+        (torch.nn.Linear(i, o, bias=False) if native else Linear(i, o)).to(dtype) for i, o in shapes
+    ]
     inputs = [torch.randn(BATCH, SEQ, i, dtype=dtype, requires_grad=True) for i, _ in shapes]
 
     def step() -> None:
@@ -94,6 +98,7 @@ def test_train_step_tokens_per_second(benchmark, dtype):
     setup()
     peer_times.clear(), gemm_times.clear()
     benchmark.pedantic(ours_step, setup=setup, rounds=ROUNDS, iterations=1)
+    native_gemm_time = _timed(_gemm_step(config, torch_dtype, native=True))
 
     tokens_per_step = BATCH * SEQ
     ours_tps = tokens_per_step / benchmark.stats.stats.min
@@ -107,6 +112,7 @@ def test_train_step_tokens_per_second(benchmark, dtype):
         speedup_vs_hf=round(ours_tps / peer_tps, 3),
         model_gflops=round(model_flops / benchmark.stats.stats.min / 1e9, 1),
         matmul_only_gflops=round(gemm_flops / min(gemm_times) / 1e9, 1),
+        torch_matmul_gflops=round(gemm_flops / native_gemm_time / 1e9, 1),
         fraction_of_matmul=round(
             (model_flops / benchmark.stats.stats.min) / (gemm_flops / min(gemm_times)), 3
         ),

@@ -71,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="runs/demo", help="run directory (default runs/demo)")
     demo.add_argument("--cache-dir", default=None, help="corpus/tokenizer cache (~/.cache/hlat)")
     demo.add_argument("--max-files", type=int, default=None, help="use only the first N files")
+    demo.add_argument("--vocab-size", type=int, default=4096, help="tokenizer pieces (4096)")
 
     export = sub.add_parser("export-hf", help="a Hugging Face Llama directory from a checkpoint")
     export.add_argument("checkpoint", help="checkpoint root or step_<N> directory (or URL)")
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.out,
                 _overrides(extra),
                 max_files=args.max_files,
+                vocab_size=args.vocab_size,
             )
             _report(summary)
             return EXIT_PREEMPTED if summary["preempted"] else 0
@@ -144,6 +146,8 @@ def _report(summary: dict) -> None:
         )
     else:
         print(f"hlat-train: nothing to train: already at step {summary['step']}")
+    if summary.get("out_of_time"):
+        print("hlat-train: stopped at train.time_limit; run the same command again to continue")
     if "sample" in summary:
         print("hlat-train: sample:\n" + summary["sample"])
     print(json.dumps({k: v for k, v in summary.items() if k != "sample"}))

@@ -86,7 +86,8 @@ def train_code_tokenizer(
     whitespace-only pieces for indentation, byte fallback for newlines and rare
     characters), so code keeps its layout and Hugging Face's ``LlamaTokenizer`` reproduces
     the ids exactly. Documents are fed in pieces of up to 2,000 characters (SentencePiece
-    drops longer sentences), at most ``max_chars`` in all. Returns the ``.model`` path.
+    drops longer sentences), at most ``max_chars`` in all; a corpus too small for
+    ``vocab_size`` gets fewer pieces. Returns the ``.model`` path.
 
     Note: ``hlat_data.train_tokenizer`` uses SentencePiece's default normalisation, which
     collapses runs of whitespace and drops newlines: fine for prose, not for code.
@@ -122,6 +123,7 @@ def train_code_tokenizer(
         split_digits=True,
         character_coverage=0.9995,
         max_sentence_length=8192,
+        hard_vocab_limit=False,  # a small corpus gets fewer pieces instead of an error
         unk_id=0,
         bos_id=1,
         eos_id=2,
@@ -149,6 +151,7 @@ def demo_config(
     overrides: list[str] | None = None,
     *,
     max_files: int | None = None,
+    vocab_size: int = DEMO_VOCAB,
 ) -> TrainConfig:
     """The ``tiny-demo`` preset pointed at the cached corpus and tokenizer."""
     corpus_dir = os.path.join(
@@ -157,7 +160,7 @@ def demo_config(
         + (f"-{max_files}" if max_files else ""),
     )
     train, valid = build_corpus(corpus_dir, max_files)
-    tokenizer = build_tokenizer(train, corpus_dir)
+    tokenizer = build_tokenizer(train, corpus_dir, vocab_size)
     base = [
         f"--data.paths={_toml_string_list([train])}",
         f"--data.valid_paths={_toml_string_list([valid])}",
@@ -181,12 +184,13 @@ def run_demo(
     overrides: list[str] | None = None,
     *,
     max_files: int | None = None,
+    vocab_size: int = DEMO_VOCAB,
 ) -> dict[str, Any]:
     """Build (or reuse) corpus and tokenizer, train, sample from ``train.sample_prompt``."""
     from hlat_train.trainer import Trainer
 
     start = time.perf_counter()
-    config = demo_config(cache_dir, out_dir, overrides, max_files=max_files)
+    config = demo_config(cache_dir, out_dir, overrides, max_files=max_files, vocab_size=vocab_size)
     prepared = time.perf_counter() - start
     print(
         f"hlat-train demo: corpus and tokenizer ready in {prepared:.1f}s under {cache_dir}",

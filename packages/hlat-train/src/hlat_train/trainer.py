@@ -119,6 +119,8 @@ class Trainer:
             config, self.world_size, local_world_size=int(local) if local else None
         )
         self.preempted = False
+        self.out_of_time = False
+        self._deadline = math.inf
         self._last_index = -1
         self._spike_injections = set(config.spike.inject_at)
 
@@ -243,6 +245,8 @@ class Trainer:
         batches = self._batches()
         tokens_per_step = c.data.seq_len * c.data.micro_batch_size * self.grad_accum * self.dims.dp
         first_loss = last_loss = math.nan
+        if c.train.time_limit:
+            self._deadline = time.monotonic() + c.train.time_limit
         last_saved = start if resumed is not None else -1
         try:
             while self.state.step < c.train.steps:
@@ -318,8 +322,8 @@ class Trainer:
                     self.checkpointer.save(step, self.checkpoint_state)
                     last_saved = step
                 if stop:
-                    self.preempted = True
-                    self._log(f"SIGTERM: saved step {step}, exiting")
+                    reason = "time limit" if self.out_of_time else "SIGTERM"
+                    self._log(f"{reason}: saved step {step}, exiting")
                     break
             if self.state.step > last_saved and self.state.step > 0:
                 self.checkpointer.save(self.state.step, self.checkpoint_state)
@@ -331,6 +335,7 @@ class Trainer:
             "step": self.state.step,
             "resumed_from": resumed,
             "preempted": self.preempted,
+            "out_of_time": self.out_of_time,
             "first_loss": first_loss,
             "last_loss": last_loss,
             "out_dir": c.train.out_dir,
@@ -366,11 +371,14 @@ class Trainer:
         # Note: gradients are only reduced across data-parallel ranks on the last micro-step
         no_sync = contextlib.nullcontext() if sync else no_grad_sync(self.model)
         with no_sync, loss_parallel(self.dims):
-            logits = self.model(
-                tensor(batch.input_ids),
-                position_ids=tensor(batch.position_ids),
-                doc_lens=tensor(batch.doc_lens),
-            )
+            if self.config.data.document_mask:
+                logits = self.model(
+                    tensor(batch.input_ids),
+                    position_ids=tensor(batch.position_ids),
+                    doc_lens=tensor(batch.doc_lens),
+                )
+            else:
+                logits = self.model(tensor(batch.input_ids))
             loss = cross_entropy_loss(logits, tensor(batch.labels)) / self.grad_accum
             loss.backward()
         return _full(loss)
@@ -450,7 +458,11 @@ class Trainer:
             with loss_parallel(self.dims):
                 ids = torch.from_numpy(batch.input_ids).to(self.device, torch.long)
                 labels = torch.from_numpy(batch.labels).to(self.device, torch.long)
-                doc_lens = torch.from_numpy(batch.doc_lens).to(self.device, torch.long)
+                doc_lens = (
+                    torch.from_numpy(batch.doc_lens).to(self.device, torch.long)
+                    if c.data.document_mask
+                    else None
+                )
                 loss = cross_entropy_loss(self.model(ids, doc_lens=doc_lens), labels)
             total += _full(loss).float().cpu()
             count += 1
@@ -507,12 +519,16 @@ class Trainer:
         self.preempted = True
 
     def _stop_requested(self) -> bool:
-        """Whether any rank got SIGTERM; all ranks agree, so they stop at the same step."""
-        if self.world_size == 1:
-            return self.preempted
-        flag = torch.tensor([1 if self.preempted else 0], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        """Whether any rank got SIGTERM (1) or ran out of time (2); all ranks agree, so they
+        stop at the same step."""
+        code = 1 if self.preempted else 2 if time.monotonic() > self._deadline else 0
+        if self.world_size > 1:
+            flag = torch.tensor([code], dtype=torch.int32, device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            code = int(flag.item())
+        self.preempted = code == 1
+        self.out_of_time = code == 2
+        return code > 0
 
     @torch.no_grad()
     def generate(self, prompt: str, max_new_tokens: int = 48) -> str:

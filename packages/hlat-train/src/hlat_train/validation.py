@@ -127,14 +127,17 @@ def validate(
             f"{config.model.preset!r}; set model.max_seq_len or data.seq_len"
         )
     try:
-        check_parallel_config(
-            world_size if world_size is not None else par.tp * max(par.dp, 1),
-            par.tp,
-            par.sp,
-            n_heads=llama.n_heads,
-            n_kv_heads=llama.kv_heads,
-            seq_len=data.seq_len,
-        )
+        # the model's rules first (they hold for any world size), then the launch's
+        for world in (par.tp, world_size):
+            if world is not None:
+                check_parallel_config(
+                    world,
+                    par.tp,
+                    par.sp,
+                    n_heads=llama.n_heads,
+                    n_kv_heads=llama.kv_heads,
+                    seq_len=data.seq_len,
+                )
     except ParallelConfigError as e:
         raise ConfigError(f"parallel.tp = {par.tp}: {e}") from None
     if llama.vocab_size % par.tp:

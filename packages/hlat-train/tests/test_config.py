@@ -1,0 +1,146 @@
+"""TrainConfig: presets, overrides, suggestions, validation before any work starts."""
+
+from __future__ import annotations
+
+import sys
+import tomllib
+
+import pytest
+import torch.distributed as dist
+from train_helpers import tiny_config
+
+from hlat_train import ConfigError, TrainConfig, Trainer, preset_names, validate
+from hlat_train.cli import main
+
+
+@pytest.mark.parametrize("name", ["tiny-demo", "hlat-7b", "llama2-7b-trn1-128", "llama3-8b"])
+def test_every_preset_parses_and_validates(name):
+    assert name in preset_names()
+    config = TrainConfig.preset(name)
+    llama = validate(config, check_files=False)
+    assert llama.n_heads % config.parallel.tp == 0
+
+
+def test_hlat_7b_preset_is_the_papers_recipe():
+    c = TrainConfig.preset("hlat-7b")
+    llama = validate(c, check_files=False)
+    assert (llama.n_layers, llama.dim, llama.n_heads, llama.ffn_dim, llama.init_std) == (
+        32,
+        4096,
+        32,
+        11008,
+        0.021,
+    )
+    assert (c.parallel.tp, c.parallel.sp) == (8, True)
+    assert (c.train.global_batch_size, c.data.seq_len, c.data.micro_batch_size) == (1024, 4096, 1)
+    assert (c.optim.beta1, c.optim.beta2, c.optim.weight_decay, c.optim.clip) == (
+        0.9,
+        0.95,
+        0.1,
+        1.0,
+    )
+    assert (c.optim.lr, c.optim.lr * c.optim.min_lr_ratio) == pytest.approx((3e-4, 3e-5))
+    assert (c.optim.warmup_steps, c.optim.decay_steps, c.optim.precision) == (
+        2000,
+        500000,
+        "bf16-sr",
+    )
+    assert (c.checkpoint.every, c.checkpoint.keep_last) == (1000, 5)
+    assert llama.checkpointing == "selective"
+
+
+def test_trn1_128_node_preset_needs_512_data_parallel_replicas_and_accumulates_twice():
+    c = TrainConfig.preset("llama2-7b-trn1-128")
+    assert c.grad_accum(dp=512) == 2
+    validate(c, world_size=4096, local_world_size=32, check_files=False)
+    with pytest.raises(ConfigError, match="dp 8"):
+        validate(c, world_size=64, check_files=False)
+
+
+def test_overrides_convert_to_the_field_types():
+    c = TrainConfig.preset(
+        "tiny-demo",
+        [
+            "--optim.lr=3e-4",
+            "--parallel.sp=true",
+            "--data.paths=a.arrow,b.arrow",
+            "--model.dim=none",
+            "--spike.inject_at=[3, 5]",
+            "train.out_dir=somewhere",
+        ],
+    )
+    assert c.optim.lr == 3e-4 and c.parallel.sp is True
+    assert c.data.paths == ["a.arrow", "b.arrow"] and c.model.dim is None
+    assert c.spike.inject_at == [3, 5] and c.train.out_dir == "somewhere"
+
+
+def test_unknown_key_suggests_the_closest_one():
+    with pytest.raises(ConfigError, match=r"unknown key 'optim.lrr'; did you mean 'optim.lr'"):
+        TrainConfig.preset("tiny-demo", ["--optim.lrr=3e-4"])
+    with pytest.raises(ConfigError, match=r"unknown section 'optm'.*did you mean 'optim'"):
+        TrainConfig.preset("tiny-demo", ["--optm.lr=3e-4"])
+    with pytest.raises(ConfigError, match="did you mean 'hlat-7b'"):
+        TrainConfig.preset("hlat7b")
+
+
+def test_wrong_value_type_names_the_key():
+    with pytest.raises(ConfigError, match=r"train.steps must be an integer"):
+        TrainConfig.preset("tiny-demo", ["--train.steps=ten"])
+
+
+def test_merged_config_round_trips_through_toml():
+    c = TrainConfig.preset("hlat-7b", ["--optim.lr=1e-4", "--data.paths=x.arrow"])
+    again = TrainConfig.from_dict(tomllib.loads(c.to_toml()))
+    assert again == c
+
+
+def test_tp_that_does_not_divide_the_heads_fails_before_any_process_group(corpus, tmp_path):
+    with pytest.raises(ConfigError, match="tp 3 does not divide the 4 attention heads"):
+        Trainer(tiny_config(corpus, tmp_path, "--parallel.tp=3"))
+    assert not dist.is_initialized()
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_missing_data_path_fails_before_any_process_group(corpus, tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"data.paths: training data '.*nowhere.arrow' does not exist"
+    ):
+        Trainer(tiny_config(corpus, tmp_path, f'--data.paths=["{tmp_path}/nowhere.arrow"]'))
+    assert not dist.is_initialized()
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_refused(corpus, tmp_path):
+    with pytest.raises(ConfigError, match=r"has 384 pieces but model.vocab_size is 256"):
+        Trainer(tiny_config(corpus, tmp_path, "--model.vocab_size=256"))
+
+
+def test_global_batch_must_be_a_whole_number_of_micro_batches(corpus, tmp_path):
+    config = tiny_config(corpus, tmp_path, "--train.global_batch_size=5")
+    with pytest.raises(ConfigError, match=r"not a multiple of data.micro_batch_size x dp"):
+        validate(config, world_size=1)
+    assert tiny_config(corpus, tmp_path, "--train.global_batch_size=6").grad_accum(dp=1) == 3
+
+
+def test_sequence_longer_than_the_model_is_refused():
+    with pytest.raises(ConfigError, match=r"data.seq_len 8192 exceeds max_seq_len 4096"):
+        validate(TrainConfig.preset("hlat-7b", ["--data.seq_len=8192"]), check_files=False)
+
+
+def test_print_config_shows_the_merged_config(capsys):
+    assert main(["print-config", "--config", "hlat-7b", "--optim.lr=2e-4", "--no-check-files"]) == 0
+    text = capsys.readouterr().out
+    assert "[optim]\nlr = 0.0002\n" in text and 'preset = "hlat-7b"' in text
+
+
+def test_command_line_error_exits_2_with_the_suggestion(capsys):
+    assert main(["print-config", "--config", "tiny-demo", "--optim.warmup=3"]) == 2
+    assert "did you mean 'optim.warmup_steps'" in capsys.readouterr().err
+
+
+def test_module_entry_point_is_what_torchrun_runs():
+    import subprocess
+
+    result = subprocess.run(
+        [sys.executable, "-m", "hlat_train", "presets"], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.split() == preset_names()

@@ -1,0 +1,38 @@
+"""Metrics: peak table and measured CPU peak for MFU, JSONL reading, the plot."""
+
+from __future__ import annotations
+
+import torch
+
+from hlat_train import PEAK_TFLOPS, read_metrics
+from hlat_train.metrics import MetricsWriter, device_peak_tflops, plot_metrics
+
+
+def test_peak_table_covers_trainium_and_the_gpus():
+    assert set(PEAK_TFLOPS) == {"trainium-neuroncore-v2", "h100", "h200", "a100"}
+    assert device_peak_tflops(torch.device("cpu"), "neuron") == (
+        95.0,
+        "Trainium NeuronCore-v2 (table)",
+    )
+
+
+def test_cpu_peak_is_measured():
+    peak, source = device_peak_tflops(torch.device("cpu"))
+    assert 0.001 < peak < 100 and "measured" in source
+
+
+def test_resumed_steps_are_read_once_with_the_last_record_winning(tmp_path):
+    writer = MetricsWriter(str(tmp_path))
+    for step, loss in ((1, 5.0), (2, 4.0), (2, 3.5), (3, 3.0)):
+        writer.write({"kind": "train", "step": step, "loss": loss, "lr": 1e-3, "grad_norm": 1.0})
+    writer.write({"kind": "valid", "step": 2, "loss": 3.9})
+    writer.close()
+    records = read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert [(r["kind"], r["step"], r["loss"]) for r in records] == [
+        ("train", 1, 5.0),
+        ("train", 2, 3.5),
+        ("valid", 2, 3.9),
+        ("train", 3, 3.0),
+    ]
+    assert plot_metrics(records, str(tmp_path / "plot.png"))
+    assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"

@@ -144,3 +144,17 @@ def test_module_entry_point_is_what_torchrun_runs():
         [sys.executable, "-m", "hlat_train", "presets"], capture_output=True, text=True, check=True
     )
     assert result.stdout.split() == preset_names()
+
+
+def test_too_few_documents_for_the_data_parallel_ranks_fails_before_any_process_group(
+    corpus, tmp_path
+):
+    config = tiny_config(corpus, tmp_path, "--data.block_size=1024")
+    with pytest.raises(ConfigError, match=r"fewer than dp 2.*data.block_size to at most 28"):
+        validate(config, world_size=2)
+    assert not dist.is_initialized()
+
+
+def test_sharded_init_with_torch_tensor_parallelism_is_refused():
+    with pytest.raises(ConfigError, match=r"train.init = 'sharded' with parallel.tp > 1"):
+        validate(TrainConfig.preset("hlat-7b", ["--train.init=sharded"]), check_files=False)

@@ -74,3 +74,26 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(corpus, tmp_path):
     assert 3 <= last < 5000 and steps == [last]
     assert "SIGTERM" in output
     assert json.loads(output.strip().splitlines()[-1])["preempted"] is True
+
+
+def test_bf16_stochastic_rounding_mode_trains_bf16_weights(corpus, tmp_path):
+    trainer = Trainer(tiny_config(corpus, tmp_path, "--optim.precision=bf16-sr", steps=6))
+    try:
+        summary = trainer.fit()
+        dtypes = {p.dtype for p in trainer.model.parameters()}
+        assert dtypes == {torch.bfloat16}
+        assert trainer.optimizer.stochastic_rounding and not trainer.optimizer.master_weights
+    finally:
+        trainer.close()
+    assert summary["last_loss"] < summary["first_loss"]
+
+
+def test_sharded_init_builds_on_meta_and_initialises_in_place(corpus, tmp_path):
+    trainer = Trainer(tiny_config(corpus, tmp_path, "--train.init=sharded", steps=4))
+    try:
+        summary = trainer.fit()
+        weights = trainer.model.layers[0].attention.qkv_proj.weight
+        assert weights.device.type == "cpu" and 0.015 < float(weights.std()) < 0.025
+    finally:
+        trainer.close()
+    assert summary["last_loss"] < summary["first_loss"]

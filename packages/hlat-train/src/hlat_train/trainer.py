@@ -145,14 +145,27 @@ class Trainer:
         device = dims.device if c.train.device == "auto" else torch.device(c.train.device)
         self.device = device
 
-        # Note: the full model is initialised on every rank from the same seed, then split,
-        # so every parallel layout starts from identical weights (and losses agree across
-        # layouts). A model too large for host memory would be built on the meta device.
         torch.manual_seed(c.train.seed)
-        model = Llama(self.llama_config).to(device)
-        if c.optim.precision != "fp32":
-            model = model.to(torch.bfloat16)
-        self.model = parallelize(model, dims, model.parallel_plan())
+        dtype = torch.float32 if c.optim.precision == "fp32" else torch.bfloat16
+        with torch.device("meta"):
+            model = Llama(self.llama_config)
+        sharded = c.train.init == "sharded" or (
+            c.train.init == "auto"
+            and model.num_params() > 2_000_000_000
+            and (dims.tp == 1 or dims.backend == "neuron")
+        )
+        if sharded:
+            # split first, then materialise and initialise only this rank's shards
+            model = parallelize(model.to(dtype), dims, model.parallel_plan())
+            model.to_empty(device=device)
+            model.init_weights()
+        else:
+            # Note: every rank builds the whole model from the same seed and keeps its
+            # shard, so any parallel layout starts from the same weights (and TP/DP
+            # losses can be compared with one process)
+            model = Llama(self.llama_config).to(device, dtype)
+            model = parallelize(model, dims, model.parallel_plan())
+        self.model = model
         self.optimizer = shard_optimizer(
             AdamW,
             self.model.parameters(),

@@ -58,3 +58,12 @@ def test_loader_without_an_eos_token_is_an_error(tmp_path, corpus):
         PackedLoader(
             ArrowSource(corpus), Tokenizer.from_file(tmp_path / "plain.json"), 64, 2, block_size=4
         )
+
+
+def test_trained_tokenizer_keeps_code_layout_exactly(tokenizer_path):
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer_path))
+    code = "def f(x):\n    if x:\n\t\treturn  x  # two  spaces\n\n    return 12345\n"
+    assert sp.decode(sp.encode(code)) == code
+    assert all(sum(c.isdigit() for c in piece) <= 1 for piece in sp.encode_as_pieces("x = 12345"))

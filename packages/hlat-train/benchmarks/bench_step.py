@@ -23,7 +23,8 @@ STEPS = 12  # timed steps per round, after 3 warm-up steps
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from hlat_train.demo import stdlib_files, train_code_tokenizer
+    from hlat_data import train_tokenizer
+    from hlat_train.demo import stdlib_files
 
     root = tmp_path_factory.mktemp("bench")
     texts = [Path(p).read_text(encoding="utf-8", errors="replace") for p in stdlib_files()[:300]]
@@ -33,7 +34,7 @@ def corpus(tmp_path_factory):
         pa.ipc.new_file(sink, table.schema) as w,
     ):
         w.write_table(table)
-    tokenizer = train_code_tokenizer(str(root / "train.arrow"), str(root / "tok.model"), 4096)
+    tokenizer = train_tokenizer(str(root / "train.arrow"), str(root / "tok.model"), 4096)
     return {"train": str(root / "train.arrow"), "tokenizer": tokenizer, "root": root}
 
 

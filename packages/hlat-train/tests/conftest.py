@@ -24,7 +24,7 @@ def _write_arrow(path: Path, texts: list[str]) -> str:
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> dict[str, str]:
     """``train``/``valid`` Arrow files of standard-library modules and a 384-piece BPE model."""
-    from hlat_train.demo import train_code_tokenizer
+    from hlat_data import train_tokenizer
 
     root = tmp_path_factory.mktemp("corpus")
     texts = []
@@ -39,5 +39,5 @@ def corpus(tmp_path_factory) -> dict[str, str]:
             break
     train = _write_arrow(root / "train.arrow", texts[:56])
     valid = _write_arrow(root / "valid.arrow", texts[56:])
-    tokenizer = train_code_tokenizer(train, str(root / "bpe.model"), vocab_size=384)
+    tokenizer = train_tokenizer(train, str(root / "bpe.model"), vocab_size=384)
     return {"train": train, "valid": valid, "tokenizer": tokenizer}

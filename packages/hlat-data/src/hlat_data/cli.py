@@ -29,13 +29,15 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     train = commands.add_parser(
-        "train-tokenizer", help="SentencePiece BPE with byte fallback from Arrow or text"
+        "train-tokenizer", help="SentencePiece BPE with Llama-2 settings from Arrow or text"
     )
     train.add_argument("inputs", nargs="+", help="Arrow/Parquet files, directories, text files")
     train.add_argument("-o", "--output", required=True, help="model path (.model appended)")
     train.add_argument("--vocab-size", type=int, default=32000)
     train.add_argument("--text-column", default="text")
-    train.add_argument("--max-lines", type=int, default=2_000_000)
+    train.add_argument(
+        "--max-chars", type=int, default=200_000_000, help="characters fed to the trainer at most"
+    )
 
     stats = commands.add_parser("stats", help="documents, characters, tokens, length histogram")
     stats.add_argument("inputs", nargs="+", help="anything ArrowSource reads")
@@ -64,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.output,
                 args.vocab_size,
                 text_column=args.text_column,
-                max_lines=args.max_lines,
+                max_chars=args.max_chars,
             )
             tokenizer = Tokenizer.from_file(path)
             print(json.dumps({"model": path, "vocab_size": tokenizer.vocab_size}))

@@ -12,10 +12,11 @@ import os
 import sys
 import sysconfig
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from hlat_train.config import TrainConfig
+
+DEMO_TOKENIZER_CHARS = 6_000_000
 
 DEMO_VOCAB = 4096
 
@@ -77,69 +78,15 @@ def build_corpus(
     return train_path, valid_path
 
 
-def train_code_tokenizer(
-    corpus: str, output: str, vocab_size: int = DEMO_VOCAB, max_chars: int = 6_000_000
-) -> str:
-    """Train a SentencePiece BPE model with Llama-2's settings on an Arrow corpus.
-
-    Llama-2's settings keep text as it is (identity normalisation, no whitespace collapsing,
-    whitespace-only pieces for indentation, byte fallback for newlines and rare
-    characters), so code keeps its layout and Hugging Face's ``LlamaTokenizer`` reproduces
-    the ids exactly. Documents are fed in pieces of up to 2,000 characters (SentencePiece
-    drops longer sentences), at most ``max_chars`` in all; a corpus too small for
-    ``vocab_size`` gets fewer pieces. Returns the ``.model`` path.
-
-    Note: ``hlat_data.train_tokenizer`` uses SentencePiece's default normalisation, which
-    collapses runs of whitespace and drops newlines: fine for prose, not for code.
-    """
-    import sentencepiece
-
-    from hlat_data import ArrowSource
-
-    source = ArrowSource(corpus)
-
-    def pieces() -> Iterator[str]:
-        fed = 0
-        for start in range(0, len(source), 64):
-            for text in source.texts(range(start, min(start + 64, len(source)))):
-                for i in range(0, len(text), 2000):
-                    piece = text[i : i + 2000]
-                    if piece.strip():
-                        yield piece
-                        fed += len(piece)
-                if fed >= max_chars:
-                    return
-
-    prefix = output[: -len(".model")] if output.endswith(".model") else output
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=pieces(),
-        model_prefix=prefix,
-        vocab_size=vocab_size,
-        model_type="bpe",
-        byte_fallback=True,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        allow_whitespace_only_pieces=True,
-        split_digits=True,
-        character_coverage=0.9995,
-        max_sentence_length=8192,
-        hard_vocab_limit=False,  # a small corpus gets fewer pieces instead of an error
-        unk_id=0,
-        bos_id=1,
-        eos_id=2,
-        pad_id=-1,
-        num_threads=os.cpu_count() or 1,
-        minloglevel=2,
-    )
-    return prefix + ".model"
-
-
 def build_tokenizer(corpus: str, out_dir: str, vocab_size: int = DEMO_VOCAB) -> str:
-    """Train (once) the demo's SentencePiece model on the corpus; returns its path."""
+    """Train (once) the demo's SentencePiece model (Llama-2 settings, so code keeps its
+    layout) on the first few MB of the corpus; returns its path."""
+    from hlat_data import train_tokenizer
+
     path = os.path.join(out_dir, f"stdlib-bpe-{vocab_size}.model")
     if not os.path.exists(path):
         tmp = os.path.join(out_dir, f"tmp-{os.getpid()}")
-        written = train_code_tokenizer(corpus, tmp, vocab_size)
+        written = train_tokenizer(corpus, tmp, vocab_size, max_chars=DEMO_TOKENIZER_CHARS)
         os.replace(written, path)
         os.replace(tmp + ".vocab", path[: -len(".model")] + ".vocab")
     return path

@@ -28,3 +28,23 @@ def test_checkpointing_mode_does_not_change_parameter_names():
         for m in ("none", "selective", "full")
     }
     assert names["none"] == names["selective"] == names["full"]
+
+
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_sequence_first_blocks_give_the_same_logits_and_gradients(kv_heads):
+    results = []
+    for sequence_first in (False, True):
+        torch.manual_seed(0)
+        config = LlamaConfig.preset(
+            "tiny", n_layers=2, n_kv_heads=kv_heads, sequence_first=sequence_first
+        )
+        model = Llama(config)
+        tokens = torch.randint(0, 8192, (3, 33), generator=torch.Generator().manual_seed(1))
+        logits = model(tokens[:, :-1], doc_lens=torch.tensor([[10, 22], [32, 0], [1, 31]]))
+        cross_entropy_loss(logits, tokens[:, 1:]).backward()
+        results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (logits_a, grads_a), (logits_b, grads_b) = results
+    assert logits_b.shape == logits_a.shape == (3, 32, 8192)
+    torch.testing.assert_close(logits_b, logits_a, rtol=1e-5, atol=1e-6)
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-4, atol=1e-6, msg=name)

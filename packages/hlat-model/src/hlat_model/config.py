@@ -52,6 +52,10 @@ class LlamaConfig:
     checkpointing: CheckpointingMode = "none"
     """Activation checkpointing: ``none``; ``selective`` recomputes the attention core and the
     MLP activation in backward (HLAT's choice); ``full`` recomputes whole blocks."""
+    sequence_first: bool = False
+    """Run the blocks on [S, B, H] activations instead of [B, S, H] (inputs and logits stay
+    batch-first). Note: NeuronX Distributed's sequence parallelism splits dimension 0, so
+    its SP layers need this layout; results are the same either way."""
     attention: AttentionBackend = "auto"
     """Attention kernel. ``sdpa``: ``scaled_dot_product_attention`` (flash kernels on GPU; an
     explicit block-diagonal mask for packed documents). ``flex``: compiled ``flex_attention``

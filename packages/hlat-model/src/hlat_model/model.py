@@ -73,6 +73,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_per_kv = config.q_per_kv
         self.selective = config.checkpointing == "selective"
+        self.sequence_first = config.sequence_first
         qkv_rows = (config.n_heads + 2 * config.kv_heads) * config.head_dim
         self.qkv_proj = Linear(config.dim, qkv_rows)
         self.o_proj = Linear(config.n_heads * config.head_dim, config.dim)
@@ -81,8 +82,10 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        if self.sequence_first:
+            qkv = qkv.transpose(0, 1)
         batch, seq_len, _ = qkv.shape  # the full sequence, also when x is sequence-sharded
-        qkv = qkv.view(batch, seq_len, -1, self.q_per_kv + 2, self.head_dim)
+        qkv = qkv.reshape(batch, seq_len, -1, self.q_per_kv + 2, self.head_dim)
         q = qkv[:, :, :, : self.q_per_kv].flatten(2, 3)
         k, v = qkv[:, :, :, self.q_per_kv], qkv[:, :, :, self.q_per_kv + 1]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -91,7 +94,8 @@ class Attention(nn.Module):
             out = checkpoint(attention, q, k, v, mask, use_reentrant=False)
         else:
             out = attention(q, k, v, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
+        out = out.permute(2, 0, 1, 3) if self.sequence_first else out.transpose(1, 2)
+        return self.o_proj(out.reshape(out.shape[0], out.shape[1], -1))
 
 
 class MLP(nn.Module):
@@ -201,12 +205,15 @@ class Llama(nn.Module):
         mask = AttentionMask.build(doc_lens, seq_len, self.config.attention, device)
 
         h = self.embed_tokens(input_ids)
+        if self.config.sequence_first:
+            h = h.transpose(0, 1).contiguous()
         for block in self.layers:
             if self.config.checkpointing == "full" and torch.is_grad_enabled():
                 h = checkpoint(block, h, cos, sin, mask, use_reentrant=False)
             else:
                 h = block(h, cos, sin, mask)
-        return self.lm_head(self.norm(h))
+        logits = self.lm_head(self.norm(h))
+        return logits.transpose(0, 1) if self.config.sequence_first else logits
 
     def parallel_plan(self) -> dict[str, Any]:
         """How to split this model for tensor (and sequence) parallelism, as plain data.

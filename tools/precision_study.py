@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--tokenizer", type=Path, help="SentencePiece model to load, or to write when missing"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="smoke run: 30 steps, small corpus")
     args = p.parse_args(argv)
@@ -234,7 +237,14 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     train_docs, held_docs = load_corpus(args.max_files)
-    sp = train_tokenizer(train_docs, args.vocab, args.seed)
+    if args.tokenizer and args.tokenizer.exists():
+        sp = spm.SentencePieceProcessor(model_file=str(args.tokenizer))
+    else:
+        # Note: SentencePiece training is not reproducible across processes even with a
+        # seed; modes run in separate processes share one model through --tokenizer.
+        sp = train_tokenizer(train_docs, args.vocab, args.seed)
+        if args.tokenizer:
+            args.tokenizer.write_bytes(sp.serialized_model_proto())
     train_tokens, held_tokens = tokenize(sp, train_docs), tokenize(sp, held_docs)
     print(
         f"corpus: {len(train_docs)} training files ({len(train_tokens):,} tokens), "

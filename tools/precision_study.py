@@ -61,6 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        help="combine the --out folders of earlier runs (e.g. one per mode) into --out",
+    )
+    p.add_argument(
         "--tokenizer", type=Path, help="SentencePiece model to load, or to write when missing"
     )
     p.add_argument("--threads", type=int, default=2)
@@ -231,8 +237,38 @@ def plot(records: list[dict], args, path: Path) -> bool:
     return True
 
 
+def write_results(records: list[dict], args) -> None:
+    table = summarize(records, args, args.batch * args.seq_len)
+    (args.out / "summary.md").write_text(table)
+    plotted = plot(records, args, args.out / "losses.png")
+    print(table)
+    print(
+        f"wrote {args.out / 'losses.jsonl'}, {args.out / 'summary.md'}"
+        + (f", {args.out / 'losses.png'}" if plotted else "")
+    )
+
+
+def merge(args) -> None:
+    """One losses.jsonl, summary and plot from runs made in separate processes."""
+    records: list[dict] = []
+    with (args.out / "losses.jsonl").open("w") as out:
+        for folder in args.merge:
+            for line in (folder / "losses.jsonl").read_text().splitlines():
+                record = json.loads(line)
+                if "mode" in record:
+                    records.append(record)
+                    out.write(line + "\n")
+    args.modes = list(dict.fromkeys(r["mode"] for r in records))
+    args.steps = max(r["step"] for r in records)
+    write_results(records, args)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.merge:
+        args.out.mkdir(parents=True, exist_ok=True)
+        merge(args)
+        return
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -272,14 +308,7 @@ def main(argv: list[str] | None = None) -> None:
             seconds = train_mode(mode, args, config, train_tokens, eval_set, log)
             print(f"{mode}: {args.steps} steps in {seconds:.0f} s")
 
-    table = summarize(records, args, args.batch * args.seq_len)
-    (args.out / "summary.md").write_text(table)
-    plotted = plot(records, args, args.out / "losses.png")
-    print(table)
-    print(
-        f"wrote {jsonl}, {args.out / 'summary.md'}"
-        + (f", {args.out / 'losses.png'}" if plotted else "")
-    )
+    write_results(records, args)
 
 
 if __name__ == "__main__":

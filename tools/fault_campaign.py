@@ -1,0 +1,956 @@
+"""Fault campaign: measured goodput of a real `hlat-train train` job under injected faults.
+
+Runs ``torchrun --nproc-per-node 2 --max-restarts N -m hlat_train train`` on a tiny Llama
+(fp32, CPU, gloo) and, from a seeded schedule, injects:
+
+- ``kill-rank``: SIGKILL of one worker (a crashed node); torchrun restarts the workers.
+- ``kill-during-save``: SIGKILL of one worker while a checkpoint directory is being written
+  (``step_<N>.tmp`` exists); torchrun restarts them, the partial checkpoint is ignored.
+- ``sigterm``: SIGTERM to the whole job (a preemption, as Slurm or Kubernetes send it); the
+  trainer saves and exits 143, and the campaign relaunches torchrun, as a scheduler would.
+- ``corrupt-newest``: the job is SIGKILLed, a file of its newest checkpoint is truncated (a
+  torn write on shared storage: the manifest by default, a DCP shard with ``--corrupt
+  shard``), and the campaign relaunches torchrun; resume must skip the damaged checkpoint
+  and take the one before.
+
+It measures wall time, productive time, effective utilisation, restart latency, lost work
+per fault and checkpoint stall per save, checks that the final model and optimizer equal an
+uninterrupted run with the same seed bit for bit, and writes ``summary.json``,
+``timeline.png`` and (``--doc``) ``docs/reliability.md``.
+
+    python tools/fault_campaign.py --faults 8 --seed 0 --out runs/faults --doc docs/reliability.md
+    python tools/fault_campaign.py --quick --faults 2 --out /tmp/faults      # about a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+KINDS = ("kill-rank", "kill-during-save", "sigterm", "corrupt-newest")
+HOUR = 3600.0
+
+# The hlat-7b checkpoint state, for the projection: 6.74 G parameters, bf16 weights and
+# bf16 AdamW moments (precision "bf16-sr", hlat_optim's default state dtype): 6 bytes each.
+HLAT_7B_PARAMS = 6.74e9
+HLAT_7B_BYTES_PER_PARAM = 6
+HLAT_NODES = 64  # HLAT's 7B run: the state is sharded over every node's host memory
+HLAT_MTBF_S = 6 * HOUR
+
+
+@dataclass
+class Fault:
+    """One injected fault and what it cost."""
+
+    kind: str
+    after_steps: int  # scheduled: steps of progress after the previous recovery
+    at: float = math.nan  # wall time of the injection, from the campaign start
+    step_at_fault: int = 0  # newest step logged before the injection
+    resumed_from: int = 0  # the step the next attempt continued from
+    first_step_at: float = math.nan  # arrival of the first new step's record
+    restart_latency_s: float = math.nan  # injection -> first new step begins
+    lost_work_s: float = math.nan  # wall time of work after `resumed_from` that was redone
+    lost_steps: int = 0
+    checkpoint_write_in_progress: bool | None = None
+    detail: str = ""
+
+
+@dataclass
+class Attempt:
+    """One torchrun launch: its process and a timestamped view of its output."""
+
+    proc: subprocess.Popen[str]
+    started: float
+    lines: list[tuple[float, str]] = field(default_factory=list)
+
+
+# --- setup -----------------------------------------------------------------------------------
+
+
+def build_corpus(root: Path) -> dict[str, str]:
+    """Train/valid Arrow files of standard-library modules and a 384-piece BPE model."""
+    import pyarrow as pa
+
+    from hlat_data import train_tokenizer
+    from hlat_train.demo import stdlib_files
+
+    root.mkdir(parents=True, exist_ok=True)
+    texts: list[str] = []
+    for path in stdlib_files()[:600]:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        if len(text) > 200:
+            texts.append(text[:4000])
+        if len(texts) == 96:
+            break
+
+    def write(name: str, rows: list[str]) -> str:
+        table = pa.table({"text": pa.array(rows, pa.string())})
+        with pa.OSFile(str(root / name), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+            w.write_table(table)
+        return str(root / name)
+
+    train = write("train.arrow", texts[:88])
+    valid = write("valid.arrow", texts[88:])
+    tokenizer = train_tokenizer(train, str(root / "bpe.model"), vocab_size=384)
+    return {"train": train, "valid": valid, "tokenizer": tokenizer}
+
+
+def model_overrides(quick: bool) -> list[str]:
+    """The model and batch: 2 x 64 tokens on a 2-layer 64-wide Llama with ``--quick``,
+    else 4 x 128 tokens on a 4-layer 128-wide one (steps of a few tens of ms here)."""
+    if quick:
+        return [
+            "--model.dim=64",
+            "--model.n_layers=2",
+            "--model.n_heads=4",
+            "--model.ffn_dim=128",
+            "--model.max_seq_len=64",
+            "--data.seq_len=64",
+            "--data.micro_batch_size=2",
+        ]
+    return [
+        "--model.dim=128",
+        "--model.n_layers=4",
+        "--model.n_heads=4",
+        "--model.ffn_dim=352",
+        "--model.max_seq_len=128",
+        "--data.seq_len=128",
+        "--data.micro_batch_size=4",
+    ]
+
+
+def write_config(
+    corpus: dict[str, str], run_dir: Path, steps: int, every: int, quick: bool, async_save: bool
+) -> Path:
+    """A TOML config for one run (validated by hlat-train as it is built)."""
+    from hlat_train import TrainConfig
+
+    overrides = [
+        f'--data.paths=["{corpus["train"]}"]',
+        f'--data.tokenizer="{corpus["tokenizer"]}"',
+        f'--train.out_dir="{run_dir}"',
+        f"--train.steps={steps}",
+        "--train.eval_every=0",
+        "--train.sample_prompt=''",
+        "--train.time_limit=0",
+        "--data.block_size=8",
+        "--optim.warmup_steps=2",
+        "--optim.lr=3e-3",
+        "--optim.impl=reference",
+        f"--checkpoint.every={every}",
+        "--checkpoint.keep_last=3",
+        f"--checkpoint.async_save={'true' if async_save else 'false'}",
+        "--logging.progress=false",
+        "--logging.plot=false",
+        *model_overrides(quick),
+    ]
+    config = TrainConfig.preset("tiny-demo", overrides)
+    path = run_dir.with_suffix(".toml")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(config.to_toml())
+    return path
+
+
+def launch(config: Path, max_restarts: int, t0: float) -> Attempt:
+    """``torchrun --nproc-per-node 2 --max-restarts N -m hlat_train train``, in its own
+    session (so a whole-job signal reaches the launcher and the workers, as a scheduler's
+    does), with every output line timestamped as it arrives."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--standalone",
+        "--max-restarts",
+        str(max_restarts),
+        # Note: torchrun notices a dead worker only when it polls; its default of 0.1 s in
+        # torch 2.13 is kept explicit because older releases polled every 5 s
+        "--monitor-interval",
+        "0.1",
+        "-m",
+        "hlat_train",
+        "train",
+        "--config",
+        str(config),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    attempt = Attempt(proc, time.monotonic() - t0)
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            attempt.lines.append((time.monotonic() - t0, line.rstrip()))
+
+    threading.Thread(target=pump, daemon=True).start()
+    return attempt
+
+
+class MetricsTail:
+    """Follows ``metrics.jsonl`` and stamps each record with the wall time it appeared.
+
+    Note: the trainer's records carry the step's own duration (``step_s``) but no clock
+    time; the file is flushed after every step, so polling it every few milliseconds gives
+    each step's completion time to within the poll interval.
+    """
+
+    def __init__(self, path: Path, t0: float) -> None:
+        self.path, self.t0 = path, t0
+        self.records: list[dict[str, Any]] = []
+        self._offset = 0
+        self._partial = ""
+
+    def poll(self) -> None:
+        """Read what was appended since the last poll."""
+        if not self.path.exists():
+            return
+        with open(self.path) as f:
+            f.seek(self._offset)
+            data = f.read()
+            self._offset = f.tell()
+        now = time.monotonic() - self.t0
+        data = self._partial + data
+        lines = data.split("\n")
+        self._partial = lines.pop()
+        for line in lines:
+            if line.strip():
+                record = json.loads(line)
+                if record.get("kind", "train") == "train":
+                    record["_t"] = now
+                    self.records.append(record)
+
+    def last_step(self) -> int:
+        """The newest step logged, 0 before the first."""
+        return self.records[-1]["step"] if self.records else 0
+
+
+def _workers(torchrun_pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children") as f:
+            return [int(pid) for pid in f.read().split()]
+    except OSError:
+        return []
+
+
+def _writing(ckpt_dir: Path) -> set[str]:
+    """Names of checkpoint directories being written (``step_<N>.tmp``) now."""
+    try:
+        return {p.name for p in ckpt_dir.iterdir() if p.name.endswith(".tmp")}
+    except OSError:
+        return set()
+
+
+def _complete_steps(ckpt_dir: Path) -> list[Path]:
+    if not ckpt_dir.exists():
+        return []
+    return sorted(
+        (p for p in ckpt_dir.iterdir() if p.is_dir() and not p.name.endswith(".tmp")),
+        key=lambda p: p.name,
+    )
+
+
+def _signal_job(attempt: Attempt, sig: int) -> list[int]:
+    """Send ``sig`` to the launcher and to every worker, as a scheduler signals all of a
+    job's processes; returns the worker pids.
+
+    Note: torchrun starts each worker in a session of its own, so signalling the launcher's
+    process group alone would leave the workers running.
+    """
+    workers = _workers(attempt.proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(attempt.proc.pid, sig)
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+    return workers
+
+
+def _wait_gone(pids: list[int], timeout: float = 60) -> None:
+    end = time.monotonic() + timeout
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < end:
+        time.sleep(0.01)
+
+
+def _wait_exit(attempt: Attempt, tail: MetricsTail, timeout: float = 120) -> int:
+    end = time.monotonic() + timeout
+    while attempt.proc.poll() is None:
+        if time.monotonic() > end:
+            os.killpg(attempt.proc.pid, signal.SIGKILL)
+            raise RuntimeError(f"torchrun did not exit within {timeout:.0f} s")
+        tail.poll()
+        time.sleep(0.01)
+    tail.poll()
+    return attempt.proc.returncode
+
+
+# --- the campaign ----------------------------------------------------------------------------
+
+
+def schedule(n: int, seed: int, span_steps: int, min_gap: int) -> list[Fault]:
+    """``n`` faults of mixed kinds (every kind once before any repeats, in a seeded order),
+    spread over ``span_steps`` steps of progress: exponentially distributed gaps of at least
+    ``min_gap`` steps (so every attempt trains and checkpoints), scaled to fill the span.
+
+    Note: the gaps count steps, not seconds, so the faults land at the same points of the
+    run whatever the speed of the machine, and never after the run has finished.
+    """
+    rng = random.Random(seed)
+    kinds: list[str] = []
+    while len(kinds) < n:
+        block = list(KINDS)
+        rng.shuffle(block)
+        kinds += block
+    draws = [rng.expovariate(1.0) for _ in range(n)]
+    scale = span_steps / sum(draws)
+    return [
+        Fault(kind, max(min_gap, round(d * scale)))
+        for kind, d in zip(kinds[:n], draws, strict=True)
+    ]
+
+
+def run_reference(config: Path, run_dir: Path) -> dict[str, Any]:
+    """The uninterrupted run: wall time and its records."""
+    t0 = time.monotonic()
+    tail = MetricsTail(run_dir / "metrics.jsonl", t0)
+    attempt = launch(config, 0, t0)
+    code = _wait_exit(attempt, tail, timeout=900)
+    if code != 0:
+        tail_text = "\n".join(line for _, line in attempt.lines[-40:])
+        raise RuntimeError(f"the reference run failed (exit {code}):\n{tail_text}")
+    return {"wall_s": time.monotonic() - t0, "records": tail.records, "lines": attempt.lines}
+
+
+def run_campaign(
+    config: Path,
+    run_dir: Path,
+    faults: list[Fault],
+    steps: int,
+    every: int,
+    corrupt: str = "manifest",
+) -> tuple[float, list[dict[str, Any]], list[Attempt]]:
+    """Run the job to completion while injecting ``faults``; return (wall, records, attempts)."""
+    t0 = time.monotonic()
+    ckpt_dir = run_dir / "checkpoints"
+    tail = MetricsTail(run_dir / "metrics.jsonl", t0)
+    restarts = len(faults) + 2
+    attempts = [launch(config, restarts, t0)]
+
+    def first_new_step(after: int, since: float) -> tuple[dict[str, Any], int]:
+        """The first record of the recovered job and the step it resumed from.
+
+        Note: the surviving worker may still log a step after the other one died, so a
+        record counts as new only once rank 0 of a new attempt has printed "resumed from
+        step N" (after ``since``), or when it is step 1 of a fresh start.
+        """
+        end = time.monotonic() + 300
+        while True:
+            tail.poll()
+            resumed_at, resumed = math.inf, 0
+            for t, line in attempts[-1].lines:
+                if t > since and "resumed from step" in line:
+                    resumed_at, resumed = t, int(line.split("resumed from step")[1].split()[0])
+                    break
+            for r in tail.records[after:]:
+                if r["_t"] > resumed_at or (r["step"] == 1 and r["_t"] > since):
+                    return r, resumed if r["step"] > 1 else 0
+            if attempts[-1].proc.poll() is not None:
+                time.sleep(0.2)
+                tail.poll()
+                if all(r["_t"] <= resumed_at for r in tail.records[after:]):
+                    text = "\n".join(line for _, line in attempts[-1].lines[-40:])
+                    raise RuntimeError(f"the job ended before recovering:\n{text}")
+            if time.monotonic() > end:
+                raise RuntimeError("no step within 300 s of a fault")
+            time.sleep(0.005)
+
+    # the first fault only once a checkpoint exists, as in any real run past its start
+    while tail.last_step() <= every and attempts[0].proc.poll() is None:
+        tail.poll()
+        time.sleep(0.01)
+    base = tail.last_step()  # where the progress that the next gap counts starts
+    for fault in faults:
+        target = base + fault.after_steps
+        while tail.last_step() < target and attempts[-1].proc.poll() is None:
+            tail.poll()
+            time.sleep(0.002)
+        attempt = attempts[-1]
+        if attempt.proc.poll() is not None or tail.last_step() >= steps - 1:
+            fault.detail = "not injected: the job had finished"
+            break
+        writing: set[str] = set()
+        if fault.kind == "kill-during-save":
+            # Note: a directory left by an earlier kill is not a save in progress
+            stale = _writing(ckpt_dir)
+            end = time.monotonic() + 120
+            while not (writing := _writing(ckpt_dir) - stale) and time.monotonic() < end:
+                tail.poll()
+                time.sleep(0.001)
+        tail.poll()
+        index = len(tail.records)
+        fault.step_at_fault = tail.last_step()
+        fault.at = time.monotonic() - t0
+        if fault.kind in ("kill-rank", "kill-during-save"):
+            workers = _workers(attempt.proc.pid)
+            if not workers:
+                raise RuntimeError("no worker processes found under torchrun")
+            victim = workers[len(workers) // 2 if fault.kind == "kill-rank" else -1]
+            os.kill(victim, signal.SIGKILL)
+            if fault.kind == "kill-during-save":
+                fault.checkpoint_write_in_progress = bool(writing & _writing(ckpt_dir))
+            fault.detail = f"SIGKILL worker pid {victim}"
+        elif fault.kind == "sigterm":
+            workers = _signal_job(attempt, signal.SIGTERM)
+            code = _wait_exit(attempt, tail)
+            _wait_gone(workers)
+            fault.detail = f"SIGTERM to the job; exit {code}"
+            attempts.append(launch(config, restarts, t0))
+        else:  # corrupt-newest
+            workers = _signal_job(attempt, signal.SIGKILL)
+            _wait_exit(attempt, tail)
+            _wait_gone(workers)
+            complete = _complete_steps(ckpt_dir)
+            if not complete:
+                fault.detail = "SIGKILL to the job; no checkpoint to corrupt"
+            else:
+                victim_file = (
+                    complete[-1] / "hlat-checkpoint.json"
+                    if corrupt == "manifest"
+                    else sorted(complete[-1].glob("*.distcp"))[0]
+                )
+                size = victim_file.stat().st_size
+                with open(victim_file, "r+b") as f:
+                    f.truncate(size // 2)
+                fault.detail = (
+                    f"SIGKILL to the job; truncated {complete[-1].name}/{victim_file.name} "
+                    f"from {size} to {size // 2} bytes"
+                )
+            attempts.append(launch(config, restarts, t0))
+        first, fault.resumed_from = first_new_step(index, fault.at)
+        fault.first_step_at = first["_t"]
+        base = first["step"]
+        fault.restart_latency_s = first["_t"] - first["step_s"] - fault.at
+        fault.lost_steps = max(0, fault.step_at_fault - fault.resumed_from)
+        if fault.lost_steps == 0:  # a preemption saves the step it was on: nothing redone
+            fault.lost_work_s = 0.0
+        else:
+            # the work after the checkpoint resumed from: from that step's record in the
+            # attempt that died to the injection
+            saved = [r["_t"] for r in tail.records[:index] if r["step"] == fault.resumed_from]
+            since = saved[-1] if saved else attempts[0].started
+            fault.lost_work_s = max(0.0, fault.at - since)
+    code = _wait_exit(attempts[-1], tail, timeout=900)
+    save_logs(attempts, run_dir)
+    if code != 0:
+        raise RuntimeError(f"the campaign job failed (exit {code}); see {run_dir}/launch-*.log")
+    return time.monotonic() - t0, tail.records, attempts
+
+
+def save_logs(attempts: list[Attempt], run_dir: Path) -> None:
+    """Each launch's output, timestamped from the campaign start, as ``launch-<i>.log``."""
+    for i, attempt in enumerate(attempts):
+        text = "".join(f"{t:9.3f} {line}\n" for t, line in attempt.lines)
+        (run_dir / f"launch-{i}.log").write_text(text)
+
+
+def surviving(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of the final trajectory: for a step logged more than once, the last."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for r in records:
+        by_step[r["step"]] = r
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def productive_s(records: list[dict[str, Any]]) -> float:
+    """Time of the steps that survive in the final trajectory (the trainer's ``step_s``:
+    data, forward, backward, clip, optimizer; not start-up, checkpoints or redone steps)."""
+    return sum(r["step_s"] for r in surviving(records))
+
+
+def compare_final(run_dir: Path, ref_dir: Path) -> dict[str, Any]:
+    """Consolidate both final checkpoints and compare every tensor and value exactly."""
+    import torch
+
+    from hlat_ckpt import consolidate
+
+    mine = consolidate(str(run_dir / "checkpoints"))
+    ref = consolidate(str(ref_dir / "checkpoints"))
+    mismatches: list[str] = []
+    count = 0
+
+    def walk(a: Any, b: Any, where: str) -> None:
+        nonlocal count
+        if isinstance(b, dict):
+            if not isinstance(a, dict) or set(a) != set(b):
+                mismatches.append(f"{where}: keys differ")
+                return
+            for key in b:
+                walk(a[key], b[key], f"{where}.{key}")
+        elif torch.is_tensor(b):
+            count += 1
+            if not (torch.is_tensor(a) and a.dtype == b.dtype and torch.equal(a, b)):
+                mismatches.append(where)
+        elif a != b:
+            mismatches.append(where)
+
+    walk(mine.get("model"), ref.get("model"), "model")
+    walk(mine.get("optimizer"), ref.get("optimizer"), "optimizer")
+    losses_equal = [r["loss"] for r in surviving(_read(run_dir))] == [
+        r["loss"] for r in surviving(_read(ref_dir))
+    ]
+    return {
+        "bit_identical": not mismatches and count > 0,
+        "tensors_compared": count,
+        "mismatches": mismatches[:20],
+        "loss_trajectory_identical": losses_equal,
+    }
+
+
+def _read(run_dir: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            if record.get("kind", "train") == "train":
+                out.append(record)
+    return out
+
+
+# --- checkpoint stall: timed around Checkpointer.save in a 2-process gloo job ----------------
+
+
+def _measure_save_worker(out: str, sizes: list[int], repeats: int) -> None:
+    """Runs under torchrun: for each model width, a model + AdamW state saved by
+    ``hlat_ckpt.Checkpointer`` synchronously and asynchronously; the time ``save()`` blocks."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    from hlat_ckpt import Checkpointer
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results = []
+    for width in sizes:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(2, width)).sum().backward()
+        opt.step()
+        state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
+        row: dict[str, Any] = {"width": width, "state_bytes_per_rank": state_bytes}
+        for mode in ("sync", "async"):
+            root = tempfile.mkdtemp(prefix=f"stall-{mode}-", dir=os.environ["STALL_DIR"])
+            ckpt = Checkpointer(root, keep_last=2, async_save=mode == "async")
+            times = []
+            for step in range(1, repeats + 2):
+                dist.barrier()
+                start = time.perf_counter()
+                ckpt.save(step, {"model": model, "optimizer": opt})
+                elapsed = time.perf_counter() - start
+                if step > 1:  # the first save pays one-time set-up (groups, buffers)
+                    times.append(elapsed)
+                ckpt.wait()  # a step of real training would run here
+            ckpt.close()
+            row[f"{mode}_s"] = statistics.median(times)
+        results.append(row)
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def measure_stall(out_dir: Path, quick: bool) -> dict[str, Any]:
+    """Median time ``Checkpointer.save`` blocks the caller, sync vs async, at two state sizes;
+    a line through them gives the fixed cost and the staging bandwidth."""
+    sizes = [128, 512] if quick else [256, 1536]
+    repeats = 3 if quick else 5
+    result = out_dir / "stall.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "STALL_DIR": str(out_dir)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--standalone",
+        __file__,
+        "--_measure-save",
+        str(result),
+        "--_sizes",
+        ",".join(map(str, sizes)),
+        "--_repeats",
+        str(repeats),
+    ]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"the checkpoint stall measurement failed:\n{done.stdout}{done.stderr}")
+    rows = json.loads(result.read_text())
+    small, large = rows[0], rows[-1]
+    d_bytes = large["state_bytes_per_rank"] - small["state_bytes_per_rank"]
+    d_async = max(large["async_s"] - small["async_s"], 1e-9)
+    bandwidth = d_bytes / d_async
+    fixed = max(0.0, small["async_s"] - small["state_bytes_per_rank"] / bandwidth)
+    return {
+        "rows": rows,
+        "staging_bandwidth_gb_s": bandwidth / 1e9,
+        "async_fixed_s": fixed,
+        "async_over_sync": [r["async_s"] / r["sync_s"] for r in rows],
+    }
+
+
+# --- the projection --------------------------------------------------------------------------
+
+
+def project(restart_s: float, stall_s: float, mtbf_s: float) -> dict[str, float]:
+    """utilisation = 1 - (restart latency + lost work) / MTBF - stall / interval, with the
+    interval by Young/Daly, sqrt(2 x stall x MTBF), and the expected lost work half of it."""
+    interval = math.sqrt(2 * stall_s * mtbf_s)
+    lost = interval / 2
+    utilisation = 1 - (restart_s + lost) / mtbf_s - stall_s / interval
+    return {
+        "mtbf_s": mtbf_s,
+        "restart_latency_s": restart_s,
+        "stall_s": stall_s,
+        "interval_s": interval,
+        "expected_lost_work_s": lost,
+        "utilisation": utilisation,
+    }
+
+
+# --- outputs ---------------------------------------------------------------------------------
+
+
+def plot_timeline(
+    records: list[dict[str, Any]], faults: list[Fault], ref: dict[str, Any], path: Path
+) -> bool:
+    """Steps against wall time, faults marked, the uninterrupted run for comparison."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return False
+    fig, ax = plt.subplots(figsize=(10, 5))
+    ax.plot(
+        [r["_t"] for r in ref["records"]],
+        [r["step"] for r in ref["records"]],
+        color="0.6",
+        lw=1,
+        label="uninterrupted run",
+    )
+    ax.plot(
+        [r["_t"] for r in records],
+        [r["step"] for r in records],
+        ".",
+        ms=2,
+        color="tab:blue",
+        label="campaign: logged steps",
+    )
+    colors = {
+        "kill-rank": "tab:red",
+        "kill-during-save": "tab:purple",
+        "sigterm": "tab:orange",
+        "corrupt-newest": "tab:brown",
+    }
+    seen: set[str] = set()
+    for f in faults:
+        if math.isnan(f.at):
+            continue
+        ax.axvline(
+            f.at,
+            color=colors[f.kind],
+            ls="--",
+            lw=1,
+            label=None if f.kind in seen else f.kind,
+        )
+        seen.add(f.kind)
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("step")
+    ax.set_title("fault campaign: steps against wall time")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_doc(summary: dict[str, Any], path: Path, command: str) -> None:
+    """docs/reliability.md with the measured table and the projection."""
+    s = summary
+    c = s["campaign"]
+    st = s["stall"]
+    p = s["projection_hlat_7b"]
+    rows = "\n".join(
+        f"| {i + 1} | {f['kind']} | {f['at']:.1f} | {f['step_at_fault']} | {f['resumed_from']} | "
+        f"{f['restart_latency_s']:.2f} | {f['lost_work_s']:.2f} ({f['lost_steps']} steps) |"
+        for i, f in enumerate(s["faults"])
+        if not math.isnan(f["at"])
+    )
+    stall_rows = "\n".join(
+        f"| {r['state_bytes_per_rank'] / 1e6:.1f} MB | {r['sync_s'] * 1e3:.1f} | "
+        f"{r['async_s'] * 1e3:.1f} | {r['async_s'] / r['sync_s']:.1%} |"
+        for r in st["rows"]
+    )
+    text = f"""# Reliability: measured goodput under faults
+
+HLAT reports 98.81 % effective hardware utilisation with automatic fault recovery (77.83 %
+with manual recovery) on 128 trn1 nodes. This page measures the same quantities for
+`hlat-train` on a 2-core CPU machine with a real job under injected faults, and projects
+them to the `hlat-7b` state size at a cluster's fault rate. Everything below was produced by
+
+```bash
+{command}
+```
+
+(`tools/fault_campaign.py`; raw figures in `docs/reliability/summary.json`, timeline in
+`docs/reliability/timeline.png`).
+
+![timeline](reliability/timeline.png)
+
+## The campaign (measured)
+
+A `torchrun --nproc-per-node 2 --max-restarts {len(s["faults"]) + 2} -m hlat_train train` job
+({s["setup"]["steps"]} steps of a {s["setup"]["model"]} Llama, fp32, gloo, async checkpoints
+every {s["setup"]["checkpoint_every"]} steps, keep 3) with {c["faults_injected"]} faults from
+seed {s["setup"]["seed"]}, each after an exponentially distributed number of steps of progress since the previous
+recovery (mean {s["setup"]["mean_gap_steps"]:.0f} steps). SIGKILLs of a worker are recovered by torchrun; after
+a SIGTERM or a whole-job kill the campaign relaunches torchrun, as a scheduler would.
+
+| | campaign | uninterrupted run |
+| --- | ---: | ---: |
+| wall time | {c["wall_s"]:.1f} s | {s["reference"]["wall_s"]:.1f} s |
+| productive time (surviving steps' `step_s`) | {c["productive_s"]:.1f} s | {s["reference"]["productive_s"]:.1f} s |
+| effective utilisation = productive / wall | **{c["utilisation"]:.1%}** | {s["reference"]["utilisation"]:.1%} |
+| faults (kinds) | {c["faults_injected"]} ({", ".join(f"{k} {v}" for k, v in c["kinds"].items())}) | 0 |
+| mean time between faults | {c["mtbf_s"]:.1f} s | - |
+| restart latency, median (max) | {c["restart_latency_median_s"]:.2f} s ({c["restart_latency_max_s"]:.2f} s) | - |
+| lost work per fault, mean | {c["lost_work_mean_s"]:.2f} s | - |
+| final state bit-identical | **{"yes" if s["final"]["bit_identical"] else "NO"}** ({s["final"]["tensors_compared"]} tensors of model and optimizer; loss trajectory identical: {"yes" if s["final"]["loss_trajectory_identical"] else "no"}) | |
+
+The campaign's utilisation is low by design: a fault every {c["mtbf_s"]:.0f} s against a
+restart of seconds. The uninterrupted run's figure is the fixed cost of this tiny job
+(process start, imports, process group, first checkpoint load) against a run of
+{s["reference"]["wall_s"]:.0f} s; neither is a cluster figure (that is the projection below).
+
+Per fault (times from the campaign start):
+
+| # | kind | at (s) | last step logged | resumed from | restart latency (s) | lost work (s) |
+| --- | --- | ---: | ---: | ---: | ---: | ---: |
+{rows}
+
+**How each term is measured.** The campaign follows `metrics.jsonl` (flushed each step)
+every 5 ms and stamps each record with its arrival time. *Restart latency* = arrival of the
+first record after the fault minus that step's own `step_s` minus the injection time: the
+time from the fault until the recovered job begins a step (torchrun noticing the death,
+stopping the other worker, new processes, imports, process group, checkpoint load; for
+SIGTERM and the whole-job kills it includes the relaunch). *Lost work* = injection time
+minus the arrival of the record of the step the job resumed from, in the attempt that died:
+the work that had to be redone. *Productive time* = the sum of `step_s` of the steps in the
+final trajectory (the last record of each step).
+
+## Checkpoint stall (measured)
+
+The time `hlat_ckpt.Checkpointer.save()` blocks the training thread, median of repeated
+saves in a 2-process gloo job (model + AdamW state, per rank):
+
+| state per rank | synchronous save (ms) | async save, blocking part (ms) | async / sync |
+| --- | ---: | ---: | ---: |
+{stall_rows}
+
+A line through the two async points: fixed cost {st["async_fixed_s"] * 1e3:.1f} ms plus
+staging at {st["staging_bandwidth_gb_s"]:.2f} GB/s. Target: stall under 10 % of a synchronous
+save; measured {", ".join(f"{x:.1%}" for x in st["async_over_sync"])}
+({"met" if max(st["async_over_sync"]) < 0.10 else "NOT met"}).
+
+## Projection to a cluster (a projection, not a measurement)
+
+```
+utilisation = 1 - (restart latency + lost work) / MTBF - stall / checkpoint interval
+checkpoint interval = sqrt(2 x stall x MTBF)      (Young/Daly)
+lost work = checkpoint interval / 2               (a fault lands, on average, mid-interval)
+```
+
+Inputs, each measured here and scaled as stated:
+
+- MTBF: 6 h (1 fault per 6 hours; the issue's cluster figure).
+- Restart latency: {p["restart_latency_s"]:.2f} s, the campaign's median (this machine; a trn1
+  cluster adds Neuron runtime start and graph loading from the compile cache, not measured here).
+- Stall: the `hlat-7b` state (6.74 G parameters x 6 bytes, bf16 weights and bf16 AdamW
+  moments = {HLAT_7B_PARAMS * HLAT_7B_BYTES_PER_PARAM / 1e9:.1f} GB) sharded over {HLAT_NODES}
+  nodes = {p["state_bytes_per_node"] / 1e9:.2f} GB per node, staged at the measured
+  {st["staging_bandwidth_gb_s"]:.2f} GB/s plus the measured fixed cost:
+  {p["stall_s"]:.2f} s.
+
+| | value |
+| --- | ---: |
+| checkpoint interval (Young/Daly) | {p["interval_s"]:.0f} s |
+| expected lost work per fault | {p["expected_lost_work_s"]:.0f} s |
+| stall / interval | {p["stall_s"] / p["interval_s"]:.3%} |
+| (restart + lost work) / MTBF | {(p["restart_latency_s"] + p["expected_lost_work_s"]) / p["mtbf_s"]:.3%} |
+| **projected utilisation** | **{p["utilisation"]:.2%}** (HLAT: 98.81 %) |
+| the same with the whole 7B state staged by one node | {s["projection_hlat_7b_one_node"]["utilisation"]:.2%} |
+
+## Limits of these figures
+
+- CPU and gloo on a shared 2-core machine: absolute times drift with the other load; rerun
+  for fresh numbers.
+- Corruption is a truncated shard file, which the manifest's recorded sizes catch. A bit
+  flip that keeps the size is not detected by `hlat-ckpt` 0.1 (no checksums in the
+  manifest).
+- Neuron start-up (runtime, graph loading) and EFA collectives are not part of the measured
+  restart latency; they need a trn1 cluster to measure.
+"""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line; see the module docstring."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--faults", type=int, default=8, help="faults to inject (default 8)")
+    parser.add_argument("--seed", type=int, default=0, help="schedule and training seed")
+    parser.add_argument("--out", default="runs/fault-campaign", help="output directory")
+    parser.add_argument("--quick", action="store_true", help="smaller model, shorter run")
+    parser.add_argument("--steps", type=int, default=0, help="training steps (0: by size)")
+    parser.add_argument(
+        "--corrupt",
+        choices=("manifest", "shard"),
+        default="manifest",
+        help="which file of the newest checkpoint corrupt-newest truncates (default manifest; "
+        "'shard' makes hlat-ckpt 0.1 refuse to save that step again: see docs/reliability.md)",
+    )
+    parser.add_argument("--doc", default="", help="also write this Markdown report")
+    parser.add_argument("--_measure-save", dest="measure_save", help=argparse.SUPPRESS)
+    parser.add_argument("--_sizes", dest="sizes", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--_repeats", dest="repeats", type=int, default=3, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.measure_save:
+        _measure_save_worker(
+            args.measure_save, [int(x) for x in args.sizes.split(",")], args.repeats
+        )
+        return 0
+    if args.faults < 1:
+        parser.error(f"--faults must be at least 1, got {args.faults}")
+
+    out = Path(args.out).resolve()
+    if out.exists() and any(out.iterdir()):
+        parser.error(f"--out {out} is not empty; choose a new directory (runs are not resumed)")
+    out.mkdir(parents=True, exist_ok=True)
+    every = 4 if args.quick else 5
+    steps = args.steps or (150 if args.quick else 100 * args.faults + 200)
+    print(f"fault campaign: {args.faults} faults, seed {args.seed}, {steps} steps -> {out}")
+
+    corpus = build_corpus(out / "corpus")
+    ref_dir, run_dir = out / "reference", out / "campaign"
+    ref_cfg = write_config(corpus, ref_dir, steps, every, args.quick, async_save=True)
+    run_cfg = write_config(corpus, run_dir, steps, every, args.quick, async_save=True)
+
+    ref = run_reference(ref_cfg, ref_dir)
+    print(f"uninterrupted run: {ref['wall_s']:.1f} s")
+    span = int(0.7 * (steps - every - 1))
+    faults = schedule(args.faults, args.seed, span, min_gap=every + 1)
+    wall, records, attempts = run_campaign(run_cfg, run_dir, faults, steps, every, args.corrupt)
+    injected = [f for f in faults if not math.isnan(f.at)]
+    print(f"campaign: {wall:.1f} s, {len(injected)} faults, {len(attempts)} launches")
+    final = compare_final(run_dir, ref_dir)
+    stall = measure_stall(out, args.quick)
+
+    restarts = [f.restart_latency_s for f in injected]
+    kinds: dict[str, int] = {}
+    for f in injected:
+        kinds[f.kind] = kinds.get(f.kind, 0) + 1
+    productive = productive_s(records)
+    ref_productive = productive_s(ref["records"])
+    restart_median = statistics.median(restarts) if restarts else math.nan
+    fixed, bw = stall["async_fixed_s"], stall["staging_bandwidth_gb_s"] * 1e9
+    per_node = HLAT_7B_PARAMS * HLAT_7B_BYTES_PER_PARAM / HLAT_NODES
+    projection = project(restart_median, fixed + per_node / bw, HLAT_MTBF_S)
+    projection["state_bytes_per_node"] = per_node
+    one_node = project(
+        restart_median, fixed + HLAT_7B_PARAMS * HLAT_7B_BYTES_PER_PARAM / bw, HLAT_MTBF_S
+    )
+    summary = {
+        "setup": {
+            "steps": steps,
+            "seed": args.seed,
+            "checkpoint_every": every,
+            "mean_gap_steps": span / args.faults,
+            "model": "2-layer 64-wide" if args.quick else "4-layer 128-wide",
+            "quick": args.quick,
+        },
+        "campaign": {
+            "wall_s": wall,
+            "productive_s": productive,
+            "utilisation": productive / wall,
+            "faults_injected": len(injected),
+            "kinds": kinds,
+            "launches": len(attempts),
+            "mtbf_s": wall / max(len(injected), 1),
+            "restart_latency_median_s": restart_median,
+            "restart_latency_max_s": max(restarts) if restarts else math.nan,
+            "lost_work_mean_s": statistics.mean(f.lost_work_s for f in injected)
+            if injected
+            else math.nan,
+            "steps_logged": len(records),
+            "steps_final": len(surviving(records)),
+        },
+        "reference": {
+            "wall_s": ref["wall_s"],
+            "productive_s": ref_productive,
+            "utilisation": ref_productive / ref["wall_s"],
+        },
+        "faults": [asdict(f) for f in faults],
+        "final": final,
+        "stall": stall,
+        "projection_hlat_7b": projection,
+        "projection_hlat_7b_one_node": one_node,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot_timeline(records, faults, ref, out / "timeline.png")
+    if args.doc:
+        command = "python tools/fault_campaign.py " + " ".join(
+            a for a in (argv if argv is not None else sys.argv[1:])
+        )
+        write_doc(summary, Path(args.doc), command)
+    c = summary["campaign"]
+    print(
+        f"effective utilisation {c['utilisation']:.1%} (uninterrupted "
+        f"{summary['reference']['utilisation']:.1%}); restart latency median "
+        f"{restart_median:.2f} s; lost work per fault {c['lost_work_mean_s']:.2f} s; "
+        f"async stall / sync {max(stall['async_over_sync']):.1%}; projected hlat-7b "
+        f"{projection['utilisation']:.2%}"
+    )
+    print(f"final state bit-identical: {'yes' if final['bit_identical'] else 'NO'}")
+    return 0 if final["bit_identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

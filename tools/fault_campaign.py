@@ -62,6 +62,7 @@ class Fault:
     resumed_from: int = 0  # the step the next attempt continued from
     first_step_at: float = math.nan  # arrival of the first new step's record
     restart_latency_s: float = math.nan  # injection -> first new step begins
+    to_resumed_s: float = math.nan  # injection -> "resumed from step" (start, imports, load)
     lost_work_s: float = math.nan  # wall time of work after `resumed_from` that was redone
     lost_steps: int = 0
     checkpoint_write_in_progress: bool | None = None
@@ -337,7 +338,11 @@ def run_reference(config: Path, run_dir: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     tail = MetricsTail(run_dir / "metrics.jsonl", t0)
     attempt = launch(config, 0, t0)
-    code = _wait_exit(attempt, tail, timeout=900)
+    try:
+        code = _wait_exit(attempt, tail, timeout=900)
+    finally:
+        if attempt.proc.poll() is None:
+            _signal_job(attempt, signal.SIGKILL)
     if code != 0:
         tail_text = "\n".join(line for _, line in attempt.lines[-40:])
         raise RuntimeError(f"the reference run failed (exit {code}):\n{tail_text}")
@@ -354,12 +359,33 @@ def run_campaign(
 ) -> tuple[float, list[dict[str, Any]], list[Attempt]]:
     """Run the job to completion while injecting ``faults``; return (wall, records, attempts)."""
     t0 = time.monotonic()
-    ckpt_dir = run_dir / "checkpoints"
     tail = MetricsTail(run_dir / "metrics.jsonl", t0)
     restarts = len(faults) + 2
     attempts = [launch(config, restarts, t0)]
+    try:
+        return _drive(attempts, config, run_dir, faults, steps, every, corrupt, t0, tail, restarts)
+    finally:
+        for attempt in attempts:
+            if attempt.proc.poll() is None:  # an error above: leave no job running
+                _signal_job(attempt, signal.SIGKILL)
+        save_logs(attempts, run_dir)
 
-    def first_new_step(after: int, since: float) -> tuple[dict[str, Any], int]:
+
+def _drive(
+    attempts: list[Attempt],
+    config: Path,
+    run_dir: Path,
+    faults: list[Fault],
+    steps: int,
+    every: int,
+    corrupt: str,
+    t0: float,
+    tail: MetricsTail,
+    restarts: int,
+) -> tuple[float, list[dict[str, Any]], list[Attempt]]:
+    ckpt_dir = run_dir / "checkpoints"
+
+    def first_new_step(after: int, since: float) -> tuple[dict[str, Any], int, float]:
         """The first record of the recovered job and the step it resumed from.
 
         Note: the surviving worker may still log a step after the other one died, so a
@@ -376,7 +402,7 @@ def run_campaign(
                     break
             for r in tail.records[after:]:
                 if r["_t"] > resumed_at or (r["step"] == 1 and r["_t"] > since):
-                    return r, resumed if r["step"] > 1 else 0
+                    return r, resumed if r["step"] > 1 else 0, resumed_at
             if attempts[-1].proc.poll() is not None:
                 time.sleep(0.2)
                 tail.poll()
@@ -449,7 +475,8 @@ def run_campaign(
                     f"from {size} to {size // 2} bytes"
                 )
             attempts.append(launch(config, restarts, t0))
-        first, fault.resumed_from = first_new_step(index, fault.at)
+        first, fault.resumed_from, resumed_at = first_new_step(index, fault.at)
+        fault.to_resumed_s = resumed_at - fault.at
         fault.first_step_at = first["_t"]
         base = first["step"]
         fault.restart_latency_s = first["_t"] - first["step_s"] - fault.at
@@ -463,7 +490,6 @@ def run_campaign(
             since = saved[-1] if saved else attempts[0].started
             fault.lost_work_s = max(0.0, fault.at - since)
     code = _wait_exit(attempts[-1], tail, timeout=900)
-    save_logs(attempts, run_dir)
     if code != 0:
         raise RuntimeError(f"the campaign job failed (exit {code}); see {run_dir}/launch-*.log")
     return time.monotonic() - t0, tail.records, attempts
@@ -622,6 +648,27 @@ def measure_stall(out_dir: Path, quick: bool) -> dict[str, Any]:
     }
 
 
+def measure_startup(repeats: int = 3) -> dict[str, float]:
+    """Median seconds for a fresh interpreter to start, to import torch, and to import what a
+    hlat-train worker imports before its first step: the floor of any restart."""
+    snippets = {
+        "python": "pass",
+        "import torch": "import torch, torch.distributed",
+        "import hlat-train and its packages": (
+            "import hlat_train.trainer, hlat_ckpt, hlat_data, hlat_model, hlat_optim, hlat_parallel"
+        ),
+    }
+    out = {}
+    for name, code in snippets.items():
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-c", code], check=True)
+            times.append(time.perf_counter() - start)
+        out[name] = statistics.median(times)
+    return out
+
+
 # --- the projection --------------------------------------------------------------------------
 
 
@@ -699,6 +746,15 @@ def plot_timeline(
     return True
 
 
+def _median_of(faults: list[dict[str, Any]], kinds: tuple[str, ...]) -> float:
+    values = [
+        f["restart_latency_s"]
+        for f in faults
+        if f["kind"] in kinds and not math.isnan(f["restart_latency_s"])
+    ]
+    return statistics.median(values) if values else math.nan
+
+
 def write_doc(summary: dict[str, Any], path: Path, command: str) -> None:
     """docs/reliability.md with the measured table and the projection."""
     s = summary
@@ -707,7 +763,8 @@ def write_doc(summary: dict[str, Any], path: Path, command: str) -> None:
     p = s["projection_hlat_7b"]
     rows = "\n".join(
         f"| {i + 1} | {f['kind']} | {f['at']:.1f} | {f['step_at_fault']} | {f['resumed_from']} | "
-        f"{f['restart_latency_s']:.2f} | {f['lost_work_s']:.2f} ({f['lost_steps']} steps) |"
+        f"{f['to_resumed_s']:.2f} | {f['restart_latency_s']:.2f} | "
+        f"{f['lost_work_s']:.2f} ({f['lost_steps']} steps) |"
         for i, f in enumerate(s["faults"])
         if not math.isnan(f["at"])
     )
@@ -716,6 +773,7 @@ def write_doc(summary: dict[str, Any], path: Path, command: str) -> None:
         f"{r['async_s'] * 1e3:.1f} | {r['async_s'] / r['sync_s']:.1%} |"
         for r in st["rows"]
     )
+    startup_rows = "\n".join(f"| {k} | {v:.2f} |" for k, v in s["startup"].items())
     text = f"""# Reliability: measured goodput under faults
 
 HLAT reports 98.81 % effective hardware utilisation with automatic fault recovery (77.83 %
@@ -759,8 +817,8 @@ restart of seconds. The uninterrupted run's figure is the fixed cost of this tin
 
 Per fault (times from the campaign start):
 
-| # | kind | at (s) | last step logged | resumed from | restart latency (s) | lost work (s) |
-| --- | --- | ---: | ---: | ---: | ---: | ---: |
+| # | kind | at (s) | last step logged | resumed from | to "resumed" (s) | restart latency (s) | lost work (s) |
+| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |
 {rows}
 
 **How each term is measured.** The campaign follows `metrics.jsonl` (flushed each step)
@@ -770,8 +828,21 @@ time from the fault until the recovered job begins a step (torchrun noticing the
 stopping the other worker, new processes, imports, process group, checkpoint load; for
 SIGTERM and the whole-job kills it includes the relaunch). *Lost work* = injection time
 minus the arrival of the record of the step the job resumed from, in the attempt that died:
-the work that had to be redone. *Productive time* = the sum of `step_s` of the steps in the
+the work that had to be redone. *To "resumed"*: from the injection to rank 0's
+`resumed from step N` line (new processes, imports, process group, model build, checkpoint
+load), the rest of the restart latency is data-loader start and the first forward pass.
+*Productive time* = the sum of `step_s` of the steps in the
 final trajectory (the last record of each step).
+
+**Where a restart goes** (fresh interpreters on this machine, median):
+
+| start-up piece | seconds |
+| --- | ---: |
+{startup_rows}
+
+Restart latency cannot go below start-up + imports + the first step; the rest is torchrun
+noticing the death (polling every 0.1 s here), the process group, building the model and
+loading the checkpoint.
 
 ## Checkpoint stall (measured)
 
@@ -815,12 +886,52 @@ Inputs, each measured here and scaled as stated:
 | **projected utilisation** | **{p["utilisation"]:.2%}** (HLAT: 98.81 %) |
 | the same with the whole 7B state staged by one node | {s["projection_hlat_7b_one_node"]["utilisation"]:.2%} |
 
+The projection also needs each background write to finish within the interval: at the
+synchronous rate measured above ({st["rows"][-1]["state_bytes_per_rank"] / st["rows"][-1]["sync_s"] / 1e9:.2f} GB/s per rank on this disk) a
+node's {p["state_bytes_per_node"] / 1e9:.2f} GB takes about
+{p["state_bytes_per_node"] / (st["rows"][-1]["state_bytes_per_rank"] / st["rows"][-1]["sync_s"]):.1f} s,
+well inside {p["interval_s"]:.0f} s; on shared storage (FSx, S3) measure that rate with
+`tools/preflight.py` before choosing the interval.
+
+## Levers: where the time goes, before and after
+
+- **Checkpoint stall.** Synchronous save (before) against async save (after), same state:
+  the training thread is blocked {", ".join(f"{r['async_s'] / r['sync_s']:.1%}" for r in st["rows"])} of
+  the synchronous time. The blocking part is a fixed {st["async_fixed_s"] * 1e3:.1f} ms
+  (collectives that agree on the step, planning) plus a memory copy at
+  {st["staging_bandwidth_gb_s"]:.1f} GB/s; the ratio tends to (synchronous write
+  rate / staging rate) as the state grows. Getting under 10 % here needs staging into
+  preallocated (pinned, on GPU) buffers reused across saves, or a copy overlapped with the
+  next step's forward.
+- **Restart latency.** Of a worker-crash restart (torchrun restarting the workers) of
+  {_median_of(s["faults"], ("kill-rank", "kill-during-save")):.1f} s median here, the imports alone are
+  {s["startup"].get("import hlat-train and its packages", math.nan):.1f} s per fresh process
+  ({s["startup"].get("import torch", math.nan):.1f} s of it torch). Whole-job relaunches
+  (SIGTERM, corrupt checkpoint) pay the launcher's start as well. The levers that remain
+  are outside this tool: lazy imports in `hlat_train`'s command path, and keeping the
+  launcher alive across preemptions.
+
+## Findings
+
+- Corruption of the manifest (truncated `hlat-checkpoint.json`) is handled automatically:
+  resume skips the checkpoint, the rerun rewrites it. **Truncating a DCP shard file instead
+  (`--corrupt shard`) stops automatic recovery with `hlat-ckpt` 0.1**: `load_latest` skips
+  the checkpoint (sizes do not match the manifest), but when the resumed run reaches that
+  step again, `Checkpointer.save` finds a directory with a valid manifest and refuses to
+  overwrite it ("a checkpoint of step N already exists"), so every torchrun restart fails
+  the same way. The fix belongs in `hlat_ckpt.Checkpointer._prepare`: check the existing
+  directory with `validate()` (sizes) rather than `read_manifest()` alone, and move an
+  invalid one aside before saving.
+- On SIGTERM the workers save and exit 143 and torchrun itself exits 1; a scheduler that
+  requeues on any non-zero exit relaunches it correctly.
+
 ## Limits of these figures
 
 - CPU and gloo on a shared 2-core machine: absolute times drift with the other load; rerun
   for fresh numbers.
-- Corruption is a truncated shard file, which the manifest's recorded sizes catch. A bit
-  flip that keeps the size is not detected by `hlat-ckpt` 0.1 (no checksums in the
+- Corruption is a truncated file ({s["setup"].get("corrupt", "manifest")} in this run), which
+  the manifest's JSON check and recorded sizes catch. A bit flip that keeps the size is not
+  detected by `hlat-ckpt` 0.1 (no checksums in the
   manifest).
 - Neuron start-up (runtime, graph loading) and EFA collectives are not part of the measured
   restart latency; they need a trn1 cluster to measure.
@@ -848,6 +959,9 @@ def main(argv: list[str] | None = None) -> int:
         "'shard' makes hlat-ckpt 0.1 refuse to save that step again: see docs/reliability.md)",
     )
     parser.add_argument("--doc", default="", help="also write this Markdown report")
+    parser.add_argument(
+        "--from-summary", default="", help="only rewrite --doc from this summary.json"
+    )
     parser.add_argument("--_measure-save", dest="measure_save", help=argparse.SUPPRESS)
     parser.add_argument("--_sizes", dest="sizes", default="", help=argparse.SUPPRESS)
     parser.add_argument("--_repeats", dest="repeats", type=int, default=3, help=argparse.SUPPRESS)
@@ -856,6 +970,12 @@ def main(argv: list[str] | None = None) -> int:
         _measure_save_worker(
             args.measure_save, [int(x) for x in args.sizes.split(",")], args.repeats
         )
+        return 0
+    if args.from_summary:
+        if not args.doc:
+            parser.error("--from-summary needs --doc")
+        summary = json.loads(Path(args.from_summary).read_text())
+        write_doc(summary, Path(args.doc), summary["command"])
         return 0
     if args.faults < 1:
         parser.error(f"--faults must be at least 1, got {args.faults}")
@@ -882,6 +1002,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"campaign: {wall:.1f} s, {len(injected)} faults, {len(attempts)} launches")
     final = compare_final(run_dir, ref_dir)
     stall = measure_stall(out, args.quick)
+    startup = measure_startup(1 if args.quick else 3)
 
     restarts = [f.restart_latency_s for f in injected]
     kinds: dict[str, int] = {}
@@ -905,6 +1026,7 @@ def main(argv: list[str] | None = None) -> int:
             "mean_gap_steps": span / args.faults,
             "model": "2-layer 64-wide" if args.quick else "4-layer 128-wide",
             "quick": args.quick,
+            "corrupt": args.corrupt,
         },
         "campaign": {
             "wall_s": wall,
@@ -930,16 +1052,17 @@ def main(argv: list[str] | None = None) -> int:
         "faults": [asdict(f) for f in faults],
         "final": final,
         "stall": stall,
+        "startup": startup,
         "projection_hlat_7b": projection,
         "projection_hlat_7b_one_node": one_node,
     }
+    summary["command"] = "python tools/fault_campaign.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_timeline(records, faults, ref, out / "timeline.png")
     if args.doc:
-        command = "python tools/fault_campaign.py " + " ".join(
-            a for a in (argv if argv is not None else sys.argv[1:])
-        )
-        write_doc(summary, Path(args.doc), command)
+        write_doc(summary, Path(args.doc), summary["command"])
     c = summary["campaign"]
     print(
         f"effective utilisation {c['utilisation']:.1%} (uninterrupted "

@@ -77,6 +77,25 @@ def test_load_latest_skips_an_incomplete_newest_checkpoint_with_a_warning(root):
     assert b["counters"].steps == 0
 
 
+def test_a_resumed_run_replaces_a_damaged_checkpoint_of_the_step_it_reaches_again(root):
+    ck = checkpointer(root, async_save=False)
+    a = make_state(0)
+    ck.save(1, a)
+    train_step(a)
+    ck.save(2, a)
+    url, options = root
+    fs, path = fsspec.core.url_to_fs(f"{url}/step_0000000002/__0_0.distcp", **(options or {}))
+    fs.pipe_file(path, fs.cat_file(path)[:-10])
+    b = make_state(1)
+    with pytest.warns(UserWarning, match="skipping incomplete checkpoint"):
+        assert ck.load_latest(b) == 1
+    train_step(b)
+    ck.save(2, b)  # the damaged step 2 is replaced, not refused
+    c = make_state(2)
+    assert ck.load_latest(c) == 2
+    assert torch.equal(c["model"][0].weight, b["model"][0].weight)
+
+
 def test_retention_keeps_last_k_and_every_mth_step(root):
     ck = checkpointer(root, keep_last=2, keep_every=3, async_save=True)
     a = make_state(0)

@@ -405,7 +405,9 @@ class Checkpointer:
             final, tmp = self._storage.list_steps()
             if step in final:
                 try:
-                    read_manifest(self._storage, final[step])
+                    # Note: a damaged checkpoint (a shard cut short) was skipped by
+                    # load_latest, so the resumed run reaches this step again: replace it.
+                    validate(self._storage, final[step], step)
                     exists = 1
                 except IncompleteCheckpointError:
                     self._storage.remove_dir(final[step])

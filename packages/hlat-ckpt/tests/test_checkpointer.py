@@ -62,7 +62,7 @@ def test_load_latest_on_an_empty_root_is_a_fresh_start(root):
     assert checkpointer(root).load_latest(make_state(0)) is None
 
 
-def test_load_latest_skips_an_incomplete_newest_checkpoint_with_a_warning(root):
+def _two_checkpoints_the_newest_damaged(root) -> Checkpointer:
     ck = checkpointer(root, async_save=False)
     a = make_state(0)
     ck.save(1, a)
@@ -71,6 +71,11 @@ def test_load_latest_skips_an_incomplete_newest_checkpoint_with_a_warning(root):
     url, options = root
     fs, path = fsspec.core.url_to_fs(f"{url}/step_0000000002/__0_0.distcp", **(options or {}))
     fs.pipe_file(path, fs.cat_file(path)[:-10])  # a shard cut short
+    return ck
+
+
+def test_load_latest_skips_an_incomplete_newest_checkpoint_with_a_warning(root):
+    ck = _two_checkpoints_the_newest_damaged(root)
     b = make_state(1)
     with pytest.warns(UserWarning, match="skipping incomplete checkpoint.*step_0000000002"):
         assert ck.load_latest(b) == 1
@@ -78,14 +83,7 @@ def test_load_latest_skips_an_incomplete_newest_checkpoint_with_a_warning(root):
 
 
 def test_a_resumed_run_replaces_a_damaged_checkpoint_of_the_step_it_reaches_again(root):
-    ck = checkpointer(root, async_save=False)
-    a = make_state(0)
-    ck.save(1, a)
-    train_step(a)
-    ck.save(2, a)
-    url, options = root
-    fs, path = fsspec.core.url_to_fs(f"{url}/step_0000000002/__0_0.distcp", **(options or {}))
-    fs.pipe_file(path, fs.cat_file(path)[:-10])
+    ck = _two_checkpoints_the_newest_damaged(root)
     b = make_state(1)
     with pytest.warns(UserWarning, match="skipping incomplete checkpoint"):
         assert ck.load_latest(b) == 1

@@ -41,6 +41,14 @@ from pathlib import Path
 from typing import Any
 
 KINDS = ("kill-rank", "kill-during-save", "sigterm", "corrupt-newest")
+TORCHRUN_2 = (
+    sys.executable,
+    "-m",
+    "torch.distributed.run",
+    "--nproc-per-node",
+    "2",
+    "--standalone",
+)
 HOUR = 3600.0
 
 # The hlat-7b checkpoint state, for the projection: 6.74 G parameters, bf16 weights and
@@ -174,12 +182,7 @@ def launch(config: Path, max_restarts: int, t0: float) -> Attempt:
     does), with every output line timestamped as it arrives."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--standalone",
+        *TORCHRUN_2,
         "--max-restarts",
         str(max_restarts),
         # Note: torchrun notices a dead worker only when it polls; its default of 0.1 s in
@@ -617,12 +620,7 @@ def measure_stall(out_dir: Path, quick: bool) -> dict[str, Any]:
     result = out_dir / "stall.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "STALL_DIR": str(out_dir)}
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--standalone",
+        *TORCHRUN_2,
         __file__,
         "--_measure-save",
         str(result),

@@ -41,7 +41,34 @@ def block_documents(
     return start + np.random.default_rng([seed, epoch, block]).permutation(size).astype(np.int64)
 
 
-class RankShare:
+class _Share:
+    """Document ids of one rank in one epoch, as consecutive pieces; ``_ends`` holds the
+    cumulative piece lengths and ``_piece(k, lo, hi)`` positions ``lo:hi`` of piece ``k``."""
+
+    _ends: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def documents(self, start: int, stop: int) -> np.ndarray:
+        """Document ids at positions ``start:stop`` of this share."""
+        stop = min(stop, len(self))
+        out = []
+        position = start
+        while position < stop:
+            k = int(np.searchsorted(self._ends, position, side="right"))
+            piece_start = int(self._ends[k - 1]) if k else 0
+            piece_stop = min(stop, int(self._ends[k]))
+            take = self._piece(k, position - piece_start, piece_stop - piece_start)
+            out.append(take)
+            position += len(take)
+        return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
+
+    def _piece(self, k: int, lo: int, hi: int) -> np.ndarray:
+        raise NotImplementedError
+
+
+class RankShare(_Share):
     """The documents one DP rank reads in one epoch, with random access by position.
 
     Note:
@@ -68,22 +95,8 @@ class RankShare:
         self._ends = np.cumsum(sizes)
         self._cached: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))
 
-    def __len__(self) -> int:
-        return int(self._ends[-1]) if len(self._ends) else 0
-
-    def documents(self, start: int, stop: int) -> np.ndarray:
-        """Document ids at positions ``start:stop`` of this share."""
-        stop = min(stop, len(self))
-        out = []
-        position = start
-        while position < stop:
-            k = int(np.searchsorted(self._ends, position, side="right"))
-            block_start = int(self._ends[k - 1]) if k else 0
-            docs = self._block(k)
-            take = docs[position - block_start : stop - block_start]
-            out.append(take)
-            position += len(take)
-        return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
+    def _piece(self, k: int, lo: int, hi: int) -> np.ndarray:
+        return self._block(k)[lo:hi]
 
     def _block(self, k: int) -> np.ndarray:
         if self._cached[0] != k:
@@ -114,7 +127,7 @@ def check_layout(num_docs: int, block_size: int, dp_rank: int, dp_size: int) -> 
         )
 
 
-class ResumedShare:
+class ResumedShare(_Share):
     """The rest of an epoch, dealt anew after a resume with a different ``dp_size``.
 
     ``cursors`` are the old ranks' ``(epoch, position, offset)``. Of this epoch, every old
@@ -152,21 +165,6 @@ class ResumedShare:
         self.pieces = pieces[dp_rank::dp_size]
         self._ends = np.cumsum([stop - start for _, start, stop in self.pieces], dtype=np.int64)
 
-    def __len__(self) -> int:
-        return int(self._ends[-1]) if len(self._ends) else 0
-
-    def documents(self, start: int, stop: int) -> np.ndarray:
-        """Document ids at positions ``start:stop`` of this share."""
-        stop = min(stop, len(self))
-        out = []
-        position = start
-        while position < stop:
-            k = int(np.searchsorted(self._ends, position, side="right"))
-            piece_start = int(self._ends[k - 1]) if k else 0
-            rank, begin, end = self.pieces[k]
-            take = self._old[rank].documents(
-                begin + position - piece_start, min(end, begin + stop - piece_start)
-            )
-            out.append(take)
-            position += len(take)
-        return np.concatenate(out) if out else np.empty(0, dtype=np.int64)
+    def _piece(self, k: int, lo: int, hi: int) -> np.ndarray:
+        rank, begin, _ = self.pieces[k]
+        return self._old[rank].documents(begin + lo, begin + hi)

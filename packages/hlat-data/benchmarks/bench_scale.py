@@ -1,14 +1,18 @@
-"""Time to the first batch from a large Arrow file (against a small one), resident memory
-over a full epoch, and peak memory of `hlat-data convert` on a large JSONL file.
+"""Time to the first batch from a large Arrow file (against a small one), locally and over
+``s3://``, resident memory over a full epoch, and peak memory of `hlat-data convert` on a
+large JSONL file.
 
-Sizes: ``HLAT_DATA_BENCH_GB`` (default 1) gigabytes for the large files; the files are
-written to a temporary directory by the benchmark itself.
+Sizes: ``HLAT_DATA_BENCH_GB`` (default 1) gigabytes for the large local files and
+``HLAT_DATA_BENCH_S3_MB`` (default 256) megabytes for the file uploaded to the loopback S3
+server (which holds objects in memory); the files are written to a temporary directory by
+the benchmark itself.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -21,6 +25,7 @@ import pytest
 from hlat_data import ArrowSource, PackedLoader, Tokenizer, train_tokenizer
 
 GB = float(os.environ.get("HLAT_DATA_BENCH_GB", "1"))
+S3_MB = float(os.environ.get("HLAT_DATA_BENCH_S3_MB", "256"))
 
 
 def _stdlib_texts(chars: int) -> list[str]:
@@ -60,9 +65,10 @@ def files(tmp_path_factory):
     return root, Tokenizer.from_file(model), large, small
 
 
-def _first_batch(path, tokenizer, workers):
+def _first_batch(path, tokenizer, workers, storage_options=None):
     start = time.perf_counter()
-    loader = PackedLoader(ArrowSource(path), tokenizer, 4096, 8, num_workers=workers)
+    source = ArrowSource(path, storage_options=storage_options)
+    loader = PackedLoader(source, tokenizer, 4096, 8, num_workers=workers)
     batches = iter(loader)
     next(batches)
     seconds = time.perf_counter() - start
@@ -86,6 +92,59 @@ def test_time_to_first_batch_does_not_grow_with_file_size(benchmark, files, work
     print(
         f"\nfirst batch, {workers} workers: {large.stat().st_size / 1e9:.2f} GB file {large_s:.3f} s, "
         f"4 MB file {small_s:.3f} s ({large_s / small_s:.2f}x)"
+    )
+
+
+def test_time_to_first_batch_over_s3(benchmark, files, s3_bucket, caplog):
+    """Requests and bytes fetched before the first batch, against the object's size.
+
+    Note: moto's server copies the whole object for every ranged GET (about 1 ms per MB
+    here), so over loopback the time grows with the object's size even when the bytes
+    fetched do not; the bytes and request counts are the file-size-independent figures."""
+    import logging
+
+    import fsspec
+
+    root, tokenizer, _, small = files
+    url, options = s3_bucket
+    fs = fsspec.filesystem("s3", **options)
+    large = _write(root / "s3-large.arrow", _stdlib_texts(4_000_000), S3_MB * 1e6)
+    fs.put(str(large), f"{url}/large.arrow")
+    fs.put(str(small), f"{url}/small.arrow")
+
+    def fetched(run):
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="s3fs"):
+            seconds = run()
+        gets = [r.getMessage() for r in caplog.records]
+        ranges = [re.search(r"bytes=(\d+)-(\d+)", m) for m in gets if "get_object" in m]
+        if not all(ranges):
+            raise AssertionError("a GET without a Range header: the whole object was read")
+        return seconds, len(ranges), sum(int(m[2]) + 1 - int(m[1]) for m in ranges if m)
+
+    small_s, small_n, small_b = fetched(
+        lambda: _first_batch(f"{url}/small.arrow", tokenizer, 0, options)
+    )
+    large_s, large_n, large_b = benchmark.pedantic(
+        fetched,
+        args=(lambda: _first_batch(f"{url}/large.arrow", tokenizer, 0, options),),
+        rounds=1,
+        iterations=1,
+    )
+    size_mb = large.stat().st_size / 1e6
+    benchmark.extra_info.update(
+        large_object_mb=round(size_mb),
+        large_s=round(large_s, 3),
+        large_requests=large_n,
+        large_fetched_mb=round(large_b / 1e6, 2),
+        small_s=round(small_s, 3),
+        small_requests=small_n,
+        small_fetched_mb=round(small_b / 1e6, 2),
+    )
+    print(
+        f"\nfirst batch over s3:// (loopback moto): {size_mb:.0f} MB object: {large_s:.3f} s, "
+        f"{large_n} ranged reads, {large_b / 1e6:.2f} MB fetched; 4 MB object: {small_s:.3f} s, "
+        f"{small_n} ranged reads, {small_b / 1e6:.2f} MB fetched"
     )
 
 

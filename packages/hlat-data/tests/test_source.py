@@ -77,6 +77,55 @@ def test_same_files_locally_and_on_s3_have_the_same_fingerprint_and_texts(
     assert remote.files == [f"{url}/corpus.arrow"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_opening_a_remote_file_reads_metadata_not_record_batches(
+    arrow_writer, tmp_path, s3_bucket, caplog, stream
+):
+    import logging
+
+    import fsspec
+
+    url, options = s3_bucket
+    fs = fsspec.filesystem("s3", **options)
+    texts = [f"document {i} " + "x" * 200_000 for i in range(40)]  # ~8 MB in 8 record batches
+    path = arrow_writer(tmp_path / "big.arrow", texts, stream=stream)
+    fs.put(str(path), f"{url}/big.arrow")
+    with caplog.at_level(logging.DEBUG, logger="s3fs"):
+        source = ArrowSource(f"{url}/big.arrow", storage_options=options)
+    fetched = 0
+    for record in caplog.records:
+        if record.getMessage().startswith("Fetch: "):
+            start, end = record.args[-2:]
+            fetched += end - start
+    assert len(source) == 40
+    assert 0 < fetched < path.stat().st_size / 4, (fetched, path.stat().st_size)
+    assert source.text(37) == texts[37]
+
+
+def test_arrow_files_of_the_format_before_0_15_are_read(tmp_path, documents):
+    path = tmp_path / "legacy.arrow"
+    batch = pa.record_batch([pa.array(documents[:12])], names=["text"])
+    options = pa.ipc.IpcWriteOptions(use_legacy_format=True)
+    with pa.ipc.new_stream(path, batch.schema, options=options) as writer:
+        writer.write_batch(batch.slice(0, 5))
+        writer.write_batch(batch.slice(5))
+    assert ArrowSource(path).texts(range(12)) == documents[:12]
+
+
+def test_a_corrupt_record_batch_is_an_error_naming_the_file_when_read(tmp_path):
+    path = tmp_path / "damaged.arrow"
+    batch = pa.record_batch([pa.array(["a" * 1000, "b" * 1000])], names=["text"])
+    with pa.ipc.new_file(path, batch.schema) as writer:
+        writer.write_batch(batch)
+    data = bytearray(path.read_bytes())
+    body = data.index(b"a" * 1000) - 16  # the offsets buffer in front of the characters
+    data[body : body + 16] = b"\x7f" * 16
+    path.write_bytes(bytes(data))
+    source = ArrowSource(path)  # the index reads metadata only
+    with pytest.raises(DataError, match=r"damaged\.arrow"):
+        source.texts([0, 1])
+
+
 # --- bad input ----------------------------------------------------------------------------
 
 

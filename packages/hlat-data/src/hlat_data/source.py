@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,9 @@ _FILE_MAGIC = b"ARROW1"
 _STRING_TYPES = (pa.string(), pa.large_string(), pa.string_view())
 _PARQUET_SUFFIXES = (".parquet", ".pq")
 _ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
+_CONTINUATION = b"\xff\xff\xff\xff"
+_RECORD_BATCH, _DICTIONARY_BATCH = 3, 2  # Arrow's MessageHeader union tags
+_INDEX_BLOCK = 8 * 1024  # read-ahead while indexing a remote file: one metadata block
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ class _Part:
     locator: int  # byte offset of the record-batch message, or the Parquet row-group index
     rows: int
     first_row: int  # row of the file where this part starts
+    end: int = 0  # byte offset just past the record-batch message (Arrow IPC)
 
 
 def split_text(text: str, max_chars: int) -> list[str]:
@@ -83,10 +88,11 @@ class ArrowSource:
         storage_options: passed to fsspec for URLs (credentials, ``client_kwargs``).
 
     Note:
-        Remote Arrow IPC files are read once when the source is created, to find where
-        each record batch starts (Arrow keeps no row counts in its footer); Parquet files
-        keep them in the footer, so a remote Parquet source opens with a few small reads.
-        The index is pickled with the source, so loader workers never repeat it.
+        Opening a source reads only metadata: the few hundred bytes in front of each Arrow
+        record batch (its row count and length; record batch bodies are skipped, so a
+        remote file opens in one small ranged read per record batch, whatever its size) or
+        a Parquet footer. The index is pickled with the source, so loader workers never
+        repeat it.
     """
 
     def __init__(
@@ -207,7 +213,7 @@ class ArrowSource:
 
     def _index(self, index: int, file: _File) -> list[_Part]:
         try:
-            handle = _open(file)
+            handle = _open(file, block_size=_INDEX_BLOCK)
         except FileNotFoundError:
             raise DataError(f"{file.url}: no such file") from None
         try:
@@ -258,29 +264,28 @@ class ArrowSource:
         self._check_schema(file, schema)
         parts: list[_Part] = []
         first = 0
+        offset = handle.tell()
         while True:
-            offset = handle.tell()
+            handle.seek(offset)
             try:
-                message = reader.read_next_message()
-            except StopIteration:
-                break
-            except (pa.ArrowException, OSError) as e:
+                header = _read_message_header(handle, offset, file.size)
+            except (ValueError, struct.error, IndexError) as e:
                 raise corrupt(
                     f"record batch {len(parts)} at byte {offset} is unreadable", e
                 ) from None
-            if message.type != "record batch":
+            if header is None:  # end-of-stream marker
+                break
+            kind, rows, next_offset = header
+            if kind == _DICTIONARY_BATCH:
                 raise DataError(
-                    f"{file.url}: Arrow message of type {message.type!r} at byte {offset}; "
+                    f"{file.url}: Arrow message of type 'dictionary batch' at byte {offset}; "
                     "dictionary-encoded columns are not supported: cast the text column to string"
                 )
-            try:
-                rows = pa.ipc.read_record_batch(message, schema).num_rows
-            except (pa.ArrowException, OSError) as e:
-                raise corrupt(
-                    f"record batch {len(parts)} at byte {offset} is unreadable", e
-                ) from None
-            parts.append(_Part(index, offset, rows, first))
+            if kind != _RECORD_BATCH:
+                raise corrupt(f"unexpected Arrow message (type {kind}) at byte {offset}")
+            parts.append(_Part(index, offset, rows, first, next_offset))
             first += rows
+            offset = next_offset
         self._schemas[index] = schema
         return parts
 
@@ -291,13 +296,25 @@ class ArrowSource:
             return column
         part = self._parts[part_index]
         file = self._files[part.file]
-        handle = self._open(part.file)
         if file.fmt == "parquet":
-            table = handle.read_row_group(part.locator, columns=[self.text_column])
+            table = self._open(part.file).read_row_group(part.locator, columns=[self.text_column])
             column = table.column(0).combine_chunks()
         else:
-            handle.seek(part.locator)
-            batch = pa.ipc.read_record_batch(pa.ipc.read_message(handle), self._schemas[part.file])
+            if _is_local(file):
+                handle = self._open(part.file)
+                handle.seek(part.locator)
+            else:  # one ranged request for exactly this message, not a read-ahead block
+                handle = pa.py_buffer(file.fs.cat_file(file.path, start=part.locator, end=part.end))
+            try:
+                message = pa.ipc.read_message(handle)
+                batch = pa.ipc.read_record_batch(message, self._schemas[part.file])
+                # offsets inside the body are only trusted after a full check (UTF-8 too)
+                batch.column(self.text_column).validate(full=True)
+            except (pa.ArrowException, OSError) as e:
+                raise DataError(
+                    f"{file.url}: record batch at byte {part.locator} is unreadable ({e}); the "
+                    "file is truncated or corrupt: write it again"
+                ) from None
             column = batch.column(self.text_column)
         if column.null_count and self.nulls == "error":
             row = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
@@ -345,8 +362,87 @@ def _resolve(entry: str, storage_options: dict[str, Any]) -> list[_File]:
     return files
 
 
-def _open(file: _File) -> Any:
+def _is_local(file: _File) -> bool:
     protocols = file.fs.protocol if isinstance(file.fs.protocol, tuple) else (file.fs.protocol,)
-    if "file" in protocols:
+    return "file" in protocols
+
+
+def _open(file: _File, block_size: int | None = None) -> Any:
+    if _is_local(file):
         return pa.memory_map(file.path, "r")
-    return pa.PythonFile(file.fs.open(file.path, "rb"), mode="r")
+    kwargs = {} if block_size is None else {"block_size": block_size}
+    return pa.PythonFile(file.fs.open(file.path, "rb", **kwargs), mode="r")
+
+
+# --- Arrow IPC message headers, without their bodies -----------------------------------------
+#
+# Note: pyarrow reads a message's metadata and body together, and its file reader keeps the
+# footer's block list to itself, so indexing a file through pyarrow reads every byte of it:
+# over s3:// that is the whole object before the first batch. The encapsulated message
+# format is small and stable (a continuation marker, the metadata length, a flatbuffer
+# ``Message``, then the body), so the index reads the flatbuffer fields it needs here.
+
+
+def _read_message_header(handle: Any, offset: int, file_size: int) -> tuple[int, int, int] | None:
+    """``(header type, rows, offset of the next message)`` of the encapsulated IPC message
+    at ``offset``, reading only its metadata; ``None`` at the end-of-stream marker."""
+    prefix = handle.read(8)
+    if len(prefix) < 4:
+        raise ValueError("the stream ends without an end-of-stream marker")
+    if prefix[:4] == _CONTINUATION:
+        if len(prefix) < 8:
+            raise ValueError("the stream ends inside a message prefix")
+        (size,) = struct.unpack("<i", prefix[4:8])
+        start = offset + 8
+    else:  # the format before Arrow 0.15 has no continuation marker
+        (size,) = struct.unpack("<i", prefix[:4])
+        start = offset + 4
+        handle.seek(start)
+    if size == 0:
+        return None
+    if size < 0 or start + size > file_size:
+        raise ValueError(f"metadata length {size} runs past the end of the file")
+    kind, body_length, rows = _parse_message(handle.read(size))
+    end = start + size + body_length
+    if body_length < 0 or end > file_size:
+        raise ValueError(f"a body of {body_length} bytes runs past the end of the file")
+    return kind, rows, end
+
+
+def _parse_message(meta: bytes) -> tuple[int, int, int]:
+    """``(header type, body length, rows)`` from a flatbuffer ``org.apache.arrow.flatbuf.Message``
+    (fields: version, header_type, header, bodyLength; ``RecordBatch`` field 0 is ``length``)."""
+    message = _table(meta, struct.unpack_from("<I", meta, 0)[0])
+    kind = _field(meta, message, 1, "<B", 0)
+    body_length = _field(meta, message, 3, "<q", 0)
+    rows = 0
+    if kind == _RECORD_BATCH:
+        pos = _field_pos(meta, message, 2)
+        if pos is None:
+            raise ValueError("a record batch message without its header")
+        header = _table(meta, pos + struct.unpack_from("<I", meta, pos)[0])
+        rows = _field(meta, header, 0, "<q", 0)
+    return kind, body_length, rows
+
+
+def _table(buf: bytes, pos: int) -> tuple[int, int]:
+    """A flatbuffer table at ``pos``: ``(table position, vtable position)``."""
+    (back,) = struct.unpack_from("<i", buf, pos)
+    vtable = pos - back
+    if not 0 <= vtable < len(buf) or not 0 <= pos < len(buf):
+        raise ValueError("a flatbuffer offset points outside the metadata")
+    return pos, vtable
+
+
+def _field_pos(buf: bytes, table: tuple[int, int], slot: int) -> int | None:
+    pos, vtable = table
+    (vtable_size,) = struct.unpack_from("<H", buf, vtable)
+    if 4 + 2 * slot >= vtable_size:
+        return None
+    (rel,) = struct.unpack_from("<H", buf, vtable + 4 + 2 * slot)
+    return pos + rel if rel else None
+
+
+def _field(buf: bytes, table: tuple[int, int], slot: int, fmt: str, default: int) -> int:
+    pos = _field_pos(buf, table, slot)
+    return default if pos is None else int(struct.unpack_from(fmt, buf, pos)[0])

@@ -1,5 +1,6 @@
 """Worker processes of the hlat-ckpt tests: a TP=2 DTensor job that saves, a DP=2 job that
-loads, and a trainer that checkpoints in a loop until it is killed.
+loads, a job that resumes from the newest undamaged checkpoint, and a trainer that
+checkpoints in a loop until it is killed.
 
 Run as ``python ckpt_workers.py <scenario> <root>`` with torchrun's environment variables
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) for the distributed scenarios.
@@ -7,8 +8,10 @@ Run as ``python ckpt_workers.py <scenario> <root>`` with torchrun's environment 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -81,6 +84,17 @@ def dp_load(root: str) -> None:
     torch.save(got, os.path.join(root, f"dp_rank{rank}.pt"))
 
 
+def latest(root: str) -> None:
+    """``load_latest`` of the model on every rank; writes the step and the warnings."""
+    rank = dist.get_rank()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = Checkpointer(root).load_latest({"model": tp_model()})
+    messages = [str(w.message) for w in caught if "skipping" in str(w.message)]
+    with open(os.path.join(root, f"latest_rank{rank}.json"), "w") as f:
+        json.dump({"step": step, "warnings": messages}, f)
+
+
 def save_forever(root: str, async_save: bool) -> None:
     """Resume from the newest checkpoint, then save every step until killed. The weights of
     step N are all N, so a loaded checkpoint shows which step's data it holds."""
@@ -102,6 +116,6 @@ if __name__ == "__main__":
     scenario, root_dir = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     try:
-        {"tp_save": tp_save, "dp_load": dp_load}[scenario](root_dir)
+        {"tp_save": tp_save, "dp_load": dp_load, "latest": latest}[scenario](root_dir)
     finally:
         dist.destroy_process_group()

@@ -1,7 +1,9 @@
+import json
 import multiprocessing
 import os
 import resource
 import signal
+import struct
 
 import fsspec
 import pytest
@@ -92,6 +94,112 @@ def test_a_resumed_run_replaces_a_damaged_checkpoint_of_the_step_it_reaches_agai
     c = make_state(2)
     assert ck.load_latest(c) == 2
     assert torch.equal(c["model"][0].weight, b["model"][0].weight)
+
+
+MARK = 1234.5678  # a weight value whose four bytes occur once in the shard file
+
+
+def _flip_a_weight_byte(root, step: int) -> float:
+    """Flip one bit of the stored bytes of the weight set to ``MARK``, in the middle of the
+    shard file: the file keeps its size and still unpickles. Returns the damaged value."""
+    url, options = root
+    fs, path = fsspec.core.url_to_fs(f"{url}/step_{step:010d}/__0_0.distcp", **(options or {}))
+    data = bytearray(fs.cat_file(path))
+    at = data.find(struct.pack("<f", MARK))
+    assert at > 0 and data.find(struct.pack("<f", MARK), at + 1) == -1
+    data[at] ^= 0x01  # the lowest mantissa bit
+    fs.pipe_file(path, bytes(data))
+    return struct.unpack("<f", bytes(data[at : at + 4]))[0]
+
+
+def test_a_flipped_byte_in_a_shard_is_named_and_resume_takes_the_previous_checkpoint(root):
+    ck = checkpointer(root, async_save=False)
+    a = make_state(0)
+    ck.save(1, a)
+    train_step(a)
+    with torch.no_grad():
+        a["model"][0].weight[3, 5] = MARK
+    ck.save(2, a)
+    damaged = _flip_a_weight_byte(root, 2)
+
+    # Without checksums the damage is silent: the weight loads changed.
+    unchecked = make_state(1)
+    checkpointer(root, verify_checksums=False).load(2, unchecked)
+    assert damaged != MARK and float(unchecked["model"][0].weight[3, 5].detach()) == damaged
+
+    with pytest.raises(
+        CheckpointError,
+        match=r"cannot load step 2: .*step_0000000002: file __0_0\.distcp has checksum "
+        r"crc32:[0-9a-f]{8}, manifest recorded crc32:[0-9a-f]{8}",
+    ):
+        ck.load(2, make_state(1))
+    b = make_state(1)
+    with pytest.warns(UserWarning, match=r"skipping damaged checkpoint: .*__0_0\.distcp"):
+        assert ck.load_latest(b) == 1
+    assert b["counters"].steps == 0
+    with pytest.warns(UserWarning, match=r"damaged checkpoint: .*__0_0\.distcp"):
+        restored = consolidate(root[0], root[1])["model"]
+    assert torch.equal(restored["0.weight"], make_state(0)["model"][0].weight)
+
+    train_step(b)
+    ck.save(2, b)  # the damaged step 2 is replaced, not refused
+    c = make_state(2)
+    assert ck.load_latest(c) == 2
+    assert torch.equal(c["model"][0].weight, b["model"][0].weight)
+
+
+def test_retention_does_not_keep_a_damaged_checkpoint_in_place_of_a_good_one(tmp_path):
+    ck = Checkpointer(tmp_path, keep_last=2, async_save=False)
+    a = make_state(0)
+    ck.save(1, a)
+    ck.save(4, a)
+    shard = tmp_path / "step_0000000004" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="skipping damaged checkpoint"):
+        assert ck.load_latest(make_state(1)) == 1
+    ck.save(2, a)  # the resumed run saves at other steps than the damaged one
+    # step 1 stays: the two kept are 1 and 2, the damaged 4 is not one of them (and, newer
+    # than the commit, is left alone)
+    assert [c.step for c in ck.list()] == [1, 2, 4]
+    ck.save(5, a)  # once a newer step commits, the damaged one goes
+    assert [c.step for c in ck.list()] == [2, 5]
+
+
+def test_a_checkpoint_whose_manifest_has_no_checksums_loads(tmp_path):
+    ck = Checkpointer(tmp_path, async_save=False)
+    a = make_state(0)
+    ck.save(1, a)
+    path = tmp_path / "step_0000000001" / MANIFEST_NAME
+    record = json.loads(path.read_text())
+    assert set(record.pop("checksums")) == set(record["files"])
+    path.write_text(json.dumps(record))  # a manifest as hlat-ckpt 0.1 wrote it
+    b = make_state(1)
+    assert ck.load_latest(b) == 1
+    assert all(torch.equal(t, snapshot(a)[n]) for n, t in snapshot(b).items())
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_every_committed_save_reports_its_stall_write_time_and_size(tmp_path, async_save):
+    ck = Checkpointer(tmp_path, async_save=async_save)
+    a = make_state(0)
+    for step in (1, 2):
+        train_step(a)
+        ck.save(step, a)
+    ck.wait()
+    stats = ck.pop_save_stats()
+    assert ck.pop_save_stats() == []  # each save is reported once
+    assert [s.step for s in stats] == [1, 2] and ck.last_save == stats[-1]
+    for s in stats:
+        manifest = json.loads((tmp_path / f"step_{s.step:010d}" / MANIFEST_NAME).read_text())
+        assert s.bytes == sum(manifest["files"].values()) and s.files == len(manifest["files"])
+        assert s.async_save is async_save
+        assert 0 <= s.wait_s <= s.stall_s <= s.save_s and 0 < s.checksum_s < s.write_s
+        if async_save:
+            assert s.stall_s + s.write_s <= s.save_s + 1e-6  # the write ran after save()
+        else:
+            assert s.stall_s == s.save_s
 
 
 def test_retention_keeps_last_k_and_every_mth_step(root):

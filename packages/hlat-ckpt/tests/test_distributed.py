@@ -1,6 +1,9 @@
-"""Two-process jobs on real gloo groups: a TP=2 DTensor checkpoint loads at other layouts."""
+"""Two-process jobs on real gloo groups: a TP=2 DTensor checkpoint loads at other layouts;
+each rank checks the checksums of its own shard files."""
 
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -10,7 +13,7 @@ import pytest
 import torch
 from ckpt_workers import tp_model
 
-from hlat_ckpt import Checkpointer
+from hlat_ckpt import MANIFEST_NAME, Checkpointer
 
 WORKERS = Path(__file__).with_name("ckpt_workers.py")
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -83,3 +86,22 @@ def test_tp2_checkpoint_loads_into_two_data_parallel_replicas(tp2_checkpoint):
     launch("dp_load", root)
     for rank in range(2):
         assert_matches(torch.load(root / f"dp_rank{rank}.pt", weights_only=True), reference)
+
+
+def test_a_damaged_shard_of_rank_1_is_found_by_rank_1_and_skipped_by_both(tp2_checkpoint, tmp_path):
+    root, _ = tp2_checkpoint
+    copy = tmp_path / "tp2"
+    shutil.copytree(root, copy)
+    manifest = json.loads((copy / "step_0000000001" / MANIFEST_NAME).read_text())
+    assert set(manifest["checksums"]) == set(manifest["files"]) >= {"__0_0.distcp", "__1_0.distcp"}
+    shard = copy / "step_0000000001" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    launch("latest", copy)
+    for rank in range(2):
+        found = json.loads((copy / f"latest_rank{rank}.json").read_text())
+        assert found["step"] is None, found  # the only checkpoint is damaged: a fresh start
+    warned = json.loads((copy / "latest_rank0.json").read_text())["warnings"]
+    assert len(warned) == 1 and "skipping damaged checkpoint" in warned[0], warned
+    assert "file __1_0.distcp has checksum" in warned[0], warned

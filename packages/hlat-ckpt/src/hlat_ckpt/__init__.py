@@ -1,20 +1,47 @@
-"""hlat-ckpt: sharded, atomic, async checkpoints with auto-resume on torch.distributed.checkpoint."""
+"""hlat-ckpt: sharded, atomic, async checkpoints with auto-resume on torch.distributed.checkpoint.
 
-from .checkpointer import Checkpointer, CheckpointError, CheckpointInfo
+``torch.distributed.checkpoint`` is imported on the first save or load, and the Neuron backend
+(:class:`NeuronCheckpointer`) on first use, so importing this package costs little more than
+torch itself.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .checkpointer import Checkpointer, CheckpointError, CheckpointInfo, SaveStats
 from .consolidate import consolidate
-from .manifest import MANIFEST_NAME, IncompleteCheckpointError, Manifest
-from .neuron import NeuronCheckpointer
+from .manifest import (
+    MANIFEST_NAME,
+    DamagedCheckpointError,
+    IncompleteCheckpointError,
+    Manifest,
+)
 from .rng import RNGState
+
+if TYPE_CHECKING:
+    from .neuron import NeuronCheckpointer
 
 __all__ = [
     "MANIFEST_NAME",
     "CheckpointError",
     "CheckpointInfo",
     "Checkpointer",
+    "DamagedCheckpointError",
     "IncompleteCheckpointError",
     "Manifest",
     "NeuronCheckpointer",
     "RNGState",
+    "SaveStats",
     "consolidate",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "NeuronCheckpointer":
+        from .neuron import NeuronCheckpointer
+
+        globals()[name] = NeuronCheckpointer
+        return NeuronCheckpointer
+    raise AttributeError(f"module 'hlat_ckpt' has no attribute {name!r}")

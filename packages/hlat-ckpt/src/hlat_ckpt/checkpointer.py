@@ -5,44 +5,49 @@ from __future__ import annotations
 import atexit
 import builtins
 import os
+import re
 import sys
+import threading
+import time
 import traceback
 import warnings
 import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.tensor import DTensor
 
 from . import state_json
 from .manifest import (
     MANIFEST_NAME,
+    DamagedCheckpointError,
     IncompleteCheckpointError,
     Manifest,
+    checksum_files,
     package_versions,
     read_manifest,
     validate,
+    verify_checksums,
     write_manifest,
 )
 from .retention import incomplete_to_delete, steps_to_delete
 from .rng import RNGState
 from .storage import Storage, step_dirname
 
+if TYPE_CHECKING:
+    import torch.distributed.checkpoint as dcp
+
+# Note: torch.distributed.checkpoint and torch.distributed.tensor (about a second of imports
+# with sympy) are imported by the methods that save and load, not with this module, so that
+# a process that only lists checkpoints, or has not reached its first save, does not pay
+# for them.
+
 RNG_ENTRY = "rng"
+_SHARD_FILE = re.compile(r"^__(\d+)_")  # DCP's data files: __<rank>_<n>.distcp
 
 # Single-process saves and loads pass no_dist=True on purpose; DCP still warns about it.
 warnings.filterwarnings(
@@ -67,6 +72,29 @@ class CheckpointInfo:
     world_size: int
 
 
+@dataclass(frozen=True)
+class SaveStats:
+    """What one committed save cost, as seen by the calling process (seconds, bytes).
+
+    ``stall_s`` is how long :meth:`Checkpointer.save` blocked the caller: for an async save
+    the wait for the previous save (``wait_s``), gathering the state dicts and the copy to
+    host memory; for a synchronous save everything. ``write_s`` is the writing, checksumming
+    (``checksum_s``) and commit, in the background thread for an async save; ``save_s`` runs
+    from the call of ``save`` to the commit. ``bytes`` and ``files`` count every file of the
+    checkpoint, all ranks' together.
+    """
+
+    step: int
+    async_save: bool
+    stall_s: float
+    wait_s: float
+    write_s: float
+    checksum_s: float
+    save_s: float
+    bytes: int
+    files: int
+
+
 def _rank_prefix(rank: int) -> str:
     return f"_rank/{rank:05d}"
 
@@ -77,6 +105,13 @@ def _bytes_tensor(data: bytes) -> torch.Tensor:
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().numpy().tobytes()
+
+
+def _owner(name: str, world_size: int) -> int:
+    """The rank that checksums file ``name``: DCP's ``__<r>_<n>.distcp`` belong to the rank
+    that wrote them (modulo the world size when it changed), everything else to rank 0."""
+    m = _SHARD_FILE.match(name)
+    return int(m.group(1)) % world_size if m else 0
 
 
 class Checkpointer:
@@ -95,6 +130,10 @@ class Checkpointer:
         layout: free-form description of the parallel layout (e.g. ``{"tp": 2, "dp": 4}``),
             recorded in the manifest.
         io_threads: file-writing threads per rank on local disks.
+        verify_checksums: before loading, read every file of the checkpoint and compare it
+            with the checksum the manifest recorded (each rank reads the files it would
+            have written); a damaged checkpoint is skipped by :meth:`load_latest` and
+            refused by :meth:`load`. Checksums are always recorded.
 
     ``state`` maps names to the objects to checkpoint: ``nn.Module`` (also DDP/FSDP/TP
     wrapped) and ``torch.optim.Optimizer`` entries go through
@@ -123,6 +162,7 @@ class Checkpointer:
         process_group: dist.ProcessGroup | None = None,
         layout: dict[str, Any] | None = None,
         io_threads: int = 1,
+        verify_checksums: bool = True,
     ):
         if not isinstance(root_url, str | os.PathLike) or not os.fspath(root_url):
             raise TypeError(f"root_url must be a non-empty path or URL, got {root_url!r}")
@@ -138,6 +178,7 @@ class Checkpointer:
         self.save_rng = save_rng
         self.layout = dict(layout or {})
         self.io_threads = io_threads
+        self.verify_checksums = verify_checksums
         self._storage = Storage(root_url, storage_options)
         self.url = self._storage.url
         if dist.is_available() and dist.is_initialized():
@@ -155,6 +196,11 @@ class Checkpointer:
         self._pending_step = -1
         self._buffers: dict[str, torch.Tensor] = {}
         self._rng = RNGState()
+        self._damaged: set[int] = set()  # steps load_latest skipped for a checksum mismatch
+        self._stats_lock = threading.Lock()
+        self._finished: builtins.list[SaveStats] = []
+        self.last_save: SaveStats | None = None
+        """What the newest committed save cost (:class:`SaveStats`)."""
         atexit.register(_wait_at_exit, weakref.ref(self))
 
     # --- public API ------------------------------------------------------------------------
@@ -168,18 +214,30 @@ class Checkpointer:
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        started = time.perf_counter()
         entries = self._classify(state)
         self.wait()
+        wait_s = time.perf_counter() - started
         self._prepare(step)
         flat = self._collect(state, entries)
         layout = self._layout(flat)
         kinds = {name: kind for name, (kind, _) in entries.items()}
         if not self.async_save:
-            self._write(step, flat, kinds, layout)
+            self._write(step, flat, kinds, layout, started, None, wait_s)
             return
         staged = self._stage(flat)
         self._pending_step = step
-        self._pending = self._executor.submit(self._write, step, staged, kinds, layout)
+        stall_s = time.perf_counter() - started
+        self._pending = self._executor.submit(
+            self._write, step, staged, kinds, layout, started, stall_s, wait_s
+        )
+
+    def pop_save_stats(self) -> builtins.list[SaveStats]:
+        """The :class:`SaveStats` of the saves committed since the last call, oldest first
+        (an async save appears once its background write has committed)."""
+        with self._stats_lock:
+            finished, self._finished = self._finished, []
+        return finished
 
     def wait(self) -> None:
         """Block until the background save (if any) has committed; raise its error if it
@@ -201,30 +259,42 @@ class Checkpointer:
         """Load the newest complete checkpoint into ``state``; return its step, or ``None``
         when there is none (a fresh start).
 
-        Incomplete checkpoints (no manifest, missing or truncated files) are skipped with a
-        warning. Rank 0 chooses and every rank loads the same step.
+        Incomplete checkpoints (no manifest, missing or truncated files) and, with
+        ``verify_checksums``, damaged ones (a file whose checksum differs from the manifest's)
+        are skipped with a warning. Rank 0 chooses and every rank loads the same step.
         """
-        self._classify(state)
+        entries = self._classify(state)
         self.wait()
-        step = -1
-        if self.rank == 0:
-            final, _ = self._storage.list_steps()
-            for candidate in sorted(final, reverse=True):
-                try:
-                    validate(self._storage, final[candidate], candidate)
-                except IncompleteCheckpointError as e:
-                    warnings.warn(f"skipping incomplete checkpoint: {e}", stacklevel=2)
-                    continue
-                step = candidate
-                break
-        if self._group is not None:
-            chosen = torch.tensor([step], dtype=torch.int64)
-            dist.broadcast(chosen, src=self._src, group=self._group)
-            step = int(chosen.item())
-        if step < 0:
-            return None
-        self.load(step, state)
-        return step
+        rejected: set[int] = set()
+        while True:
+            step = -1
+            if self.rank == 0:
+                final, _ = self._storage.list_steps()
+                for candidate in sorted(final, reverse=True):
+                    if candidate in rejected:
+                        continue
+                    try:
+                        validate(self._storage, final[candidate], candidate)
+                    except IncompleteCheckpointError as e:
+                        warnings.warn(f"skipping incomplete checkpoint: {e}", stacklevel=2)
+                        rejected.add(candidate)
+                        continue
+                    step = candidate
+                    break
+            if self._group is not None:
+                chosen = torch.tensor([step], dtype=torch.int64)
+                dist.broadcast(chosen, src=self._src, group=self._group)
+                step = int(chosen.item())
+            if step < 0:
+                return None
+            manifest, problem = self._check(step)
+            if manifest is not None and problem is None:
+                self._read(step, manifest, entries)
+                return step
+            if self.rank == 0:
+                warnings.warn(f"skipping damaged checkpoint: {problem}", stacklevel=2)
+            self._damaged.add(step)
+            rejected.add(step)
 
     def load(self, step: int, state: Mapping[str, Any]) -> None:
         """Load checkpoint ``step`` into ``state`` (collective).
@@ -235,11 +305,47 @@ class Checkpointer:
         """
         entries = self._classify(state)
         self.wait()
+        manifest, problem = self._check(step)
+        if manifest is None or problem is not None:
+            raise CheckpointError(f"cannot load step {step}: {problem}")
+        self._read(step, manifest, entries)
+
+    def _check(self, step: int) -> tuple[Manifest | None, str | None]:
+        """``(manifest, None)`` when checkpoint ``step`` is complete and, with
+        ``verify_checksums``, undamaged; ``(manifest or None, what is wrong)`` otherwise.
+
+        Collective: every rank checks the sizes and reads back the files it owns (see
+        :func:`_owner`), and all ranks get the same answer. A read error other than a
+        mismatch raises :class:`CheckpointError` on every rank (the checkpoint may be fine).
+        """
         dirname = step_dirname(step)
+        manifest: Manifest | None = None
+        outcome: tuple[str, str] | None = None
         try:
             manifest = validate(self._storage, dirname, step)
+            if self.verify_checksums:
+                mine = [n for n in manifest.checksums if _owner(n, self.world_size) == self.rank]
+                verify_checksums(self._storage, dirname, manifest, mine)
         except IncompleteCheckpointError as e:
-            raise CheckpointError(f"cannot load step {step}: {e}") from None
+            outcome = ("damaged", str(e))
+        except Exception as e:
+            outcome = ("error", f"rank {self.rank}: {type(e).__name__}: {e}")
+        outcomes = [outcome]
+        if self._group is not None:
+            outcomes = [None] * self.world_size
+            dist.all_gather_object(outcomes, outcome, group=self._group)
+        errors = [o[1] for o in outcomes if o is not None and o[0] == "error"]
+        if errors:
+            raise CheckpointError(
+                f"checking {self._storage.url_of(dirname)} failed: {'; '.join(errors)}"
+            )
+        problems = [o[1] for o in outcomes if o is not None]
+        return manifest, problems[0] if problems else None
+
+    def _read(self, step: int, manifest: Manifest, entries: dict[str, tuple[str, Any]]) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dirname = step_dirname(step)
         where = self._storage.url_of(dirname)
         for name, (kind, _) in list(entries.items()):
             saved = manifest.entries.get(name)
@@ -385,6 +491,11 @@ class Checkpointer:
 
     @staticmethod
     def _get_state_dict(kind: str, obj: Any) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
         if kind == "module":
             return get_model_state_dict(obj)
         model, optimizer = obj
@@ -392,6 +503,12 @@ class Checkpointer:
 
     @staticmethod
     def _set_state_dict(kind: str, obj: Any, value: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
         if kind == "module":
             set_model_state_dict(obj, value, options=StateDictOptions(strict=True))
         else:
@@ -405,8 +522,11 @@ class Checkpointer:
             final, tmp = self._storage.list_steps()
             if step in final:
                 try:
-                    # Note: a damaged checkpoint (a shard cut short) was skipped by
-                    # load_latest, so the resumed run reaches this step again: replace it.
+                    # Note: a damaged checkpoint (a shard cut short, or one whose checksum
+                    # no longer matches) was skipped by load_latest, so the resumed run
+                    # reaches this step again: replace it.
+                    if step in self._damaged:
+                        raise DamagedCheckpointError(f"step {step} failed its checksums")
                     validate(self._storage, final[step], step)
                     exists = 1
                 except IncompleteCheckpointError:
@@ -452,6 +572,8 @@ class Checkpointer:
         return flat
 
     def _layout(self, flat: dict[str, torch.Tensor]) -> dict[str, Any]:
+        from torch.distributed.tensor import DTensor
+
         meshes = []
         for t in flat.values():
             if isinstance(t, DTensor):
@@ -467,6 +589,8 @@ class Checkpointer:
         Note: reusing the buffers is what keeps the stall small: fresh allocations of the
         same size cost page faults that take longer than the copy itself.
         """
+        from torch.distributed.tensor import DTensor
+
         staged: dict[str, torch.Tensor] = {}
         buffers: dict[str, torch.Tensor] = {}
         on_device = False
@@ -497,6 +621,8 @@ class Checkpointer:
         return staged
 
     def _writer(self, dirname: str) -> dcp.StorageWriter:
+        import torch.distributed.checkpoint as dcp
+
         if self._storage.is_local:
             return dcp.FileSystemWriter(
                 self._storage.path(dirname), sync_files=True, thread_count=self.io_threads
@@ -508,6 +634,8 @@ class Checkpointer:
         )
 
     def _reader(self, dirname: str) -> dcp.StorageReader:
+        import torch.distributed.checkpoint as dcp
+
         if self._storage.is_local:
             return dcp.FileSystemReader(self._storage.path(dirname))
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -520,7 +648,15 @@ class Checkpointer:
         flat: dict[str, torch.Tensor],
         kinds: dict[str, str],
         layout: dict[str, Any],
+        started: float,
+        stall_s: float | None,
+        wait_s: float,
     ) -> None:
+        """Write, checksum and commit ``step`` (collective; in the background thread for an
+        async save), then record its :class:`SaveStats`."""
+        import torch.distributed.checkpoint as dcp
+
+        write_start = time.perf_counter()
         dirname = self._storage.write_dirname(step)
         final = step_dirname(step)
         where = self._storage.url_of(final)
@@ -540,28 +676,68 @@ class Checkpointer:
                 "checkpoints are untouched"
             ) from e
         # DCP's final collective returns only after every rank's files and the metadata are
-        # written, so rank 0 can now record the file list and commit.
+        # written, so rank 0 can now list the files; each rank checksums its own.
+        checksum_start = time.perf_counter()
         error: BaseException | None = None
+        sizes: dict[str, int] = {}
         if self.rank == 0:
             try:
+                sizes = self._storage.file_sizes(dirname)
+            except BaseException as e:
+                error = e
+        names: builtins.list[Any] = [sorted(sizes) if error is None else None]
+        if self._group is not None:
+            dist.broadcast_object_list(names, src=self._src, group=self._group)
+        sums: dict[str, str] = {}
+        problem: str | None = None
+        if names[0] is not None:
+            mine = [n for n in names[0] if _owner(n, self.world_size) == self.rank]
+            try:
+                sums = checksum_files(self._storage, dirname, mine)
+            except Exception as e:
+                problem = f"rank {self.rank} could not checksum its files: {type(e).__name__}: {e}"
+        gathered: builtins.list[Any] = [(sums, problem)]
+        if self._group is not None:
+            gathered = [None] * self.world_size if self.rank == 0 else []
+            dist.gather_object(
+                (sums, problem),
+                gathered if self.rank == 0 else None,
+                dst=self._src,
+                group=self._group,
+            )
+        checksum_s = time.perf_counter() - checksum_start
+        total = [0, 0]
+        if self.rank == 0 and error is None:
+            try:
+                problems = [p for _, p in gathered if p]
+                if problems:
+                    raise CheckpointError("; ".join(problems))
+                checksums = {name: value for part, _ in gathered for name, value in part.items()}
+                missing = sorted(set(sizes) - set(checksums))
+                if missing:
+                    raise CheckpointError(f"no checksum for {missing}")
                 manifest = Manifest(
                     step=step,
                     world_size=self.world_size,
                     entries=kinds,
-                    files=self._storage.file_sizes(dirname),
+                    files=sizes,
                     layout=layout,
                     versions=package_versions(),
+                    checksums=checksums,
                 )
                 write_manifest(self._storage, dirname, manifest)
                 self._storage.commit_dir(dirname, final)
+                total = [manifest.total_bytes, len(manifest.files)]
             except BaseException as e:
                 error = e
-                self._discard(dirname)
+        if error is not None:
+            self._discard(dirname)
         failed = error is not None
         if self._group is not None:
-            flag = torch.tensor([int(failed)], dtype=torch.int64)
+            flag = torch.tensor([int(failed), *total], dtype=torch.int64)
             dist.broadcast(flag, src=self._src, group=self._group)
-            failed = bool(flag.item())
+            failed = bool(flag[0].item())
+            total = [int(flag[1].item()), int(flag[2].item())]
         if failed:
             detail = f"{type(error).__name__}: {error}" if error is not None else "see rank 0"
             raise CheckpointError(
@@ -569,7 +745,23 @@ class Checkpointer:
                 "untouched"
             ) from error
         if self.rank == 0:
+            self._damaged.discard(step)
             self._retain(step)
+        end = time.perf_counter()
+        stats = SaveStats(
+            step=step,
+            async_save=stall_s is not None,
+            stall_s=end - started if stall_s is None else stall_s,
+            wait_s=wait_s,
+            write_s=end - write_start,
+            checksum_s=checksum_s,
+            save_s=end - started,
+            bytes=total[0],
+            files=total[1],
+        )
+        with self._stats_lock:
+            self._finished.append(stats)
+            self.last_save = stats
 
     def _discard(self, dirname: str) -> None:
         try:
@@ -584,6 +776,8 @@ class Checkpointer:
         for s, d in final.items():
             try:
                 read_manifest(self._storage, d)
+                if s in self._damaged:  # skipped by load_latest: not one to keep
+                    raise DamagedCheckpointError(f"step {s} failed its checksums")
                 complete[s] = d
             except IncompleteCheckpointError:
                 leftovers.setdefault(s, d)
@@ -606,6 +800,8 @@ class Checkpointer:
 
 
 def _placeholder(metadata: Mapping[str, Any], key: str) -> torch.Tensor:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     item = metadata.get(key)
     if not isinstance(item, TensorStorageMetadata):
         raise CheckpointError(f"checkpoint has no tensor {key!r}; it was not written by hlat-ckpt")

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import state_json
 from .manifest import MANIFEST_NAME, IncompleteCheckpointError, validate
@@ -21,11 +20,17 @@ def consolidate(
     and optimizer entries, with plain tensors assembled from every rank's shards.
 
     ``url`` is a checkpoint directory (``.../step_0000001000``) or a root, in which case the
-    newest complete checkpoint under it is used. Runs in one process without a process group;
-    it needs memory for the whole model and optimizer state. Per-rank entries (data loaders,
-    RNG states) are left out: they belong to a rank, not to the model.
+    newest complete checkpoint under it is used. Every file is checked against the checksum
+    in the manifest first (a root skips a damaged checkpoint, with a warning, for the one
+    before it). Runs in one process without a process group; it needs memory for the whole
+    model and optimizer state. Per-rank entries (data loaders, RNG states) are left out: they
+    belong to a rank, not to the model.
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     storage = Storage(url, storage_options)
+    verified = False
     if storage.exists(MANIFEST_NAME):
         parent, name = storage.url.rsplit("/", 1) if "/" in storage.url else (".", storage.url)
         storage = Storage(parent, storage_options)
@@ -33,14 +38,16 @@ def consolidate(
         step = int(name.removeprefix("step_")) if name.startswith("step_") else -1
     else:
         final, _ = storage.list_steps()
-        complete = [s for s in sorted(final, reverse=True) if _is_complete(storage, final[s], s)]
-        if not complete:
+        newest = next(
+            (s for s in sorted(final, reverse=True) if _is_complete(storage, final[s], s)), None
+        )
+        if newest is None:
             raise FileNotFoundError(f"no complete checkpoint under {storage.url}")
-        step = complete[0]
-        dirname = final[step]
-    if step >= 0:
+        step, dirname = newest, final[newest]
+        verified = True
+    if step >= 0 and not verified:
         try:
-            validate(storage, dirname, step)
+            validate(storage, dirname, step, checksums=True)
         except IncompleteCheckpointError as e:
             raise ValueError(f"cannot consolidate: {e}") from None
     if storage.is_local:
@@ -62,7 +69,8 @@ def consolidate(
 
 def _is_complete(storage: Storage, dirname: str, step: int) -> bool:
     try:
-        validate(storage, dirname, step)
-    except IncompleteCheckpointError:
+        validate(storage, dirname, step, checksums=True)
+    except IncompleteCheckpointError as e:
+        warnings.warn(f"skipping incomplete or damaged checkpoint: {e}", stacklevel=3)
         return False
     return True

@@ -3,6 +3,12 @@
 A checkpoint is complete when its manifest parses, names the step of its directory, and every
 file it lists exists with the recorded size. Anything else (no manifest, a torn manifest, a
 missing or truncated shard) is an incomplete checkpoint that resume skips.
+
+The manifest also records a CRC-32 of every file, computed by reading the files back after
+they were written. :func:`verify_checksums` reads them again and compares: a file whose
+bytes changed without changing its size (a flipped bit on disk, a partial overwrite) makes
+the checkpoint damaged, and resume skips it like an incomplete one. Manifests written before
+checksums existed have none and are checked by size only.
 """
 
 from __future__ import annotations
@@ -11,6 +17,9 @@ import contextlib
 import json
 import platform
 import time
+import zlib
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -20,10 +29,18 @@ from .storage import Storage
 MANIFEST_NAME = "hlat-checkpoint.json"
 FORMAT = "hlat-checkpoint"
 FORMAT_VERSION = 1
+CHECKSUM_ALGORITHM = "crc32"
+CHECKSUM_CHUNK = 8 * 2**20  # bytes read per call while checksumming
+CHECKSUM_THREADS = 4  # files checksummed at once per process (zlib and reads release the GIL)
 
 
 class IncompleteCheckpointError(RuntimeError):
     """A checkpoint directory that is not (or no longer) a complete checkpoint."""
+
+
+class DamagedCheckpointError(IncompleteCheckpointError):
+    """A checkpoint whose files are all present with their sizes, but one of them no longer
+    has the checksum recorded in the manifest."""
 
 
 @dataclass
@@ -33,7 +50,9 @@ class Manifest:
     ``entries`` maps each saved state name to how it was saved: ``"module"`` and
     ``"optimizer"`` (sharded through ``torch.distributed.checkpoint.state_dict``), ``"rank"``
     (one copy per rank) or ``"dict"`` (a plain dict, one copy per rank). ``files`` maps every
-    file of the checkpoint (relative to its directory) to its size in bytes.
+    file of the checkpoint (relative to its directory) to its size in bytes, and
+    ``checksums`` maps them to ``"crc32:<8 hex digits>"`` (empty in manifests written before
+    checksums were recorded).
     """
 
     step: int
@@ -43,6 +62,12 @@ class Manifest:
     layout: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
     time: float = field(default_factory=time.time)
+    checksums: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        """Size of all files of the checkpoint (every rank's), in bytes."""
+        return sum(self.files.values())
 
     def to_json(self) -> bytes:
         """The manifest as UTF-8 JSON."""
@@ -56,6 +81,7 @@ class Manifest:
             "versions": self.versions,
             "entries": self.entries,
             "files": self.files,
+            "checksums": self.checksums,
         }
         return json.dumps(record, indent=1, sort_keys=True).encode()
 
@@ -89,6 +115,11 @@ class Manifest:
         files = record["files"]
         if not all(isinstance(v, int) and v >= 0 for v in files.values()):
             raise IncompleteCheckpointError(f"{where}: file sizes must be non-negative integers")
+        checksums = record.get("checksums", {})  # absent in manifests of hlat-ckpt 0.1
+        if not isinstance(checksums, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in checksums.items()
+        ):
+            raise IncompleteCheckpointError(f"{where}: field 'checksums' mistyped")
         return cls(
             step=record["step"],
             world_size=record["world_size"],
@@ -97,6 +128,7 @@ class Manifest:
             layout=record["layout"],
             versions=record["versions"],
             time=float(record["time"]),
+            checksums=checksums,
         )
 
 
@@ -124,9 +156,65 @@ def read_manifest(storage: Storage, dirname: str) -> Manifest:
     return Manifest.from_json(data, where)
 
 
-def validate(storage: Storage, dirname: str, step: int) -> Manifest:
+def file_checksum(storage: Storage, dirname: str, name: str) -> str:
+    """``"crc32:<8 hex digits>"`` of the file ``name`` of ``dirname``, read in chunks through
+    fsspec (so local paths and ``s3://`` alike, without holding the file in memory)."""
+    crc = 0
+    buffer = bytearray(CHECKSUM_CHUNK)
+    view = memoryview(buffer)
+    # Note: cache_type="none" makes each read one ranged GET on object stores, instead of
+    # fsspec's read-ahead cache copying every chunk once more.
+    with storage.fs.open(
+        storage.path(dirname, name), "rb", block_size=CHECKSUM_CHUNK, cache_type="none"
+    ) as f:
+        while n := f.readinto(view):
+            crc = zlib.crc32(view[:n], crc)
+    return f"{CHECKSUM_ALGORITHM}:{crc:08x}"
+
+
+def checksum_files(storage: Storage, dirname: str, names: Iterable[str]) -> dict[str, str]:
+    """``{name: checksum}`` of the files ``names`` of ``dirname`` (several at once)."""
+    names = sorted(names)
+    if not names:
+        return {}
+    with ThreadPoolExecutor(min(CHECKSUM_THREADS, len(names))) as pool:
+        sums = pool.map(lambda n: file_checksum(storage, dirname, n), names)
+        return dict(zip(names, sums, strict=True))
+
+
+def verify_checksums(
+    storage: Storage, dirname: str, manifest: Manifest, names: Iterable[str] | None = None
+) -> None:
+    """Read the files ``names`` (default: all with a recorded checksum) of ``dirname`` and
+    compare them with ``manifest.checksums``; raises :class:`DamagedCheckpointError` naming
+    every file that differs. Files without a recorded checksum are not read."""
+    where = storage.url_of(dirname)
+    wanted = sorted(manifest.checksums if names is None else names)
+    wanted = [n for n in wanted if n in manifest.checksums and n in manifest.files]
+    for name in wanted:
+        algorithm = manifest.checksums[name].split(":", 1)[0]
+        if algorithm != CHECKSUM_ALGORITHM:
+            raise DamagedCheckpointError(
+                f"{where}: file {name} has a {algorithm!r} checksum; this hlat-ckpt checks "
+                f"{CHECKSUM_ALGORITHM!r}: upgrade hlat-ckpt"
+            )
+    actual = checksum_files(storage, dirname, wanted)
+    bad = [n for n in wanted if actual[n] != manifest.checksums[n]]
+    if bad:
+        details = "; ".join(
+            f"file {n} has checksum {actual[n]}, manifest recorded {manifest.checksums[n]}"
+            for n in bad
+        )
+        raise DamagedCheckpointError(f"{where}: {details} (its content changed after the save)")
+
+
+def validate(storage: Storage, dirname: str, step: int, *, checksums: bool = False) -> Manifest:
     """The manifest of ``dirname`` after checking that it names ``step`` and that every file it
-    lists exists with the recorded size; raises :class:`IncompleteCheckpointError` otherwise."""
+    lists exists with the recorded size; raises :class:`IncompleteCheckpointError` otherwise.
+
+    With ``checksums`` it also reads every file and compares its checksum with the manifest
+    (:func:`verify_checksums`; a mismatch raises :class:`DamagedCheckpointError`).
+    """
     manifest = read_manifest(storage, dirname)
     where = storage.url_of(dirname)
     if manifest.step != step:
@@ -141,4 +229,6 @@ def validate(storage: Storage, dirname: str, step: int) -> Manifest:
             raise IncompleteCheckpointError(
                 f"{where}: file {name} has {present[name]} bytes, manifest recorded {size}"
             )
+    if checksums:
+        verify_checksums(storage, dirname, manifest)
     return manifest

@@ -1,5 +1,6 @@
-"""tools/preflight.py run for real: one process, two processes under torchrun (gloo), an
-s3:// checkpoint URL on the loopback S3 server, and the failures it must name."""
+"""``hlat-train preflight`` and the ``tools/preflight.py`` script that runs it, for real: one
+process, two processes under torchrun (gloo), an s3:// checkpoint URL on the loopback S3
+server, and the failures it must name."""
 
 from __future__ import annotations
 
@@ -14,9 +15,19 @@ from pathlib import Path
 
 import pytest
 
+from hlat_train import preflight
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "preflight.py"
 FAST = ["--burn-in-mb", "4", "--burn-in-iters", "2", "--io-mb", "1"]
+# the two ways to run the checks: the command, and the script kept for launch scripts
+ENTRY = {"command": ["-m", "hlat_train", "preflight"], "script": [str(SCRIPT)]}
+
+
+@pytest.fixture(params=sorted(ENTRY))
+def entry(request) -> list[str]:
+    """The arguments after ``python`` (or ``torchrun ...``) that start the checks."""
+    return ENTRY[request.param]
 
 
 def _load_module():
@@ -40,9 +51,11 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _run(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+def _run(
+    args: list[str], entry: list[str] = ENTRY["command"], **env: str
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
+        [sys.executable, *entry, *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -55,11 +68,13 @@ def _results(path: Path) -> dict[tuple[str, int], dict]:
     return {(c["name"], c["rank"]): c for c in json.loads(path.read_text())}
 
 
-def test_single_process_passes_every_check_and_cleans_up_its_probe_file(tmp_path):
+def test_single_process_passes_every_check_and_cleans_up_its_probe_file(tmp_path, entry):
     ckpt = tmp_path / "ckpt"
     out = tmp_path / "preflight.json"
     r = _run(
-        ["--checkpoint-url", str(ckpt), "--json", str(out), *FAST], MASTER_PORT=str(_free_port())
+        ["--checkpoint-url", str(ckpt), "--json", str(out), *FAST],
+        entry,
+        MASTER_PORT=str(_free_port()),
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all checks passed on 1 rank" in r.stdout
@@ -73,7 +88,7 @@ def test_single_process_passes_every_check_and_cleans_up_its_probe_file(tmp_path
 
 
 @pytest.mark.slow
-def test_two_ranks_under_torchrun_pass_and_report_bus_bandwidth(tmp_path):
+def test_two_ranks_under_torchrun_pass_and_report_bus_bandwidth(tmp_path, entry):
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     assert torchrun, "torchrun is installed with torch"
     out = tmp_path / "preflight.json"
@@ -84,7 +99,7 @@ def test_two_ranks_under_torchrun_pass_and_report_bus_bandwidth(tmp_path):
             "2",
             "--master-port",
             str(_free_port()),
-            str(SCRIPT),
+            *entry,
             "--checkpoint-url",
             str(tmp_path / "ckpt"),
             "--json",
@@ -135,12 +150,12 @@ def test_s3_checkpoint_url_is_written_read_and_cleaned(s3_bucket, tmp_path):
     assert s3fs.S3FileSystem(**options).find(url) == []
 
 
-def test_a_listening_socket_on_the_rendezvous_port_fails_and_names_its_holder():
+def test_a_listening_socket_on_the_rendezvous_port_fails_and_names_its_holder(entry):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        r = _run(FAST, MASTER_PORT=str(port))
+        r = _run(FAST, entry, MASTER_PORT=str(port))
     assert r.returncode == 1, r.stdout + r.stderr
     assert "check(s) FAILED" in r.stderr
     failed = [line for line in r.stderr.splitlines() if line.startswith("  - ")]
@@ -172,15 +187,35 @@ def test_too_little_free_disk_fails_with_the_numbers(tmp_path):
     assert "below --min-free-gb 1e+09" in r.stderr
 
 
-def test_bad_arguments_exit_2_before_any_check():
-    r = _run(["--storage-options", "{not json"])
+def test_bad_arguments_exit_2_before_any_check(entry):
+    r = _run(["--storage-options", "{not json"], entry)
     assert r.returncode == 2
     assert "--storage-options is not valid JSON" in r.stderr
     assert "check" not in r.stdout
 
 
+def test_the_command_is_listed_and_documents_its_options():
+    r = subprocess.run(
+        [sys.executable, "-m", "hlat_train", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0 and "preflight" in r.stdout
+    r = subprocess.run(
+        [sys.executable, "-m", "hlat_train", "preflight", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0
+    assert r.stdout.startswith("usage: hlat-train preflight")
+    assert "--min-busbw-gbps" in r.stdout and "--expect-neuron-cores" in r.stdout
+
+
+def test_the_script_runs_the_command_s_checks():
+    script = _load_module()
+    assert script.main is preflight.main and script.parse_neuron_ls is preflight.parse_neuron_ls
+
+
 def test_neuron_ls_json_counts_devices_and_cores():
-    preflight = _load_module()
     two_trn1_devices = json.dumps(
         [
             {"neuron_device": 0, "bdf": "10:1c.0", "nc_count": 2, "memory_size": 34359738368},

@@ -53,7 +53,7 @@ def test_demo_trains_checkpoints_samples_and_resumes_when_run_again(tmp_path):
     summary = json.loads(first.stdout.strip().splitlines()[-1])
     assert summary["step"] == 3 and summary["resumed_from"] is None
     records = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
-    assert [r["kind"] for r in records] == ["train", "train", "train", "valid"]
+    assert [r["kind"] for r in records] == ["train", "train", "checkpoint", "train", "valid"]
     assert (tmp_path / "run" / "training.png").exists()
     again = subprocess.run(cmd, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-3000:]

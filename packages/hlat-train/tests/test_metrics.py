@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from hlat_train import PEAK_TFLOPS, read_metrics
@@ -19,6 +21,22 @@ def test_peak_table_covers_trainium_and_the_gpus():
 def test_cpu_peak_is_measured():
     peak, source = device_peak_tflops(torch.device("cpu"))
     assert 0.001 < peak < 100 and "measured" in source
+
+
+def test_a_measured_peak_is_saved_and_reused_on_the_same_machine(tmp_path):
+    cache = tmp_path / "run" / "peak_tflops.json"
+    peak, source = device_peak_tflops(torch.device("cpu"), cache=str(cache))
+    saved = json.loads(cache.read_text())
+    assert saved["tflops"] == peak and saved["key"]["threads"] == torch.get_num_threads()
+    saved["tflops"] = 123.0  # recognisable: a second call must read it, not measure
+    cache.write_text(json.dumps(saved))
+    peak, source = device_peak_tflops(torch.device("cpu"), cache=str(cache))
+    assert peak == 123.0 and "saved in" in source
+    saved["key"]["threads"] += 1  # another thread count is another machine for a matmul
+    cache.write_text(json.dumps(saved))
+    peak, source = device_peak_tflops(torch.device("cpu"), cache=str(cache))
+    assert peak != 123.0 and "saved in" not in source
+    assert json.loads(cache.read_text())["tflops"] == peak
 
 
 def test_resumed_steps_are_read_once_with_the_last_record_winning(tmp_path):

@@ -7,6 +7,10 @@
     hlat-train train --config run.toml --train.steps=100
     torchrun --nproc-per-node 8 -m hlat_train train --config hlat-7b --data.paths=...
     hlat-train export-hf runs/hlat/checkpoints hf-out
+    hlat-train preflight --checkpoint-url /fsx/ckpt   # health checks (also under torchrun)
+
+Only what a command needs is imported: ``presets`` and ``print-config`` start without
+torch, and ``train`` imports the trainer once the config is read.
 """
 
 from __future__ import annotations
@@ -78,11 +82,24 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("out", help="output directory")
     export.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     export.add_argument("--tokenizer", default=None, help="SentencePiece .model to ship")
+
+    # Parsed by hlat_train.preflight itself (its own options and --help); listed for --help.
+    sub.add_parser(
+        "preflight",
+        add_help=False,
+        help="health checks before a job: devices, disk, port, all-reduce burn-in, "
+        "checkpoint storage (run under torchrun for every rank; see preflight --help)",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``hlat-train`` and ``python -m hlat_train``."""
+    words = sys.argv[1:] if argv is None else argv
+    if words[:1] == ["preflight"]:
+        from hlat_train.preflight import main as preflight
+
+        return preflight(words[1:])
     args, extra = _parser().parse_known_args(argv)
     try:
         if args.command == "presets":

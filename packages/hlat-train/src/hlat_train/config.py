@@ -153,6 +153,9 @@ class CheckpointConfig:
     """Write in the background after copying the state to host memory."""
     resume: bool = True
     """Start from the newest complete checkpoint when there is one."""
+    verify_checksums: bool = True
+    """Before resuming, read the checkpoint's files back and compare them with the checksums
+    its manifest recorded; a damaged checkpoint is skipped for the one before it."""
 
 
 @dataclass

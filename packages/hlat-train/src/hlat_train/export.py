@@ -7,8 +7,6 @@ import json
 import os
 from typing import Any
 
-import fsspec
-
 from hlat_train.config import ConfigError, TrainConfig
 
 CONFIG_NAME = "hlat-train-config.toml"
@@ -18,6 +16,8 @@ TOKENIZER_NAME = "tokenizer.model"
 def save_run_files(config: TrainConfig, checkpoint_dir: str) -> None:
     """Write the run's config and a copy of its tokenizer next to its checkpoints, so a
     checkpoint root is self-contained for :func:`export_hf`."""
+    import fsspec
+
     fs, root = fsspec.core.url_to_fs(checkpoint_dir)
     fs.makedirs(root, exist_ok=True)
     with fs.open(f"{root}/{CONFIG_NAME}", "w") as f:
@@ -59,6 +59,7 @@ def export_hf(
     Returns:
         ``out_dir``.
     """
+    import fsspec
     import torch
     from safetensors.torch import save_file
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import socket
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Dense bf16 peak TFLOP/s per device (the unit one process drives), from vendor data sheets.
 PEAK_TFLOPS: dict[str, float] = {
@@ -20,25 +23,53 @@ PEAK_TFLOPS: dict[str, float] = {
 }
 
 
-def device_peak_tflops(device: torch.device, backend: str = "torch") -> tuple[float, str]:
+def device_peak_tflops(
+    device: torch.device, backend: str = "torch", cache: str | None = None
+) -> tuple[float, str]:
     """(peak TFLOP/s of one device, what it is) for MFU.
 
     Trainium and the GPUs above come from :data:`PEAK_TFLOPS`; on a CPU, or a GPU not in the
     table, the peak is *measured* with a short fp32 matmul (so CPU MFU reads as a fraction
-    of what this machine's matmul reaches, not of a data-sheet number).
+    of what this machine's matmul reaches, not of a data-sheet number). With ``cache`` (a
+    JSON file path) a measurement is saved there and reused by later calls on the same host,
+    device and thread count: a restarted run keeps its first measurement instead of paying
+    for another one at every start.
     """
+    import torch
+
     if backend == "neuron":
         return PEAK_TFLOPS["trainium-neuroncore-v2"], "Trainium NeuronCore-v2 (table)"
+    name = device.type
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device).lower()
-        for key in ("h200", "h100", "a100"):
-            if key in name:
-                return PEAK_TFLOPS[key], f"{key.upper()} (table)"
-    return measure_matmul_tflops(device), f"{device.type} (measured fp32 matmul)"
+        for model in ("h200", "h100", "a100"):
+            if model in name:
+                return PEAK_TFLOPS[model], f"{model.upper()} (table)"
+    source = f"{device.type} (measured fp32 matmul)"
+    key = {"host": socket.gethostname(), "device": name, "threads": torch.get_num_threads()}
+    if cache is not None:
+        try:
+            with open(cache) as f:
+                saved = json.load(f)
+            if saved.get("key") == key and saved.get("tflops", 0) > 0:
+                return float(saved["tflops"]), f"{source}, saved in {cache}"
+        except (OSError, ValueError, AttributeError):
+            pass  # no measurement yet, or an unreadable one: measure again
+    peak = measure_matmul_tflops(device)
+    if cache is not None:
+        with contextlib.suppress(OSError):
+            os.makedirs(os.path.dirname(cache) or ".", exist_ok=True)
+            tmp = f"{cache}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump({"key": key, "tflops": peak}, f)
+            os.replace(tmp, cache)
+    return peak, source
 
 
 def measure_matmul_tflops(device: torch.device, size: int = 1024, seconds: float = 0.3) -> float:
     """The fp32 matmul rate this device reaches now, in TFLOP/s (best of repeated timings)."""
+    import torch
+
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
     torch.mm(a, b)  # warm-up: thread pool and kernels
@@ -56,6 +87,8 @@ def measure_matmul_tflops(device: torch.device, size: int = 1024, seconds: float
 def memory_gib(device: torch.device) -> float:
     """Peak device memory (CUDA) or resident memory of this process (CPU), in GiB."""
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.max_memory_allocated(device) / 2**30
     try:
         with open("/proc/self/statm") as f:

@@ -67,10 +67,21 @@ def apply_neuron_env(config: NeuronConfig, precision: str, multi_node: bool) -> 
     return applied
 
 
+_xla_model: Any = None
+_xla_looked_up = False
+
+
 def mark_step() -> Any:
-    """End the traced XLA graph of this step (``xm.mark_step``); a no-op off Neuron."""
-    try:
-        import torch_xla.core.xla_model as xm
-    except Exception:  # not on an XLA device
-        return None
-    return xm.mark_step()
+    """End the traced XLA graph of this step (``xm.mark_step``); a no-op off Neuron.
+
+    Note: ``torch_xla`` is looked up once per process; a failed import is not cached by
+    Python, and retrying it every step would search the whole module path each time.
+    """
+    global _xla_model, _xla_looked_up
+    if not _xla_looked_up:
+        try:
+            import torch_xla.core.xla_model as xm
+        except Exception:  # not on an XLA device
+            xm = None
+        _xla_model, _xla_looked_up = xm, True
+    return None if _xla_model is None else _xla_model.mark_step()

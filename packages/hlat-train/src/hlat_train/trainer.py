@@ -27,6 +27,8 @@ from hlat_train.neuron import apply_neuron_env, mark_step
 from hlat_train.spike import SpikeGuard
 from hlat_train.validation import validate
 
+PEAK_CACHE_NAME = "peak_tflops.json"  # in train.out_dir: the measured peak, for restarts
+
 
 class TrainState:
     """Counters that are not in the model, optimizer, scheduler or loader: checkpointed."""
@@ -207,6 +209,7 @@ class Trainer:
             keep_last=c.checkpoint.keep_last,
             async_save=c.checkpoint.async_save,
             layout={"tp": dims.tp, "dp": dims.dp, "sp": dims.sp},
+            verify_checksums=c.checkpoint.verify_checksums,
         )
         if self.rank0:
             from hlat_train.export import save_run_files
@@ -224,11 +227,15 @@ class Trainer:
             if self.rank0
             else None
         )
-        self.peak_tflops, self.peak_source = (
-            (c.logging.peak_tflops, "logging.peak_tflops")
-            if c.logging.peak_tflops
-            else device_peak_tflops(device, dims.backend)
-        )
+        # Note: only rank 0 writes metrics, so only rank 0 measures a peak (once per run on
+        # a CPU; restarts read it from out_dir) and the other ranks leave MFU undefined.
+        if c.logging.peak_tflops:
+            self.peak_tflops, self.peak_source = c.logging.peak_tflops, "logging.peak_tflops"
+        elif self.rank0:
+            cache = os.path.join(c.train.out_dir, PEAK_CACHE_NAME)
+            self.peak_tflops, self.peak_source = device_peak_tflops(device, dims.backend, cache)
+        else:
+            self.peak_tflops, self.peak_source = math.nan, "rank 0 only"
         from hlat_model import flops_per_token
 
         self.flops_per_token = flops_per_token(self.llama_config, c.data.seq_len)
@@ -334,6 +341,7 @@ class Trainer:
                         self._validate(step, progress)
                     self.checkpointer.save(step, self.checkpoint_state)
                     last_saved = step
+                self._log_saves()
                 if stop:
                     reason = "time limit" if self.out_of_time else "SIGTERM"
                     self._log(f"{reason}: saved step {step}, exiting")
@@ -341,6 +349,7 @@ class Trainer:
             if self.state.step > last_saved and self.state.step > 0:
                 self.checkpointer.save(self.state.step, self.checkpoint_state)
             self.checkpointer.wait()
+            self._log_saves()
         finally:
             progress.close()
             signal.signal(signal.SIGTERM, previous_handler)
@@ -395,6 +404,30 @@ class Trainer:
             loss = cross_entropy_loss(logits, tensor(batch.labels)) / self.grad_accum
             loss.backward()
         return _full(loss)
+
+    def _log_saves(self) -> None:
+        """A ``"checkpoint"`` metrics record for each save committed since the last call
+        (an async save's once its background write is done): ``stall_s`` the training loop
+        was blocked in ``save()`` (of which ``wait_s`` waiting for the previous save),
+        ``write_s`` writing, checksumming (``checksum_s``) and committing (in the background
+        for ``async_save``), ``save_s`` from the call to the commit, and the ``bytes`` and
+        ``files`` of the whole checkpoint."""
+        for s in self.checkpointer.pop_save_stats():
+            if self.writer:
+                self.writer.write(
+                    {
+                        "kind": "checkpoint",
+                        "step": s.step,
+                        "async_save": s.async_save,
+                        "stall_s": s.stall_s,
+                        "wait_s": s.wait_s,
+                        "write_s": s.write_s,
+                        "checksum_s": s.checksum_s,
+                        "save_s": s.save_s,
+                        "bytes": s.bytes,
+                        "files": s.files,
+                    }
+                )
 
     def _mean_over_dp(self, value: torch.Tensor) -> float:
         if self.dims.dp > 1:

@@ -308,3 +308,25 @@ def test_a_write_error_is_reported_and_earlier_checkpoints_stay_intact(tmp_path,
     assert ck.load_latest({"model": torch.nn.Linear(256, 256)}) == 1
     assert sorted(os.listdir(tmp_path)) == ["step_0000000001"]
     assert (tmp_path / "step_0000000001" / MANIFEST_NAME).exists()
+
+
+def test_async_save_of_a_step_already_saved_is_refused_at_once(tmp_path):
+    ck = Checkpointer(tmp_path / "ckpt", async_save=True)
+    a = make_state(0)
+    ck.save(5, a)
+    with pytest.raises(CheckpointError, match="step 5 already exists"):
+        ck.save(5, make_state(1))
+    ck.close()
+
+
+def test_async_save_over_a_step_on_storage_fails_in_the_background_and_keeps_the_first(tmp_path):
+    first = Checkpointer(tmp_path / "ckpt", async_save=False)
+    a = make_state(0)
+    first.save(5, a)
+    ck = Checkpointer(tmp_path / "ckpt", async_save=True)
+    ck.save(5, make_state(1))  # the storage check runs with the write, in the background
+    with pytest.raises(CheckpointError, match="step 5 already exists"):
+        ck.wait()
+    b = make_state(2)
+    ck.load(5, b)
+    assert torch.equal(b["model"][0].weight, a["model"][0].weight)

@@ -30,7 +30,7 @@ def test_save_maps_model_optimizer_scheduler_and_puts_the_rest_in_user_content()
     assert (kwargs["num_kept_ckpts"], kwargs["async_save"], kwargs["use_xser"]) == (5, True, True)
     content = kwargs["user_content"]
     assert content["hlat_step"] == 1000 and content["loader"] == {"pos": 7}
-    assert set(content["rng"]) >= {"python", "torch"}
+    assert set(content["rng"]) >= {"python_mt", "torch"}
 
 
 def test_load_maps_latest_to_no_tag_and_a_step_to_its_tag():

@@ -194,6 +194,7 @@ class Checkpointer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hlat-ckpt")
         self._pending: Future[None] | None = None
         self._pending_step = -1
+        self._saved_steps: set[int] = set()  # committed by this object (storage is checked too)
         self._buffers: dict[str, torch.Tensor] = {}
         self._rng = RNGState()
         self._damaged: set[int] = set()  # steps load_latest skipped for a checksum mismatch
@@ -218,7 +219,13 @@ class Checkpointer:
         entries = self._classify(state)
         self.wait()
         wait_s = time.perf_counter() - started
-        self._prepare(step)
+        if not self.async_save:
+            self._prepare(step)
+        elif step in self._saved_steps:
+            raise CheckpointError(
+                f"a checkpoint of step {step} already exists at "
+                f"{self._storage.url_of(step_dirname(step))}; save each step once"
+            )
         flat = self._collect(state, entries)
         layout = self._layout(flat)
         kinds = {name: kind for name, (kind, _) in entries.items()}
@@ -229,8 +236,19 @@ class Checkpointer:
         self._pending_step = step
         stall_s = time.perf_counter() - started
         self._pending = self._executor.submit(
-            self._write, step, staged, kinds, layout, started, stall_s, wait_s
+            self._prepare_and_write, step, staged, kinds, layout, started, stall_s, wait_s
         )
+
+    def _prepare_and_write(self, step: int, *args: Any) -> None:
+        """An async save in the background: the checks and clean-up of :meth:`_prepare`
+        (storage listing, a collective), then the write.
+
+        Note: run here rather than in :meth:`save`, they would be most of what a small
+        async save blocks for; the staged copy already holds the state, and nothing is
+        written before they pass.
+        """
+        self._prepare(step)
+        self._write(step, *args)
 
     def pop_save_stats(self) -> builtins.list[SaveStats]:
         """The :class:`SaveStats` of the saves committed since the last call, oldest first
@@ -762,6 +780,7 @@ class Checkpointer:
         with self._stats_lock:
             self._finished.append(stats)
             self.last_save = stats
+            self._saved_steps.add(step)
 
     def _discard(self, dirname: str) -> None:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from array import array
 from typing import Any
 
 import torch
@@ -20,7 +21,14 @@ class RNGState:
 
     def state_dict(self) -> dict[str, Any]:
         """The current generator states."""
-        state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        version, internal, gauss = random.getstate()
+        # Note: the Mersenne Twister's 625 words as bytes, not a list: one JSON value to
+        # encode instead of 625, which is most of the time a small save blocks for.
+        state: dict[str, Any] = {
+            "python_mt": {"version": version, "words": array("I", internal).tobytes()},
+            "python_gauss": gauss,
+            "torch": torch.get_rng_state(),
+        }
         try:
             import numpy as np
         except ImportError:
@@ -33,7 +41,11 @@ class RNGState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the generator states in ``state`` (those absent are left as they are)."""
-        if "python" in state:
+        if "python_mt" in state:
+            words = array("I")
+            words.frombytes(state["python_mt"]["words"])
+            random.setstate((state["python_mt"]["version"], tuple(words), state["python_gauss"]))
+        elif "python" in state:  # the layout of hlat-ckpt 0.1
             version, internal, gauss = state["python"]
             random.setstate((version, tuple(internal), gauss))
         if "torch" in state:

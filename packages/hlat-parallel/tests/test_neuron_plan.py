@@ -8,7 +8,8 @@ import torch
 
 from hlat_model import Llama, LlamaConfig
 from hlat_parallel import ParallelConfigError, ParallelDims, match_plan, parallelize
-from hlat_parallel.neuron_backend import nxd_layer, shard_weight
+from hlat_parallel.neuron_backend import nxd_layer, scatter_sequence, shard_weight
+from hlat_parallel.plan import computes_sequence_first
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +33,7 @@ def test_fused_qkv_becomes_column_parallel_with_unit_stride_and_local_output(lla
         "gather_output": False,
         "dtype": torch.float32,
         "sequence_parallel_enabled": True,
+        "sequence_dimension": 0,
         "stride": 1,
     }
     assert spec.shard_dim == 0
@@ -91,10 +93,112 @@ def test_uneven_split_is_refused():
         shard_weight(torch.zeros(6, 2), 0, 4, 0)
 
 
-def test_sequence_parallel_on_the_neuron_backend_is_refused_for_batch_first_models(llama):
-    dims = ParallelDims(
-        world_size=2, rank=0, tp=2, dp=1, sp=True, backend="neuron",
+def _column(rows: int, sp: bool) -> dict:
+    kwargs = {"input_size": 256, "output_size": rows, "bias": False, "gather_output": False}
+    kwargs |= {"dtype": torch.float32, "sequence_parallel_enabled": sp}
+    if sp:
+        kwargs["sequence_dimension"] = 0
+    return kwargs | {"stride": 1}
+
+
+def _row(columns: int, sp: bool) -> dict:
+    kwargs = {"input_size": columns, "output_size": 256, "bias": False, "input_is_parallel": True}
+    kwargs |= {"dtype": torch.float32, "sequence_parallel_enabled": sp}
+    return kwargs | ({"sequence_dimension": 0} if sp else {})
+
+
+# module -> (class, kwargs, dimension of the weight this rank slices), with sp off and on
+EXPECTED = {
+    "embed_tokens": lambda sp: (
+        "ParallelEmbedding",
+        {"num_embeddings": 8192, "embedding_dim": 256, "dtype": torch.float32,
+         "sequence_parallel_enabled": False},
+        0,
+    ),
+    "layers.0.attention_norm": lambda sp: ("norm", {"sequence_parallel_enabled": sp}, None),
+    "layers.0.attention.qkv_proj": lambda sp: ("ColumnParallelLinear", _column(512, sp), 0),
+    "layers.0.attention.o_proj": lambda sp: ("RowParallelLinear", _row(256, sp), 1),
+    "layers.0.mlp_norm": lambda sp: ("norm", {"sequence_parallel_enabled": sp}, None),
+    "layers.0.mlp.gate_up_proj": lambda sp: ("ColumnParallelLinear", _column(2 * 688, sp), 0),
+    "layers.0.mlp.down_proj": lambda sp: ("RowParallelLinear", _row(688, sp), 1),
+    "norm": lambda sp: ("norm", {"sequence_parallel_enabled": sp}, None),
+    "lm_head": lambda sp: ("ColumnParallelLinear", _column(8192, sp), 0),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_each_plan_style_maps_to_its_nxd_layer_and_arguments(llama, name, sp):
+    spec = layer(llama, name, tp=2, sp=sp)
+    cls, kwargs, shard_dim = EXPECTED[name](sp)
+    assert (spec.cls, spec.kwargs, spec.shard_dim, spec.stride) == (cls, kwargs, shard_dim, 1)
+    # only the embedding output is split along the sequence afterwards: [B, S, H], dim 1
+    scatter = 1 if sp and name == "embed_tokens" else None
+    assert spec.scatter_output_dim == scatter
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_sequence_parallelism_needs_more_than_one_tp_rank(llama, name):
+    assert layer(llama, name, tp=1, sp=True) == layer(llama, name, tp=1, sp=False)
+
+
+def test_the_plan_covers_every_llama_layer_the_table_above_names(llama):
+    assert set(match_plan(llama, llama.parallel_plan())) == set(EXPECTED)
+
+
+def test_sequence_first_is_read_from_the_model_or_its_config():
+    def model(sequence_first: bool) -> Llama:
+        config = LlamaConfig.preset("tiny", n_layers=1, sequence_first=sequence_first)
+        with torch.device("meta"):
+            return Llama(config)
+
+    assert computes_sequence_first(model(True))
+    assert not computes_sequence_first(model(False))
+    plain = torch.nn.Linear(2, 2)
+    assert not computes_sequence_first(plain)
+    plain.sequence_first = True
+    assert computes_sequence_first(plain)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_scatter_keeps_each_ranks_slice_of_the_sequence(tp):
+    x = torch.arange(2 * 8 * 3.0).reshape(2, 8, 3)  # [B, S, H] as the embedding returns it
+    rows = 8 // tp
+    for rank in range(tp):
+
+        def keep_mine(t: torch.Tensor, rank: int = rank) -> torch.Tensor:
+            return t.chunk(tp, dim=0)[rank]  # what each TP rank keeps of dimension 0
+
+        mine = scatter_sequence(x, 1, keep_mine)
+        assert torch.equal(mine, x[:, rank * rows : (rank + 1) * rows])
+        # turned sequence-first by the model, it is this rank's slice of the [S, B, H] layout
+        assert torch.equal(mine.transpose(0, 1), x.transpose(0, 1)[rank * rows : (rank + 1) * rows])
+        seq_first = x.transpose(0, 1).contiguous()  # [S, B, H]: dimension 0 is split as is
+        assert torch.equal(scatter_sequence(seq_first, 0, keep_mine), mine.transpose(0, 1))
+
+
+def _neuron_dims(sp: bool = True) -> ParallelDims:
+    return ParallelDims(
+        world_size=2, rank=0, tp=2, dp=1, sp=sp, backend="neuron",
         device=torch.device("cpu"), tp_rank=0, dp_rank=0,
     )  # fmt: skip
-    with pytest.raises(ParallelConfigError, match=r"sequence-first|\[seq, batch, hidden\]"):
-        parallelize(llama, dims, llama.parallel_plan())
+
+
+def test_sequence_parallel_on_the_neuron_backend_is_refused_for_batch_first_models(llama):
+    with pytest.raises(ParallelConfigError) as refused:
+        parallelize(llama, _neuron_dims(), llama.parallel_plan())
+    message = str(refused.value)
+    assert "computes sequence-first ([seq, batch, hidden]" in message
+    assert "Llama computes batch-first" in message
+    assert "LlamaConfig(sequence_first=True)" in message and "sp=False" in message
+
+
+@pytest.mark.parametrize(
+    ("sequence_first", "sp"), [(True, True), (False, False)], ids=["seq-first-sp", "batch-first"]
+)
+def test_supported_layouts_get_past_the_checks_to_nxd(sequence_first, sp):
+    # without NxD installed, what follows the checks is the import of NxD
+    config = LlamaConfig.preset("tiny", n_layers=1, sequence_first=sequence_first)
+    model = Llama(config)
+    with pytest.raises(RuntimeError, match="the neuron backend needs NeuronX Distributed"):
+        parallelize(model, _neuron_dims(sp), model.parallel_plan())

@@ -1,9 +1,11 @@
 """TP, TP+SP, DP (ZeRO) and TP x DP give the single-process results, on real gloo groups.
 
-Each layout runs in spawned processes (tests/parity_worker.py) on two models: the `tiny`
+Each layout runs in spawned processes (tests/parity_worker.py) on three models: the `tiny`
 Llama (cut to 2 layers and a 2048-token vocabulary, to keep the suite fast) with multi-head
-attention and selective checkpointing, and a GQA variant with full checkpointing. The tests below compare what the ranks wrote with a single-process run of the
-same weights and batch: fp32, within 1e-5 relative (Frobenius norm of the difference).
+attention and selective checkpointing, a GQA variant with full checkpointing, and a GQA
+variant computing sequence-first ([S, B, H] activations). The tests below compare what the
+ranks wrote with a single-process run of the same weights and batch: fp32, within 1e-5
+relative (Frobenius norm of the difference).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ TOL = 1e-5
 CASES = {
     "mha": dict(checkpointing="selective"),
     "gqa": dict(n_kv_heads=2, checkpointing="full"),
+    # [S, B, H] activations: under SP the sequence is split along dimension 0
+    "seqfirst": dict(n_kv_heads=2, sequence_first=True),
 }
 # name: (world size, tp, sp, gradient-accumulation settings)
 LAYOUTS = {

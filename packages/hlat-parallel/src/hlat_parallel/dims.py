@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 Backend = Literal["auto", "torch", "neuron"]
 
@@ -159,6 +160,11 @@ def init_parallel(
     ``seq_len`` are optional: given, they are validated too (see
     :func:`check_parallel_config`). All checks run before the process group is created.
 
+    Under torchrun the process group is created on a namespace of the store per restart
+    attempt (``TORCHELASTIC_RESTART_COUNT``), so workers restarted by
+    ``torchrun --max-restarts`` rendezvous afresh instead of finding the addresses of the
+    workers that died.
+
     Note: a process group that already exists is reused, so a trainer may create its own.
     """
     if backend not in ("auto", "torch", "neuron"):
@@ -177,6 +183,31 @@ def init_parallel(
 
         return init_neuron_parallel(world_size, rank, tp, sp, timeout)
     return _init_torch(world_size, rank, tp, sp, timeout)
+
+
+def _attempt_store(
+    world_size: int, rank: int, timeout: datetime.timedelta | None = None
+) -> dist.Store:
+    """The rendezvous store of torchrun, seen through a namespace of this restart attempt.
+
+    Note: after ``torchrun --max-restarts`` restarts the workers, torchrun's store still
+    holds the addresses the dead workers published, and workers of the new attempt would
+    try to connect to them ("Connection refused"). Prefixing every
+    key with ``TORCHELASTIC_RESTART_COUNT`` gives each attempt a clean namespace. Rank 0
+    hosts the store only when torchrun's agent does not (``TORCHELASTIC_USE_AGENT_STORE``).
+    """
+    attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        _env_int("MASTER_PORT", 29500),
+        world_size,
+        is_master=not agent_store and rank == 0,
+        multi_tenant=True,
+        # what init_process_group gives the store it creates from the environment
+        timeout=default_pg_timeout if timeout is None else timeout,
+    )
+    return dist.PrefixStore(f"hlat-parallel/attempt-{attempt}", store)
 
 
 def _init_torch(
@@ -200,6 +231,11 @@ def _init_torch(
         elif "MASTER_ADDR" not in os.environ:
             raise ParallelConfigError(
                 f"WORLD_SIZE={world_size} but MASTER_ADDR is not set; launch with torchrun"
+            )
+        elif "TORCHELASTIC_RESTART_COUNT" in os.environ:
+            store = _attempt_store(world_size, rank, timeout)
+            dist.init_process_group(
+                pg_backend, store=store, world_size=world_size, rank=rank, **kwargs
             )
         else:
             dist.init_process_group(pg_backend, world_size=world_size, rank=rank, **kwargs)

@@ -5,15 +5,25 @@ Modules are swapped for NxD's ``ColumnParallelLinear``, ``RowParallelLinear`` an
 lazily, inside ``try/except Exception`` (its import needs torch-neuronx, torch-xla and the
 Neuron compiler; the PyPI packages of those names are placeholders that raise).
 
-The translation from plan to NxD constructor arguments and the weight slicing are pure
-functions (:func:`nxd_layer`, :func:`shard_weight`), unit-tested without NxD. The parts that
-call NxD need a trn1 instance to verify.
+Sequence parallelism follows NxD's layout: between the embedding and the LM head the
+activations are sequence-first, ``[S, B, H]``, split along the sequence (dim 0) over the TP
+ranks. The embedding all-reduces its vocabulary-parallel lookup and keeps this rank's
+sequence slice; each ``ColumnParallelLinear`` all-gathers the sequence of its input (the LM
+head too, so logits cover the whole sequence, split over the vocabulary) and each
+``RowParallelLinear`` reduce-scatters its output along it. Norm weights, replicated but fed
+a slice of the sequence, get partial gradients that are summed over TP. The model itself
+must compute sequence-first (``hlat_model.LlamaConfig(sequence_first=True)``).
+
+The translation from plan to NxD constructor arguments, the sequence scatter and the weight
+slicing are pure functions (:func:`nxd_layer`, :func:`scatter_sequence`,
+:func:`shard_weight`), unit-tested without NxD. The parts that call NxD need a trn1 instance
+to verify.
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +31,13 @@ import torch
 from torch import nn
 
 from hlat_parallel.dims import ParallelConfigError, ParallelDims
-from hlat_parallel.plan import PlanEntry
+from hlat_parallel.plan import PlanEntry, computes_sequence_first
+
+SEQUENCE_DIM = 0
+"""The sequence dimension of activations under NxD sequence parallelism (``[S, B, H]``)."""
+EMBEDDING_SEQUENCE_DIM = 1
+"""The sequence dimension of the embedding output: token ids come batch-first (``[B, S]``),
+so the lookup is ``[B, S, H]``; the model turns it sequence-first itself."""
 
 
 @dataclass(frozen=True)
@@ -34,17 +50,30 @@ class NxdLayer:
     kwargs: dict[str, Any] = field(default_factory=dict)
     shard_dim: int | None = None
     stride: int = 1
+    scatter_output_dim: int | None = None
+    """Under sequence parallelism, the output dimension to split over the TP ranks (this
+    rank keeps its slice) after the layer has run; ``None``: the output is left as is."""
 
 
 def nxd_layer(module: nn.Module, entry: PlanEntry, tp: int, sp: bool) -> NxdLayer:
     """The NxD layer for ``module`` under plan ``entry`` (pure; no NxD import).
 
-    ``norm`` keeps the module and only marks its weight ``sequence_parallel_enabled`` (NxD
-    all-reduces such gradients over TP); ``cls`` is then ``"norm"``.
+    ``norm`` keeps the module and only marks its weight ``sequence_parallel_enabled`` (its
+    gradient is then summed over TP); ``cls`` is then ``"norm"``.
+
+    Under sequence parallelism (``sp`` and tp > 1) the linear layers get
+    ``sequence_parallel_enabled=True`` and ``sequence_dimension=0``: column-parallel ones
+    (the LM head included) all-gather the sequence of their input, row-parallel ones
+    reduce-scatter their output along it. The embedding keeps NxD's all-reduce and scatters
+    its ``[B, S, H]`` output along the sequence (``scatter_output_dim=1``).
 
     Note: ``fused_colwise`` uses ``stride=1``. The plan's fused layouts repeat whole groups
     (``[q.., k, v]`` per KV head; gate/up interleaved), so a contiguous split gives every
     rank matching slices; Megatron's ``stride`` is for ``[all q; all k; all v]`` layouts.
+
+    Note: the embedding does not use ``ParallelEmbedding``'s own sequence-parallel mode,
+    whose reduce-scatter dimension is not configurable in every NxD release; an all-reduce
+    and a local slice give the same result for a little more traffic, at this one layer.
     """
     sp = sp and tp > 1
     if entry.style == "norm":
@@ -58,12 +87,16 @@ def nxd_layer(module: nn.Module, entry: PlanEntry, tp: int, sp: bool) -> NxdLaye
                 "num_embeddings": module.num_embeddings,
                 "embedding_dim": module.embedding_dim,
                 "dtype": weight.dtype,
-                "sequence_parallel_enabled": sp,
+                "sequence_parallel_enabled": False,
             },
             shard_dim=0,
+            scatter_output_dim=EMBEDDING_SEQUENCE_DIM if sp else None,
         )
     assert isinstance(module, nn.Linear)
     bias = module.bias is not None
+    sequence: dict[str, Any] = {"sequence_parallel_enabled": sp}
+    if sp:
+        sequence["sequence_dimension"] = SEQUENCE_DIM
     if entry.style == "rowwise":
         return NxdLayer(
             "RowParallelLinear",
@@ -73,7 +106,7 @@ def nxd_layer(module: nn.Module, entry: PlanEntry, tp: int, sp: bool) -> NxdLaye
                 "bias": bias,
                 "input_is_parallel": True,
                 "dtype": weight.dtype,
-                "sequence_parallel_enabled": sp,
+                **sequence,
             },
             shard_dim=1,
         )
@@ -85,11 +118,21 @@ def nxd_layer(module: nn.Module, entry: PlanEntry, tp: int, sp: bool) -> NxdLaye
             "bias": bias,
             "gather_output": False,  # the LM head too: logits stay vocab-parallel
             "dtype": weight.dtype,
-            "sequence_parallel_enabled": sp,
+            **sequence,
             "stride": 1,
         },
         shard_dim=0,
     )
+
+
+def scatter_sequence(
+    x: torch.Tensor, dim: int, scatter_first_dim: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """This rank's slice of ``x`` along ``dim``, by ``scatter_first_dim``, which splits
+    dimension 0 (NxD's ``scatter_to_sequence_parallel_region``: its backward all-gathers)."""
+    if dim == 0:
+        return scatter_first_dim(x)
+    return scatter_first_dim(x.transpose(0, dim)).transpose(0, dim)
 
 
 def shard_weight(
@@ -157,12 +200,15 @@ def init_neuron_parallel(
 def apply_neuron_parallel(
     model: nn.Module, dims: ParallelDims, matched: Mapping[str, PlanEntry]
 ) -> None:
-    """Swap matched modules for NxD layers holding this rank's weight slices."""
-    if dims.sequence_parallel:
+    """Swap matched modules for NxD layers holding this rank's weight slices; under
+    sequence parallelism also scatter the embedding output, sum norm-weight gradients over
+    TP and check at each forward that the sequence splits evenly."""
+    if dims.sequence_parallel and not computes_sequence_first(model):
         raise ParallelConfigError(
-            "NxD sequence parallelism splits dimension 0 of the activations ([seq, batch, "
-            "hidden]); models computing batch-first ([batch, seq, hidden]) need sp=False on "
-            "the neuron backend"
+            "sequence parallelism on the neuron backend needs a model that computes "
+            "sequence-first ([seq, batch, hidden] activations, NxD's layout), but "
+            f"{type(model).__name__} computes batch-first (no sequence_first=True on the model "
+            "or its config); build it with LlamaConfig(sequence_first=True), or set sp=False"
         )
     nxd = _import_nxd()
     layers = nxd.parallel_layers
@@ -171,7 +217,8 @@ def apply_neuron_parallel(
         module = modules[name]
         spec = nxd_layer(module, entry, dims.tp, dims.sp)
         if spec.cls == "norm":
-            module.weight.sequence_parallel_enabled = spec.kwargs["sequence_parallel_enabled"]
+            if spec.kwargs["sequence_parallel_enabled"]:
+                _sum_grad_over_tp(module.weight)
             continue
         new = getattr(layers, spec.cls)(**spec.kwargs)
         with torch.no_grad():
@@ -182,8 +229,38 @@ def apply_neuron_parallel(
             if bias is not None:
                 dim = 0 if spec.shard_dim == 0 else None
                 new.bias.copy_(shard_weight(bias, dim, dims.tp, dims.tp_rank))
+        if spec.scatter_output_dim is not None:
+            new.register_forward_hook(_scatter_output(spec.scatter_output_dim, layers.mappings))
         parent_name, _, child = name.rpartition(".")
         setattr(modules[parent_name] if parent_name else model, child, new)
+    if dims.sequence_parallel:
+        from hlat_parallel.torch_backend import sequence_check
+
+        model.register_forward_pre_hook(sequence_check(dims.tp), with_kwargs=True)
+
+
+def _scatter_output(dim: int, mappings: Any) -> Any:
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return scatter_sequence(output, dim, mappings.scatter_to_sequence_parallel_region)
+
+    return hook
+
+
+def _sum_grad_over_tp(weight: torch.Tensor) -> None:
+    """Mark ``weight`` ``sequence_parallel_enabled`` and sum each gradient it receives over
+    the TP ranks.
+
+    Note: the sum runs in a gradient hook, once per backward, so gradients are complete
+    before clipping and the optimizer step (``NeuronZero1Optimizer`` does not sum them;
+    NxD's training scripts do it in their loop). A trainer that also calls NxD's
+    ``allreduce_sequence_parallel_gradients`` would sum them twice.
+    """
+    import torch_xla.core.xla_model as xm
+
+    nxd = _import_nxd()
+    groups = nxd.parallel_layers.parallel_state.get_tensor_model_parallel_group(as_list=True)
+    weight.sequence_parallel_enabled = True  # type: ignore[attr-defined]
+    weight.register_hook(lambda grad: xm.all_reduce(xm.REDUCE_SUM, grad, groups=groups))
 
 
 def parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

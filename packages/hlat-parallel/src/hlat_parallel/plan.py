@@ -114,6 +114,17 @@ def match_plan(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, PlanEntry
     return matched
 
 
+def computes_sequence_first(model: nn.Module) -> bool:
+    """True when ``model`` says it computes sequence-first (``[S, B, H]`` activations):
+    a boolean ``sequence_first`` attribute on the model or, failing that, on its
+    ``config`` (as ``hlat_model.LlamaConfig`` has)."""
+    for owner in (model, getattr(model, "config", None)):
+        flag = getattr(owner, "sequence_first", None)
+        if isinstance(flag, bool):
+            return flag
+    return False
+
+
 def check_shapes(model: nn.Module, matched: Mapping[str, PlanEntry], tp: int) -> None:
     """Raise :class:`ParallelConfigError` unless every matched module can be split ``tp`` ways.
 

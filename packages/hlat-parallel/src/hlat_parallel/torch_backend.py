@@ -1,7 +1,8 @@
 """The plan applied with DTensor: ``parallelize_module`` styles on the "tp" mesh.
 
 Without sequence parallelism activations between blocks are replicated on every TP rank;
-with it they are split along the sequence (dim 1) and each colwise layer all-gathers the
+with it they are split along the sequence (dim 1, or dim 0 for models computing
+sequence-first) and each colwise layer all-gathers the
 sequence on the way in, each rowwise layer reduce-scatters it on the way out (Megatron-LM's
 layout). The LM head leaves its logits split over the vocabulary as a DTensor, so the loss
 must be computed under :func:`loss_parallel`.
@@ -25,21 +26,27 @@ from torch.distributed.tensor.parallel import (
 )
 
 from hlat_parallel.dims import ParallelConfigError, ParallelDims
-from hlat_parallel.plan import PlanEntry
+from hlat_parallel.plan import PlanEntry, computes_sequence_first
 
 
-def torch_styles(matched: Mapping[str, PlanEntry], sp: bool) -> dict[str, ParallelStyle]:
+def torch_styles(
+    matched: Mapping[str, PlanEntry], sp: bool, sequence_dim: int = 1
+) -> dict[str, ParallelStyle]:
     """DTensor parallel styles for matched modules (``name -> entry``).
 
     Under ``sp`` the activations entering colwise layers and leaving rowwise layers are
-    sequence-sharded (``Shard(1)``); norms run on sequence shards (``SequenceParallel``).
-    Without it norms are left alone: their input is replicated, so is their weight.
+    sequence-sharded (``Shard(sequence_dim)``: 1 for ``[B, S, H]`` activations, 0 for
+    models computing sequence-first); norms run on sequence shards (``SequenceParallel``).
+    The embedding output is ``[B, S, H]`` either way (token ids come batch-first), so it is
+    sharded along dimension 1. Without SP norms are left alone: their input is replicated,
+    so is their weight.
 
     Note: ``fused_colwise`` becomes a plain ``ColwiseParallel``: the plan's fused layouts
     are TP-independent, so a contiguous row split gives each rank whole groups (checked
     beforehand by ``check_shapes``).
     """
-    seq: Any = Shard(1) if sp else Replicate()
+    seq: Any = Shard(sequence_dim) if sp else Replicate()
+    embedded: Any = Shard(1) if sp else Replicate()
     styles: dict[str, ParallelStyle] = {}
     for name, entry in matched.items():
         if entry.style in ("colwise", "fused_colwise"):
@@ -49,13 +56,13 @@ def torch_styles(matched: Mapping[str, PlanEntry], sp: bool) -> dict[str, Parall
         elif entry.style == "embedding":
             # Vocabulary rows are sharded; each rank looks up its rows and the partial sums
             # are reduced (all-reduce, or reduce-scatter over the sequence under SP).
-            styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+            styles[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=embedded)
         elif entry.style == "lm_head":
             styles[name] = ColwiseParallel(
                 input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
             )
         elif entry.style == "norm" and sp:
-            styles[name] = SequenceParallel()
+            styles[name] = SequenceParallel(sequence_dim=sequence_dim)
     return styles
 
 
@@ -73,11 +80,13 @@ def apply_tensor_parallel(
                     f"{head} shares its weight with {emb} (tied embeddings); tensor parallelism "
                     "needs them untied (e.g. LlamaConfig(tie_embeddings=False))"
                 )
-    parallelize_module(model, dims.tp_mesh, torch_styles(matched, dims.sequence_parallel))
+    sequence_dim = 0 if computes_sequence_first(model) else 1
+    styles = torch_styles(matched, dims.sequence_parallel, sequence_dim)
+    parallelize_module(model, dims.tp_mesh, styles)
     if dims.dp == 1:  # FSDP2 aligns the gradients itself when it is applied on top
         align_grad_placements(model)
     if dims.sequence_parallel:
-        model.register_forward_pre_hook(_sequence_check(dims.tp), with_kwargs=True)
+        model.register_forward_pre_hook(sequence_check(dims.tp), with_kwargs=True)
 
 
 def align_grad_placements(model: nn.Module) -> None:
@@ -104,7 +113,9 @@ def align_grad_placements(model: nn.Module) -> None:
             param.register_post_accumulate_grad_hook(align)
 
 
-def _sequence_check(tp: int) -> Any:
+def sequence_check(tp: int) -> Any:
+    """A forward pre-hook refusing token ids ``[B, S]`` whose S does not split over tp."""
+
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         first = args[0] if args else next(iter(kwargs.values()), None)
         if isinstance(first, torch.Tensor) and first.dim() >= 2 and first.shape[1] % tp:

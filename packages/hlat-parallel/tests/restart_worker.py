@@ -1,0 +1,49 @@
+"""One rank of a torchrun job restarted once, launched by tests/test_restart.py.
+
+Usage: restart_worker.py OUT_DIR. Every attempt joins the process group with
+``init_parallel`` and all-reduces rank + 1. On attempt 0, rank 1 then fails; torchrun
+(``--max-restarts 1``) restarts both ranks, which must form a new group and all-reduce.
+Each rank writes ``attempt<n>-rank<r>.txt`` with the all-reduced value.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hlat_parallel import init_parallel
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if attempt == 1:
+        # Rank 0 joins first and rank 1 a moment later, so that rank 0 reads whatever rank 1
+        # published last: on a store shared by both attempts, the address of the rank 1
+        # that died.
+        joining = out / "attempt1-rank0.joining"
+        if os.environ["RANK"] == "0":
+            joining.touch()
+        else:
+            while not joining.exists():
+                time.sleep(0.05)
+            time.sleep(1)
+    # a bounded timeout, so that a failed rendezvous ends the job instead of hanging it
+    dims = init_parallel(tp=1, timeout=datetime.timedelta(seconds=30))
+    total = torch.tensor([float(dims.rank + 1)])
+    dist.all_reduce(total)
+    (out / f"attempt{attempt}-rank{dims.rank}.txt").write_text(f"{total.item():g}\n")
+    if attempt == 0 and dims.rank == 1:
+        sys.exit("rank 1 fails on purpose on attempt 0")
+    dist.barrier()  # on attempt 0 rank 0 waits here until torchrun stops it
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -74,6 +74,16 @@ def test_dim0_sharded_dtensor_update_is_bit_identical_to_the_unsharded_one(ranks
         assert torch.equal(r["shard0"].view(torch.int16), expected.view(torch.int16))
 
 
+def test_a_gradient_in_another_layout_than_its_parameter_gives_the_same_update(ranks):
+    # A one-parameter optimizer has parameter index 0, like the first of _single_process's
+    # three, so the rounding keys match.
+    expected = _single_process(3, 0)
+    for r in ranks:
+        assert torch.equal(
+            r["shard0_replicated_grad"].view(torch.int16), expected.view(torch.int16)
+        )
+
+
 def test_replicated_dtensor_stays_identical_on_every_rank(ranks):
     expected = _single_process(5, 2)
     for r in ranks:

@@ -322,7 +322,15 @@ class AdamW(torch.optim.Optimizer):
         if p not in self._layouts:
             self._layouts[p] = _shard_layout(p)
         offset, salt = self._layouts[p]
-        tensors = [p, p.grad, state["exp_avg"], state["exp_avg_sq"], state.get("master")]
+        grad: Any = p.grad
+        pd: Any = p
+        if _is_dtensor(grad) and _is_dtensor(p) and tuple(grad.placements) != tuple(pd.placements):
+            # Note: DTensor's autograd may leave a gradient in another layout than its
+            # parameter (a vocab-parallel embedding's comes back Replicate, a sequence-
+            # parallel norm weight's Partial); the update works on local shards, so the
+            # gradient is brought to the parameter's layout first.
+            grad = grad.redistribute(pd.device_mesh, pd.placements)
+        tensors = [p, grad, state["exp_avg"], state["exp_avg_sq"], state.get("master")]
         local = [_local(t) if t is not None else None for t in tensors]
         if not all(t is None or t.is_contiguous() for t in local):
             raise RuntimeError(

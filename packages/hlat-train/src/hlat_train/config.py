@@ -242,8 +242,7 @@ class RunConfig:
     and keeps its shard, so every parallel layout starts from the same weights. ``sharded``:
     the model is built on the meta device, split, and each rank initialises only its shard
     (needed when the model does not fit in host memory; weights then depend on the
-    layout; not yet with tp > 1 on the torch backend). ``auto``: ``full`` below 2B
-    parameters or with tp > 1 on the torch backend, else ``sharded``."""
+    layout). ``auto``: ``full`` below 2B parameters, else ``sharded``."""
     eval_every: int = 0
     """Validation loss every this many steps (0: at checkpoints only, when valid data exists)."""
     eval_batches: int = 8

@@ -62,38 +62,6 @@ class TrainState:
             self.guard.load_state_dict(state["guard"])
 
 
-def _init_process_group_per_attempt(world_size: int) -> None:
-    """Create the default process group on a store namespace of this torchrun attempt.
-
-    Note: after ``torchrun --max-restarts`` restarts the workers, the launcher's store still
-    holds the gloo/NCCL addresses the dead workers published, and the new workers would
-    try to connect to them ("Connection refused"). Prefixing every key with the restart
-    count gives each attempt a clean namespace. Without torchrun this does nothing and
-    ``hlat_parallel.init_parallel`` creates the group as usual.
-    """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if world_size == 1 or attempt is None or dist.is_initialized():
-        return
-    rank = int(os.environ["RANK"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world_size,
-        is_master=not agent_store and rank == 0,
-        multi_tenant=True,
-    )
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(
-        backend,
-        store=dist.PrefixStore(f"hlat-train/attempt-{attempt}", store),
-        rank=rank,
-        world_size=world_size,
-    )
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -140,8 +108,8 @@ class Trainer:
             multi_node = self.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
             apply_neuron_env(c.neuron, c.optim.precision, multi_node)
         backend: Any = c.parallel.backend
-        if backend != "neuron":
-            _init_process_group_per_attempt(self.world_size)
+        # Note: init_parallel creates the process group on a store namespace of this
+        # torchrun attempt, so workers restarted by --max-restarts rendezvous afresh.
         self.dims = dims = init_parallel(c.parallel.tp, c.parallel.sp, backend)
         self.rank0 = dims.rank == 0
         device = dims.device if c.train.device == "auto" else torch.device(c.train.device)
@@ -152,9 +120,7 @@ class Trainer:
         with torch.device("meta"):
             model = Llama(self.llama_config)
         sharded = c.train.init == "sharded" or (
-            c.train.init == "auto"
-            and model.num_params() > 2_000_000_000
-            and (dims.tp == 1 or dims.backend == "neuron")
+            c.train.init == "auto" and model.num_params() > 2_000_000_000
         )
         if sharded:
             # split first, then materialise and initialise only this rank's shards

@@ -63,14 +63,6 @@ def validate(
             raise ConfigError(f"{key} must be at least {low}, got {value}")
     if run.init not in ("auto", "full", "sharded"):
         raise ConfigError(f"train.init must be 'auto', 'full' or 'sharded', got {run.init!r}")
-    if run.init == "sharded" and par.tp > 1 and par.backend != "neuron":
-        # Note: the vocab-parallel embedding's gradient keeps the wrong placement after
-        # the meta-device model is materialised (hlat-parallel's alignment hooks stay on
-        # the meta parameters); until that is fixed there, TP starts from full weights
-        raise ConfigError(
-            "train.init = 'sharded' with parallel.tp > 1 is not supported on the torch "
-            "backend yet; use train.init = 'full' (or 'auto')"
-        )
     if run.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"train.device must be 'auto', 'cpu' or 'cuda', got {run.device!r}")
     if optim.precision not in PRECISIONS:

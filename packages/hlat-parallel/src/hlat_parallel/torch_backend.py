@@ -99,6 +99,12 @@ def align_grad_placements(model: nn.Module) -> None:
     Optimizers that work on local shards (``hlat_optim.AdamW``, fused kernels) need the
     gradient shard to match the parameter shard; the redistribution slices the former (no
     communication) and all-reduces the latter (a few KB per norm).
+
+    Note: the hooks live on the parameter objects' autograd state, which
+    ``module.to_empty()`` replaces (meta-device initialisation after :func:`parallelize`),
+    and they cannot be registered again on the swapped parameters. ``hlat_optim.AdamW``
+    (0.2+) realigns such gradients itself; other local-shard optimizers need a model
+    parallelized after it is materialised.
     """
 
     def align(param: torch.Tensor) -> None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import struct
 
 import numpy as np
 import pyarrow as pa
@@ -110,6 +111,27 @@ def test_arrow_files_of_the_format_before_0_15_are_read(tmp_path, documents):
         writer.write_batch(batch.slice(0, 5))
         writer.write_batch(batch.slice(5))
     assert ArrowSource(path).texts(range(12)) == documents[:12]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_dictionary_encoded_text_column_is_an_error_naming_the_file(tmp_path, stream):
+    path = tmp_path / "dict.arrow"
+    column = pa.array(["a", "b", "a"]).dictionary_encode()
+    batch = pa.record_batch([column], names=["text"])
+    with (pa.ipc.new_stream if stream else pa.ipc.new_file)(path, batch.schema) as writer:
+        writer.write_batch(batch)
+    with pytest.raises(DataError, match=r"dict\.arrow.*(dictionary|string)"):
+        ArrowSource(path)
+
+
+def test_a_damaged_file_footer_is_an_error_naming_the_file(tmp_path, corpus):
+    path = tmp_path / "footer.arrow"
+    data = bytearray(corpus.read_bytes())
+    (footer_size,) = struct.unpack("<i", data[-10:-6])
+    data[-10 - footer_size : -10 - footer_size + 64] = b"\xee" * 64
+    path.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"footer\.arrow.*(footer|truncated or corrupt)"):
+        ArrowSource(path)
 
 
 def test_a_corrupt_record_batch_is_an_error_naming_the_file_when_read(tmp_path):

@@ -90,8 +90,8 @@ class ArrowSource:
     Note:
         Opening a source reads only metadata: the few hundred bytes in front of each Arrow
         record batch (its row count and length; record batch bodies are skipped, so a
-        remote file opens in one small ranged read per record batch, whatever its size) or
-        a Parquet footer. The index is pickled with the source, so loader workers never
+        remote file opens in one small ranged read per record batch, whatever its size,
+        issued concurrently for the Arrow file format) or a Parquet footer. The index is pickled with the source, so loader workers never
         repeat it.
     """
 
@@ -262,6 +262,14 @@ class ArrowSource:
         except (pa.ArrowException, OSError, StopIteration) as e:
             raise corrupt("no Arrow schema at its start", e) from None
         self._check_schema(file, schema)
+        self._schemas[index] = schema
+        if is_file_format:
+            try:
+                return self._index_from_footer(index, file, handle)
+            except DataError:
+                raise
+            except (ValueError, struct.error, IndexError) as e:
+                raise corrupt("the Arrow file footer is unreadable", e) from None
         parts: list[_Part] = []
         first = 0
         offset = handle.tell()
@@ -286,7 +294,47 @@ class ArrowSource:
             parts.append(_Part(index, offset, rows, first, next_offset))
             first += rows
             offset = next_offset
-        self._schemas[index] = schema
+        return parts
+
+    def _index_from_footer(self, index: int, file: _File, handle: Any) -> list[_Part]:
+        """The parts of an Arrow IPC *file*: its footer lists where every record batch is,
+        so the metadata of all of them is read at once (concurrent ranged reads remotely)."""
+        handle.seek(file.size - 10)
+        (footer_size,) = struct.unpack("<i", handle.read(4))
+        footer_start = file.size - 10 - footer_size
+        if footer_size <= 0 or footer_start < 8:
+            raise ValueError(f"footer length {footer_size}")
+        handle.seek(footer_start)
+        dictionaries, blocks = _footer_blocks(handle.read(footer_size))
+        if dictionaries:
+            raise DataError(
+                f"{file.url}: the Arrow file has dictionary batches; dictionary-encoded columns "
+                "are not supported: cast the text column to string"
+            )
+        for offset, meta_len, body_len in blocks:
+            if offset < 8 or meta_len < 8 or offset + meta_len + body_len > footer_start:
+                raise ValueError(f"a record batch at byte {offset} runs past the data")
+        if _is_local(file):
+            metas = []
+            for offset, meta_len, _ in blocks:
+                handle.seek(offset)
+                metas.append(handle.read(meta_len))
+        else:
+            metas = file.fs.cat_ranges(
+                [file.path] * len(blocks),
+                [b[0] for b in blocks],
+                [b[0] + b[1] for b in blocks],
+                on_error="raise",
+            )
+        parts: list[_Part] = []
+        first = 0
+        for (offset, meta_len, body_len), meta in zip(blocks, metas, strict=True):
+            start = 8 if meta[:4] == _CONTINUATION else 4
+            kind, body_length, rows = _parse_message(meta[start:])
+            if kind != _RECORD_BATCH or body_length != body_len:
+                raise ValueError(f"the message at byte {offset} is not the record batch listed")
+            parts.append(_Part(index, offset, rows, first, offset + meta_len + body_len))
+            first += rows
         return parts
 
     def _part(self, part_index: int) -> pa.Array:
@@ -423,6 +471,32 @@ def _parse_message(meta: bytes) -> tuple[int, int, int]:
         header = _table(meta, pos + struct.unpack_from("<I", meta, pos)[0])
         rows = _field(meta, header, 0, "<q", 0)
     return kind, body_length, rows
+
+
+def _footer_blocks(
+    footer: bytes,
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """``(dictionary blocks, record batch blocks)`` of a flatbuffer ``Footer`` (fields:
+    version, schema, dictionaries, recordBatches); a ``Block`` is the struct ``(offset: int64,
+    metaDataLength: int32, padding, bodyLength: int64)``."""
+    table = _table(footer, struct.unpack_from("<I", footer, 0)[0])
+
+    def vector(slot: int) -> list[tuple[int, int, int]]:
+        pos = _field_pos(footer, table, slot)
+        if pos is None:
+            return []
+        start = pos + struct.unpack_from("<I", footer, pos)[0]
+        (count,) = struct.unpack_from("<I", footer, start)
+        if start + 4 + 24 * count > len(footer):
+            raise ValueError("the footer's block list runs past its end")
+        return [
+            (o, m, b)
+            for o, m, _, b in (
+                struct.unpack_from("<qiiq", footer, start + 4 + 24 * i) for i in range(count)
+            )
+        ]
+
+    return vector(2), vector(3)
 
 
 def _table(buf: bytes, pos: int) -> tuple[int, int]:

@@ -774,8 +774,61 @@ def _median_of(faults: list[dict[str, Any]], kinds: tuple[str, ...]) -> float:
     return statistics.median(values) if values else math.nan
 
 
-def write_doc(summary: dict[str, Any], path: Path, command: str) -> None:
-    """docs/reliability.md with the measured table and the projection."""
+def _before_after(after: dict[str, Any], before: dict[str, Any]) -> str:
+    """A Markdown table of the measured terms of an earlier run (``before``) and this one."""
+
+    def rows(s: dict[str, Any]) -> list[str]:
+        c, st, p = s["campaign"], s["stall"], s["projection_hlat_7b"]
+        small, large = st["rows"][0], st["rows"][-1]
+        return [
+            f"{c['restart_latency_median_s']:.2f} s ({c['restart_latency_max_s']:.2f} s)",
+            f"{c['lost_work_mean_s']:.2f} s",
+            f"{s['startup'].get('import hlat-train and its packages', math.nan):.2f} s",
+            f"{s['startup'].get('import torch', math.nan):.2f} s",
+            f"{small['async_s'] * 1e3:.1f} ms = {small['async_s'] / small['sync_s']:.1%}",
+            f"{large['async_s'] * 1e3:.1f} ms = {large['async_s'] / large['sync_s']:.1%}",
+            f"{st['async_fixed_s'] * 1e3:.1f} ms",
+            f"{c['utilisation']:.1%}",
+            f"{p['utilisation']:.2%}",
+        ]
+
+    names = [
+        "restart latency, median (max)",
+        "lost work per fault, mean",
+        "imports of a fresh worker",
+        "of which `import torch` alone (the machine's baseline)",
+        f"async stall, {after['stall']['rows'][0]['state_bytes_per_rank'] / 1e6:.1f} MB per rank (of sync)",
+        f"async stall, {after['stall']['rows'][-1]['state_bytes_per_rank'] / 1e6:.1f} MB per rank (of sync)",
+        "fixed part of the async stall",
+        "campaign utilisation",
+        "projected `hlat-7b` utilisation",
+    ]
+    table = "\n".join(
+        f"| {n} | {b} | {a} |" for n, b, a in zip(names, rows(before), rows(after), strict=True)
+    )
+    return f"""
+**Before and after.** The same campaign (`{before["command"]}`) on the earlier version of the
+packages ({before.get("versions", "hlat 0.1")}), against this run:
+
+| term | before | after |
+| --- | ---: | ---: |
+{table}
+
+What changed in between: an async save checks the storage and agrees on the step in the
+background instead of blocking for it, and saves the Python RNG state as bytes instead of
+a 625-number list; `hlat-train` imports its export, metrics and Neuron helpers lazily and
+measures the CPU's peak FLOP/s once per run instead of once per start; the process group
+of a restarted attempt is created on a fresh store namespace by `hlat_parallel`. The two
+runs were made on different days: compare `import torch`, which no change here touches, to
+judge how much of a difference is the machine.
+"""
+
+
+def write_doc(
+    summary: dict[str, Any], path: Path, command: str, before: dict[str, Any] | None = None
+) -> None:
+    """docs/reliability.md with the measured table and the projection; with ``before`` (the
+    summary of an earlier run) also a table of the measured terms before and after."""
     s = summary
     c = s["campaign"]
     st = s["stall"]
@@ -793,6 +846,7 @@ def write_doc(summary: dict[str, Any], path: Path, command: str) -> None:
         for r in st["rows"]
     )
     startup_rows = "\n".join(f"| {k} | {v:.2f} |" for k, v in s["startup"].items())
+    before_after = _before_after(s, before) if before else ""
     cs = c["checkpoint_saves"]
     in_run = (
         f"In the campaign run itself (its `checkpoint` metrics records, {cs['saves']} committed "
@@ -923,43 +977,37 @@ node's {p["state_bytes_per_node"] / 1e9:.2f} GB takes about
 well inside {p["interval_s"]:.0f} s; on shared storage (FSx, S3) measure that rate with
 `tools/preflight.py` before choosing the interval.
 
-## Levers: where the time goes, before and after
+## Levers: where the time goes
 
-- **Checkpoint stall.** Synchronous save (before) against async save (after), same state:
-  the training thread is blocked {", ".join(f"{r['async_s'] / r['sync_s']:.1%}" for r in st["rows"])} of
-  the synchronous time. The blocking part is a fixed {st["async_fixed_s"] * 1e3:.1f} ms
-  (collectives that agree on the step, planning) plus a memory copy at
-  {st["staging_bandwidth_gb_s"]:.1f} GB/s; the ratio tends to (synchronous write
-  rate / staging rate) as the state grows. Getting under 10 % here needs staging into
-  preallocated (pinned, on GPU) buffers reused across saves, or a copy overlapped with the
-  next step's forward.
+- **Checkpoint stall.** The blocking part of an async save is a fixed
+  {st["async_fixed_s"] * 1e3:.1f} ms (state dicts of model and optimizer, the JSON of the
+  non-tensor state) plus a copy into host buffers reused from save to save at
+  {st["staging_bandwidth_gb_s"]:.1f} GB/s; the checks against the storage, the step
+  agreement between ranks, planning, writing, checksums and the commit all run in the
+  background thread. The ratio to a synchronous save tends to (synchronous write rate /
+  staging rate) as the state grows.
 - **Restart latency.** Of a worker-crash restart (torchrun restarting the workers) of
   {_median_of(s["faults"], ("kill-rank", "kill-during-save")):.1f} s median here, the imports alone are
   {s["startup"].get("import hlat-train and its packages", math.nan):.1f} s per fresh process
-  ({s["startup"].get("import torch", math.nan):.1f} s of it torch). Whole-job relaunches
-  (SIGTERM, corrupt checkpoint) pay the launcher's start as well. The levers that remain
-  are outside this tool: lazy imports in `hlat_train`'s command path, and keeping the
-  launcher alive across preemptions.
-
+  ({s["startup"].get("import torch", math.nan):.1f} s of it torch; most of the rest is
+  `torch.distributed.tensor` and `torch._dynamo`, which training needs). Whole-job
+  relaunches (SIGTERM, corrupt checkpoint) pay the launcher's start as well; keeping the
+  launcher alive across preemptions is the lever left.
+{before_after}
 ## Findings
 
-- Corruption of the newest checkpoint is handled automatically, whether the manifest or a
-  DCP shard is cut short (this campaign: `--corrupt {s["setup"].get("corrupt", "manifest")}`):
-  `load_latest` skips the checkpoint (manifest unreadable, or a file's size not the recorded
-  one), and when the resumed run reaches that step again the damaged directory is replaced.
-  Corruption that keeps every file's size is not detected (the manifest records sizes, not
-  checksums).
+- Corruption of the newest checkpoint is handled automatically (this campaign truncates
+  its {s["setup"].get("corrupt", "manifest")}): `load_latest` skips a checkpoint whose
+  manifest is unreadable or whose files do not match the sizes and CRC-32 checksums the
+  manifest records, resumes from the previous one, and the damaged directory is replaced
+  when the resumed run reaches that step again.
 - On SIGTERM the workers save and exit 143 and torchrun itself exits 1; a scheduler that
   requeues on any non-zero exit relaunches it correctly.
 
 ## Limits of these figures
 
-- CPU and gloo on a shared 2-core machine: absolute times drift with the other load; rerun
-  for fresh numbers.
-- Corruption is a truncated file ({s["setup"].get("corrupt", "manifest")} in this run), which
-  the manifest's JSON check and recorded sizes catch. A bit flip that keeps the size is not
-  detected by `hlat-ckpt` 0.1 (no checksums in the
-  manifest).
+- CPU and gloo on a 2-core machine: absolute times drift with other load; rerun for fresh
+  numbers. A before/after comparison is two single runs.
 - Neuron start-up (runtime, graph loading) and EFA collectives are not part of the measured
   restart latency; they need a trn1 cluster to measure.
 """
@@ -988,6 +1036,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--from-summary", default="", help="only rewrite --doc from this summary.json"
     )
+    parser.add_argument(
+        "--before",
+        default="",
+        help="summary.json of an earlier run: --doc gets a before/after table of the terms",
+    )
     parser.add_argument("--_measure-save", dest="measure_save", help=argparse.SUPPRESS)
     parser.add_argument("--_sizes", dest="sizes", default="", help=argparse.SUPPRESS)
     parser.add_argument("--_repeats", dest="repeats", type=int, default=3, help=argparse.SUPPRESS)
@@ -997,11 +1050,12 @@ def main(argv: list[str] | None = None) -> int:
             args.measure_save, [int(x) for x in args.sizes.split(",")], args.repeats
         )
         return 0
+    before = json.loads(Path(args.before).read_text()) if args.before else None
     if args.from_summary:
         if not args.doc:
             parser.error("--from-summary needs --doc")
         summary = json.loads(Path(args.from_summary).read_text())
-        write_doc(summary, Path(args.doc), summary["command"])
+        write_doc(summary, Path(args.doc), summary["command"], before)
         return 0
     if args.faults < 1:
         parser.error(f"--faults must be at least 1, got {args.faults}")
@@ -1089,7 +1143,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_timeline(records, faults, ref, out / "timeline.png")
     if args.doc:
-        write_doc(summary, Path(args.doc), summary["command"])
+        write_doc(summary, Path(args.doc), summary["command"], before)
     c = summary["campaign"]
     print(
         f"effective utilisation {c['utilisation']:.1%} (uninterrupted "

@@ -819,7 +819,7 @@ background instead of blocking for it, and saves the Python RNG state as bytes i
 a 625-number list; `hlat-train` imports its export, metrics and Neuron helpers lazily and
 measures the CPU's peak FLOP/s once per run instead of once per start; the process group
 of a restarted attempt is created on a fresh store namespace by `hlat_parallel`. The two
-runs were made on different days: compare `import torch`, which no change here touches, to
+runs were made at different times: compare `import torch`, which no change here touches, to
 judge how much of a difference is the machine.
 """
 

@@ -93,11 +93,23 @@ def test_packed_loader_two_workers(benchmark, corpus):
             num_epochs=1,
             chunk_docs=32,
         )
-        tokens = sum(b.input_ids.size for b in loader)
-        return tokens, time.perf_counter() - start
+        batches = iter(loader)
+        tokens = next(batches).input_ids.size
+        first, first_tokens = time.perf_counter(), tokens
+        tokens += sum(b.input_ids.size for b in batches)
+        end = time.perf_counter()
+        return tokens, end - start, (tokens - first_tokens) / (end - first)
 
-    tokens, seconds = benchmark.pedantic(run, rounds=1, iterations=1)
+    tokens, seconds, steady = benchmark.pedantic(run, rounds=1, iterations=1)
     _record(benchmark, "hlat-data", tokens, seconds)
+    # Note: the whole-run figure includes starting two worker processes (interpreter,
+    # imports, loading the tokenizer), which a run of hours amortises; after the first batch
+    # the pipeline runs at its steady rate.
+    benchmark.extra_info["steady_tokens_per_s"] = round(steady)
+    print(f"hlat-data after the first batch (steady state): {steady / 1e6:.2f} M tokens/s")
+    if "raw" in RESULTS:
+        benchmark.extra_info["steady_vs_raw_encode"] = round(steady / RESULTS["raw"], 2)
+        print(f"hlat-data steady state / raw encode: {steady / RESULTS['raw']:.2f}x")
     if "raw" in RESULTS:
         benchmark.extra_info["vs_raw_encode"] = round(RESULTS["hlat-data"] / RESULTS["raw"], 2)
         print(f"hlat-data / raw encode: {RESULTS['hlat-data'] / RESULTS['raw']:.2f}x")

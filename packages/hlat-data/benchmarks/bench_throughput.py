@@ -13,7 +13,7 @@ import pytest
 
 from hlat_data import ArrowSource, PackedLoader, Tokenizer, train_tokenizer
 
-SEQ_LEN, BATCH, CHARS = 2048, 8, 15_000_000
+SEQ_LEN, BATCH, CHARS = 2048, 8, 30_000_000
 RESULTS: dict[str, float] = {}
 
 
@@ -93,23 +93,23 @@ def test_packed_loader_two_workers(benchmark, corpus):
             num_epochs=1,
             chunk_docs=32,
         )
-        batches = iter(loader)
-        tokens = next(batches).input_ids.size
-        first, first_tokens = time.perf_counter(), tokens
-        tokens += sum(b.input_ids.size for b in batches)
-        end = time.perf_counter()
-        return tokens, end - start, (tokens - first_tokens) / (end - first)
+        marks = []
+        tokens = 0
+        for batch in loader:
+            tokens += batch.input_ids.size
+            marks.append((time.perf_counter(), tokens))
+        half_time, half_tokens = marks[len(marks) // 2]
+        steady = (tokens - half_tokens) / (marks[-1][0] - half_time)
+        return tokens, marks[-1][0] - start, steady
 
     tokens, seconds, steady = benchmark.pedantic(run, rounds=1, iterations=1)
     _record(benchmark, "hlat-data", tokens, seconds)
-    # Note: the whole-run figure includes starting two worker processes (interpreter,
-    # imports, loading the tokenizer), which a run of hours amortises; after the first batch
-    # the pipeline runs at its steady rate.
+    # Note: the whole-run figure, the one compared with the peers, includes starting two
+    # worker processes (interpreter, imports, loading the tokenizer), which a run of hours
+    # amortises; the second half of the run shows the rate once they are up (its documents
+    # differ from the first half's, so it is not a ratio to the peers).
     benchmark.extra_info["steady_tokens_per_s"] = round(steady)
-    print(f"hlat-data after the first batch (steady state): {steady / 1e6:.2f} M tokens/s")
-    if "raw" in RESULTS:
-        benchmark.extra_info["steady_vs_raw_encode"] = round(steady / RESULTS["raw"], 2)
-        print(f"hlat-data steady state / raw encode: {steady / RESULTS['raw']:.2f}x")
+    print(f"hlat-data, second half of the run: {steady / 1e6:.2f} M tokens/s")
     if "raw" in RESULTS:
         benchmark.extra_info["vs_raw_encode"] = round(RESULTS["hlat-data"] / RESULTS["raw"], 2)
         print(f"hlat-data / raw encode: {RESULTS['hlat-data'] / RESULTS['raw']:.2f}x")

@@ -558,12 +558,14 @@ def compare_final(run_dir: Path, ref_dir: Path) -> dict[str, Any]:
     }
 
 
-def _read(run_dir: Path) -> list[dict[str, Any]]:
+def _read(run_dir: Path, kind: str = "train") -> list[dict[str, Any]]:
+    """The records of one ``kind`` in a run's ``metrics.jsonl`` (records without a kind are
+    training steps)."""
     out = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         if line.strip():
             record = json.loads(line)
-            if record.get("kind", "train") == "train":
+            if record.get("kind", "train") == kind:
                 out.append(record)
     return out
 
@@ -572,12 +574,7 @@ def checkpoint_saves(run_dir: Path) -> dict[str, Any]:
     """The campaign run's own saves, from the ``checkpoint`` records hlat-train writes for
     every committed save: how many, and the median stall (the training loop blocked), write
     time (in the background) and size."""
-    saves = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            if record.get("kind") == "checkpoint":
-                saves.append(record)
+    saves = _read(run_dir, "checkpoint")
     if not saves:
         return {"saves": 0}
     return {

@@ -29,7 +29,7 @@ def _bits(t):
     return t.detach().view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
 
-@pytest.mark.parametrize("impl", ["reference", "compiled"])
+@pytest.mark.parametrize("impl", ["reference", "compiled", "native"])
 def test_fp32_matches_torch_adamw_over_100_steps_with_weight_decay(impl):
     ours, theirs = _params(torch.float32), _params(torch.float32)
     kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -39,33 +39,124 @@ def test_fp32_matches_torch_adamw_over_100_steps_with_weight_decay(impl):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize(
-    ("dtype", "state_dtype", "master"),
-    [
-        (torch.float32, None, False),
-        (torch.bfloat16, None, False),
-        (torch.bfloat16, torch.float32, False),
-        (torch.bfloat16, None, True),
-    ],
-    ids=["fp32", "bf16-sr", "bf16-sr-fp32-states", "mixed"],
-)
-def test_reference_and_compiled_paths_are_bit_identical(dtype, state_dtype, master):
-    runs = []
-    for impl in ("reference", "compiled"):
-        params = _params(dtype)
-        opt = AdamW(
-            params,
-            lr=1e-2,
-            weight_decay=0.1,
-            state_dtype=state_dtype,
-            master_weights=master,
-            impl=impl,
-        )
-        _run(opt, params, 5)
-        states = [t for p in params for t in opt.state[p].values()]
-        runs.append([_bits(t) for t in [*params, *states]])
-    for a, b in zip(*runs, strict=True):
+MODES = {
+    "fp32": dict(dtype=torch.float32),
+    "fp32-bf16-states": dict(dtype=torch.float32, state_dtype=torch.bfloat16),
+    "bf16-sr": dict(dtype=torch.bfloat16),
+    "bf16-sr-fp32-states": dict(dtype=torch.bfloat16, state_dtype=torch.float32),
+    "bf16-nearest": dict(dtype=torch.bfloat16, stochastic_rounding=False),
+    "mixed": dict(dtype=torch.bfloat16, master_weights=True),
+    "mixed-bf16-states": dict(
+        dtype=torch.bfloat16, master_weights=True, state_dtype=torch.bfloat16
+    ),
+}
+
+
+def _final_bits(impl, mode, params):
+    kwargs = dict(MODES[mode])
+    kwargs.pop("dtype")
+    opt = AdamW(params, lr=1e-2, weight_decay=0.1, impl=impl, **kwargs)
+    _run(opt, params, 5)
+    states = [t for p in params for t in opt.state[p].values()]
+    return [_bits(t) for t in [*params, *states]]
+
+
+@pytest.mark.parametrize("impl", ["compiled", "native"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_fast_paths_are_bit_identical_to_the_reference(impl, mode):
+    dtype = MODES[mode]["dtype"]
+    expected = _final_bits("reference", mode, _params(dtype))
+    for a, b in zip(_final_bits(impl, mode, _params(dtype)), expected, strict=True):
         assert torch.equal(a, b)
+
+
+def _hostile_params(dtype):
+    """Two parameters of 100,003 elements (several kernel blocks and thread tasks, an odd
+    tail) seeded with ±inf, NaN, values next to the largest bf16, subnormals and exact
+    bf16 values, in different blocks."""
+    g = torch.Generator().manual_seed(3)
+    params = []
+    for _ in range(2):
+        x = torch.randn(100_003, generator=g)
+        x[5] = float("inf")
+        x[6] = -float("inf")
+        x[7] = float("nan")
+        x[40_000] = 3.3895e38  # largest bf16 is 3.3895314e38
+        x[40_001] = -3.4e38
+        x[70_000:70_010] = 1e-40  # fp32 subnormals
+        x[100_002] = 1.0
+        params.append(torch.nn.Parameter(x.to(dtype)))
+    return params
+
+
+@pytest.mark.parametrize("mode", ["bf16-sr", "fp32-bf16-states", "mixed-bf16-states"])
+def test_native_kernel_matches_the_reference_on_special_values(mode):
+    dtype = MODES[mode]["dtype"]
+    kwargs = {k: v for k, v in MODES[mode].items() if k != "dtype"}
+    runs = []
+    for impl in ("reference", "native"):
+        params = _hostile_params(dtype)
+        opt = AdamW(params, lr=1e-2, weight_decay=0.1, impl=impl, **kwargs)
+        g = torch.Generator().manual_seed(4)
+        for _ in range(3):
+            for p in params:
+                grad = torch.randn(p.shape, generator=g)
+                grad[9] = float("inf")  # a non-finite gradient reaches the states
+                grad[50_000] = 3e38
+                p.grad = grad.to(dtype)
+            opt.step()
+        states = [t for p in params for t in opt.state[p].values()]
+        runs.append([t.detach().clone() for t in [*params, *states]])
+    for a, b in zip(*runs, strict=True):
+        _same_bits_nan_aside(a, b)
+
+
+def _same_bits_nan_aside(a, b):
+    # Note: NaN payloads are not specified by IEEE 754 and differ between eager torch and
+    # compiled code (inf/inf gives 0xFFC0 in one, 0xFFFF in the other); every other value
+    # must match bit for bit.
+    assert torch.equal(a.isnan(), b.isnan())
+    keep = ~a.isnan()
+    assert torch.equal(_bits(a[keep]), _bits(b[keep]))
+
+
+def _nan_with_payload(bits, n):
+    return torch.full((n,), bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+def test_native_kernel_matches_the_reference_where_fast_rounding_needs_its_fix_up():
+    """Rounding cases that the kernel's short path gets wrong and must redo exactly: finite
+    values above the largest bf16 (which must saturate, not become inf) and NaNs whose
+    payload would carry into the sign bit (which must stay NaN)."""
+    n = 70_001
+    big = torch.finfo(torch.bfloat16).max
+    runs = []
+    for impl in ("reference", "native"):
+        g = torch.Generator().manual_seed(5)
+        # bf16 parameters at ±max bf16, pushed outwards by lr: w = p ± lr, SR rounds it.
+        p1 = torch.nn.Parameter(torch.full((n,), big, dtype=torch.bfloat16))
+        p1.data[1::2] = -big
+        p1.grad = -p1.detach().sign()
+        # fp32 parameters with bf16 states: NaN gradients with all-ones payloads reach the
+        # moments (one in each of two blocks; the rest of those blocks are ordinary values).
+        p2 = torch.nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(6)))
+        grad = torch.randn(n, generator=g)
+        grad[100:104] = _nan_with_payload(0x7FFFFFFF, 4)
+        grad[60_000:60_004] = _nan_with_payload(-1, 4)  # 0xFFFFFFFF
+        p2.grad = grad
+        opt = AdamW([p1], lr=5e35, weight_decay=0.0, impl=impl)
+        opt.add_param_group({"params": [p2], "lr": 1e-2})
+        opt.state[p2]["exp_avg"] = torch.zeros(n, dtype=torch.bfloat16)
+        opt.state[p2]["exp_avg_sq"] = torch.zeros(n, dtype=torch.bfloat16)
+        opt.state[p2]["step"] = torch.tensor(0.0)
+        opt.step()
+        runs.append([t.detach().clone() for t in [p1, p2, *opt.state[p2].values()]])
+    reference, native = runs
+    assert (reference[0].abs() == big).all()  # saturated: none became inf
+    assert reference[2][100:104].isnan().all() and reference[2][60_000:60_004].isnan().all()
+    for a, b in zip(reference, native, strict=True):
+        if a.dim():
+            _same_bits_nan_aside(a, b)
 
 
 @pytest.mark.parametrize(
@@ -198,8 +289,10 @@ def test_failed_compilation_falls_back_to_the_reference_update_with_a_warning(mo
     def broken_compiler_output(*args):
         raise RuntimeError("no C++ compiler found")
 
-    # Fault injection: what torch.compile returns on a machine without a working toolchain.
+    # Fault injection: what torch.compile returns on a machine without a working toolchain
+    # (where the native CPU kernel cannot be built either).
     monkeypatch.setattr(adamw_module, "_compiled", broken_compiler_output)
+    monkeypatch.setattr(adamw_module._native, "load", lambda: None)
     params, expected = _params(torch.bfloat16), _params(torch.bfloat16)
     opt = AdamW(params, lr=1e-2, impl="auto")
     with pytest.warns(RuntimeWarning, match="torch.compile of the update failed"):

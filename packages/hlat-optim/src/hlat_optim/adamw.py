@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from hlat_optim import _native
 from hlat_optim.rounding import (
     _is_dtensor,
     _local,
@@ -23,7 +24,7 @@ from hlat_optim.rounding import (
 __all__ = ["AdamW", "adamw_update"]
 
 _SUPPORTED = (torch.float32, torch.bfloat16)
-_IMPLS = ("auto", "compiled", "reference")
+_IMPLS = ("auto", "native", "compiled", "reference")
 
 
 def adamw_update(
@@ -39,8 +40,9 @@ def adamw_update(
 ) -> None:
     """One AdamW update of a flat (1-D, contiguous) parameter and its states, in place.
 
-    This is the reference implementation; ``AdamW`` runs it as is (``impl="reference"``) or
-    through ``torch.compile`` (the fast path), so both paths compute the same thing.
+    This is the reference implementation; ``AdamW`` runs it as is (``impl="reference"``),
+    through ``torch.compile`` or, on CPU, as the equivalent C++ loop in ``_adamw_cpu.cpp``;
+    every path computes the same thing bit for bit.
 
     ``hyper`` is a float32 tensor ``[decay, step_size, 1 - beta1, beta2, 1 - beta2, eps,
     bias_correction2_sqrt]`` with ``decay = 1 - lr * weight_decay`` and
@@ -97,7 +99,16 @@ def _compiled_update() -> Callable[..., None]:
     global _compiled
     with _compile_lock:
         if _compiled is None:
-            _compiled = torch.compile(adamw_update, dynamic=True, fullgraph=True)
+            compiled = torch.compile(adamw_update, dynamic=True, fullgraph=True)
+
+            def run(*args: Any) -> None:
+                # Note: every combination of parameter, state and master dtypes and rounding
+                # mode is its own graph (at most 16); torch's default limit of 8 graphs per
+                # function would make a process that uses several modes fail.
+                with torch._dynamo.config.patch(recompile_limit=32):
+                    compiled(*args)
+
+            _compiled = run
     return _compiled
 
 
@@ -170,9 +181,11 @@ class AdamW(torch.optim.Optimizer):
             dtype (fp32 when ``master_weights``).
         master_weights: keep an fp32 master copy of bf16 parameters.
         seed: seed of the rounding bits.
-        impl: ``"compiled"`` (``torch.compile``d update), ``"reference"`` (the same update
-            run eagerly) or ``"auto"`` (compiled, falling back to reference with a warning if
-            compilation fails).
+        impl: ``"native"`` (a vectorised C++ loop for CPU tensors, built on first use with
+            the host compiler), ``"compiled"`` (``torch.compile``d update), ``"reference"``
+            (the same update run eagerly) or ``"auto"``: native for CPU tensors when it
+            builds, compiled otherwise, and the reference with a warning if compilation
+            fails. All give bit-identical results.
     """
 
     def __init__(
@@ -246,6 +259,48 @@ class AdamW(torch.optim.Optimizer):
             for name, value in saved.get(pid, {}).items():
                 if torch.is_tensor(value) and name != "step" and value.dtype != p.dtype:
                     self.state[p][name] = value.detach().to(_local(p).device, copy=True)
+
+    def _native_step(
+        self, flat: list[torch.Tensor | None], hyper: torch.Tensor, key: int, offset: int
+    ) -> bool:
+        """Run the update with the CPU kernel if this parameter can use it; False if not."""
+        if self.impl not in ("auto", "native"):
+            return False
+        param, grad, exp_avg, exp_avg_sq, master = flat
+        assert param is not None and grad is not None
+        assert exp_avg is not None and exp_avg_sq is not None
+        tensors = [t for t in flat if t is not None]
+        why = None
+        if not all(t.device.type == "cpu" for t in tensors):
+            why = "it runs on CPU tensors only"
+        elif grad.dtype not in _SUPPORTED:
+            why = f"the gradient is {grad.dtype}, not float32 or bfloat16"
+        lib = _native.load() if why is None else None
+        if lib is None:
+            if self.impl == "native":
+                why = why or f"the kernel could not be built: {_native.unavailable_reason()}"
+                raise RuntimeError(f"hlat_optim.AdamW(impl='native'): {why}")
+            return False
+        bf16 = torch.bfloat16
+        rc = lib.hlat_adamw_step(
+            param.data_ptr(),
+            int(param.dtype == bf16),
+            grad.data_ptr(),
+            int(grad.dtype == bf16),
+            exp_avg.data_ptr(),
+            exp_avg_sq.data_ptr(),
+            int(exp_avg.dtype == bf16),
+            master.data_ptr() if master is not None else None,
+            hyper.data_ptr(),
+            key & 0xFFFFFFFF,
+            offset & 0xFFFFFFFF,
+            param.numel(),
+            int(self.stochastic_rounding),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"hlat_optim.AdamW: the CPU kernel rejected its arguments ({rc})")
+        return True
 
     def _update_fn(self) -> Callable[..., None]:
         if self.impl == "reference":
@@ -339,7 +394,10 @@ class AdamW(torch.optim.Optimizer):
                 "optimizer"
             )
         flat = [t.view(-1) if t is not None else None for t in local]
+        key_value = _step_key(seed, step, index, salt)
+        if self._native_step(flat, hyper, key_value, offset):
+            return
         device = hyper.device
-        key = torch.tensor(_step_key(seed, step, index, salt), dtype=torch.int32, device=device)
+        key = torch.tensor(key_value, dtype=torch.int32, device=device)
         off = torch.tensor(offset, dtype=torch.int32, device=device)
         self._run(*flat, hyper, key, off, self.stochastic_rounding)

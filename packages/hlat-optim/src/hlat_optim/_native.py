@@ -35,8 +35,10 @@ _FLAGS = [
     "-std=c++17",
     "-shared",
     "-fPIC",
-    "-fopenmp",
 ]
+# Tried in order: with OpenMP (the update splits over torch's threads), then without (one
+# thread; e.g. Apple clang, which has no -fopenmp).
+_VARIANTS: tuple[list[str], ...] = (["-fopenmp"], [])
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -72,12 +74,22 @@ def _cpu_features() -> str:
 
 
 def _build(compiler: str) -> Path:
+    errors = []
+    for extra in _VARIANTS:
+        try:
+            return _build_with(compiler, [*_FLAGS, *extra])
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    raise RuntimeError("; ".join(errors))
+
+
+def _build_with(compiler: str, flags: list[str]) -> Path:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout
     source = _SOURCE.read_bytes()
     key = hashlib.sha256()
-    for part in (source, " ".join(_FLAGS).encode(), version.encode(), _cpu_features().encode()):
+    for part in (source, " ".join(flags).encode(), version.encode(), _cpu_features().encode()):
         key.update(part)
         key.update(b"\0")
     target = cache_dir() / f"adamw_cpu_{key.hexdigest()[:20]}.so"
@@ -89,7 +101,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     try:
         result = subprocess.run(
-            [compiler, *_FLAGS, str(_SOURCE), "-o", tmp],
+            [compiler, *flags, str(_SOURCE), "-o", tmp],
             capture_output=True,
             text=True,
             check=False,

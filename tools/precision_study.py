@@ -1,7 +1,8 @@
-"""Precision study: the same small Llama, data and seed trained in four precision modes.
+"""Precision study: the same small Llama, data and seed trained in several precision modes.
 
 Tests HLAT's claim that pure bf16 with stochastic rounding (bf16-sr) tracks mixed precision
-(fp32 master weights) while plain bf16 with round-to-nearest falls behind. The corpus is the
+(fp32 master weights) while plain bf16 with round-to-nearest falls behind, and whether a
+bf16 Kahan compensation (bf16-kahan) is an alternative to stochastic rounding. The corpus is the
 Python standard library's own source (present wherever Python is), tokenized with a
 SentencePiece BPE model trained on it; every 20th file is held out.
 
@@ -37,6 +38,9 @@ MODES = {
     "mixed": (torch.bfloat16, {"master_weights": True}),
     "bf16": (torch.bfloat16, {"stochastic_rounding": False}),
     "bf16-sr": (torch.bfloat16, {"stochastic_rounding": True}),
+    # bf16 parameters written back to nearest with a bf16 Kahan compensation; bf16 states
+    # with stochastic rounding (10 bytes per parameter)
+    "bf16-kahan": (torch.bfloat16, {"kahan_sum": True}),
 }
 
 

@@ -55,6 +55,7 @@ PEERS = {
         torch.bfloat16,
         lambda ps: AdamW(ps, state_dtype=torch.float32),
     ),
+    "hlat bf16 Kahan, bf16 states": (torch.bfloat16, lambda ps: AdamW(ps, kahan_sum=True)),
     "hlat mixed (fp32 master)": (torch.bfloat16, lambda ps: AdamW(ps, master_weights=True)),
     "hlat fp32": (torch.float32, lambda ps: AdamW(ps)),
     "torchao bf16-SR": (torch.bfloat16, _torchao_adamw),

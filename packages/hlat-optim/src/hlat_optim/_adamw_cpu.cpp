@@ -103,9 +103,10 @@ struct Hyper {
   float decay, step_size, omb1, beta2, omb2, eps, bc2_sqrt;
 };
 
-template <typename P, typename S, bool kMaster, bool kSR>
+// kMaster: fp32 master weights; kKahan: a bf16 Kahan compensation (bf16 parameters only).
+template <typename P, typename S, bool kMaster, bool kSR, bool kKahan = false>
 struct Policy {
-  static constexpr bool kParamSR = kSR && !kMaster && std::is_same_v<P, u16>;
+  static constexpr bool kParamSR = kSR && !kMaster && !kKahan && std::is_same_v<P, u16>;
   static constexpr bool kStateSR = kSR && std::is_same_v<S, u16>;
   static constexpr bool kBits = kParamSR || kStateSR;
 };
@@ -121,10 +122,10 @@ inline void adam(const Hyper& h, float g, float& m, float& v, float& w) {
 
 // Rounded patterns of (w, m, v) for element `index`; `t` collects the short path's largest
 // magnitude.
-template <typename P, typename S, bool kMaster, bool kSR, bool kShort>
+template <typename P, typename S, bool kMaster, bool kSR, bool kKahan, bool kShort>
 inline void round3(float w, float m, float v, u32 index, u32 key, u32& wr, u32& mr, u32& vr,
                    u32& t) {
-  using Pol = Policy<P, S, kMaster, kSR>;
+  using Pol = Policy<P, S, kMaster, kSR, kKahan>;
   u32 bits = 0;
   if constexpr (Pol::kBits) bits = hashed_bits(index, key);
   u32 t1 = 0, t2 = 0, t3 = 0;
@@ -157,12 +158,46 @@ inline void round3(float w, float m, float v, u32 index, u32 key, u32& wr, u32& 
 template <typename S>
 constexpr int64_t kUnit = std::is_same_v<S, u16> ? 2 : 1;
 
+template <typename P, typename G, typename S>
+struct Arrays {
+  P* __restrict param;
+  const G* __restrict grad;
+  S* __restrict exp_avg;
+  S* __restrict exp_avg_sq;
+  float* __restrict master;  // fp32 master weights, or null
+  u16* __restrict comp;      // bf16 Kahan compensation, or null
+};
+
+// The weight an update starts from: the master weight, else the parameter (plus its Kahan
+// compensation).
+template <typename P, typename G, typename S, bool kMaster, bool kKahan>
+inline float weight1(const Arrays<P, G, S>& a, int64_t k) {
+  if constexpr (kMaster) return load1(a.master, k);
+  if constexpr (kKahan) return load1(a.param, k) + load1(a.comp, k);
+  return load1(a.param, k);
+}
+template <typename P, typename G, typename S, bool kMaster, bool kKahan>
+inline void weight2(const Arrays<P, G, S>& a, int64_t j, float& w0, float& w1) {
+  if constexpr (kMaster) {
+    load2(a.master, j, w0, w1);
+  } else {
+    load2(a.param, j, w0, w1);
+    if constexpr (kKahan) {
+      float c0, c1;
+      load2(a.comp, j, c0, c1);
+      w0 = w0 + c0;
+      w1 = w1 + c1;
+    }
+  }
+}
+// What rounding the updated weight to the parameter lost, rounded to bf16.
+inline u32 kahan_rest(float w, u32 wr) { return round_nearest(w - f_of(wr)); }
+
 // Elements [unit_begin * U, unit_end * U) with U = kUnit<S>.
-template <typename P, typename G, typename S, bool kMaster, bool kSR>
-void update_range(P* __restrict param, const G* __restrict grad, S* __restrict exp_avg,
-                  S* __restrict exp_avg_sq, float* __restrict master, Hyper h, u32 key,
-                  u32 offset, int64_t unit_begin, int64_t unit_end) {
-  using Pol = Policy<P, S, kMaster, kSR>;
+template <typename P, typename G, typename S, bool kMaster, bool kSR, bool kKahan>
+void update_range(Arrays<P, G, S> a, Hyper h, u32 key, u32 offset, int64_t unit_begin,
+                  int64_t unit_end) {
+  using Pol = Policy<P, S, kMaster, kSR, kKahan>;
   constexpr int64_t U = kUnit<S>;
   // fp32 values of a block, kept for the full rounding when the short path may be wrong.
   float wb[2 * kBlock], mb[2 * kBlock], vb[2 * kBlock];
@@ -173,20 +208,16 @@ void update_range(P* __restrict param, const G* __restrict grad, S* __restrict e
       const int64_t b = U * (j - jb);
       if constexpr (U == 2) {
         float g0, g1, m0, m1, v0, v1, w0, w1;
-        load2(grad, j, g0, g1);
-        load2(exp_avg, j, m0, m1);
-        load2(exp_avg_sq, j, v0, v1);
-        if constexpr (kMaster) {
-          load2(master, j, w0, w1);
-        } else {
-          load2(param, j, w0, w1);
-        }
+        load2(a.grad, j, g0, g1);
+        load2(a.exp_avg, j, m0, m1);
+        load2(a.exp_avg_sq, j, v0, v1);
+        weight2<P, G, S, kMaster, kKahan>(a, j, w0, w1);
         adam(h, g0, m0, v0, w0);
         adam(h, g1, m1, v1, w1);
         const u32 index = u32(2 * j) + offset;
         u32 wr0 = 0, wr1 = 0, mr0 = 0, mr1 = 0, vr0 = 0, vr1 = 0;
-        round3<P, S, kMaster, kSR, true>(w0, m0, v0, index, key, wr0, mr0, vr0, t);
-        round3<P, S, kMaster, kSR, true>(w1, m1, v1, index + 1u, key, wr1, mr1, vr1, t);
+        round3<P, S, kMaster, kSR, kKahan, true>(w0, m0, v0, index, key, wr0, mr0, vr0, t);
+        round3<P, S, kMaster, kSR, kKahan, true>(w1, m1, v1, index + 1u, key, wr1, mr1, vr1, t);
         if constexpr (Pol::kBits) {
           wb[b] = w0;
           wb[b + 1] = w1;
@@ -195,25 +226,27 @@ void update_range(P* __restrict param, const G* __restrict grad, S* __restrict e
           vb[b] = v0;
           vb[b + 1] = v1;
         }
-        if constexpr (kMaster) store2(master, j, w0, w1, 0u, 0u);
-        store2(param, j, w0, w1, wr0, wr1);
-        store2(exp_avg, j, m0, m1, mr0, mr1);
-        store2(exp_avg_sq, j, v0, v1, vr0, vr1);
+        if constexpr (kMaster) store2(a.master, j, w0, w1, 0u, 0u);
+        if constexpr (kKahan) store2(a.comp, j, 0.f, 0.f, kahan_rest(w0, wr0), kahan_rest(w1, wr1));
+        store2(a.param, j, w0, w1, wr0, wr1);
+        store2(a.exp_avg, j, m0, m1, mr0, mr1);
+        store2(a.exp_avg_sq, j, v0, v1, vr0, vr1);
       } else {
-        float g = load1(grad, j), m = load1(exp_avg, j), v = load1(exp_avg_sq, j);
-        float w = kMaster ? load1(master, j) : load1(param, j);
+        float g = load1(a.grad, j), m = load1(a.exp_avg, j), v = load1(a.exp_avg_sq, j);
+        float w = weight1<P, G, S, kMaster, kKahan>(a, j);
         adam(h, g, m, v, w);
         u32 wr = 0, mr = 0, vr = 0;
-        round3<P, S, kMaster, kSR, true>(w, m, v, u32(j) + offset, key, wr, mr, vr, t);
+        round3<P, S, kMaster, kSR, kKahan, true>(w, m, v, u32(j) + offset, key, wr, mr, vr, t);
         if constexpr (Pol::kBits) {
           wb[b] = w;
           mb[b] = m;
           vb[b] = v;
         }
-        if constexpr (kMaster) master[j] = w;
-        store1(param, j, w, wr);
-        store1(exp_avg, j, m, mr);
-        store1(exp_avg_sq, j, v, vr);
+        if constexpr (kMaster) a.master[j] = w;
+        if constexpr (kKahan) store1(a.comp, j, 0.f, kahan_rest(w, wr));
+        store1(a.param, j, w, wr);
+        store1(a.exp_avg, j, m, mr);
+        store1(a.exp_avg_sq, j, v, vr);
       }
     }
     if constexpr (Pol::kBits) {
@@ -221,11 +254,11 @@ void update_range(P* __restrict param, const G* __restrict grad, S* __restrict e
         for (int64_t k = U * jb; k < U * je; ++k) {
           const int64_t b = k - U * jb;
           u32 wr = 0, mr = 0, vr = 0, unused = 0;
-          round3<P, S, kMaster, kSR, false>(wb[b], mb[b], vb[b], u32(k) + offset, key, wr, mr,
-                                            vr, unused);
-          store1(param, k, wb[b], wr);
-          store1(exp_avg, k, mb[b], mr);
-          store1(exp_avg_sq, k, vb[b], vr);
+          round3<P, S, kMaster, kSR, kKahan, false>(wb[b], mb[b], vb[b], u32(k) + offset, key,
+                                                    wr, mr, vr, unused);
+          store1(a.param, k, wb[b], wr);
+          store1(a.exp_avg, k, mb[b], mr);
+          store1(a.exp_avg_sq, k, vb[b], vr);
         }
       }
     }
@@ -233,21 +266,21 @@ void update_range(P* __restrict param, const G* __restrict grad, S* __restrict e
 }
 
 // The last element of an odd-length tensor.
-template <typename P, typename G, typename S, bool kMaster, bool kSR>
-void update_one(P* param, const G* grad, S* exp_avg, S* exp_avg_sq, float* master, Hyper h,
-                u32 key, u32 offset, int64_t k) {
-  float g = load1(grad, k), m = load1(exp_avg, k), v = load1(exp_avg_sq, k);
-  float w = kMaster ? load1(master, k) : load1(param, k);
+template <typename P, typename G, typename S, bool kMaster, bool kSR, bool kKahan>
+void update_one(Arrays<P, G, S> a, Hyper h, u32 key, u32 offset, int64_t k) {
+  float g = load1(a.grad, k), m = load1(a.exp_avg, k), v = load1(a.exp_avg_sq, k);
+  float w = weight1<P, G, S, kMaster, kKahan>(a, k);
   adam(h, g, m, v, w);
   u32 wr = 0, mr = 0, vr = 0, unused = 0;
-  round3<P, S, kMaster, kSR, false>(w, m, v, u32(k) + offset, key, wr, mr, vr, unused);
-  if constexpr (kMaster) master[k] = w;
-  store1(param, k, w, wr);
-  store1(exp_avg, k, m, mr);
-  store1(exp_avg_sq, k, v, vr);
+  round3<P, S, kMaster, kSR, kKahan, false>(w, m, v, u32(k) + offset, key, wr, mr, vr, unused);
+  if constexpr (kMaster) a.master[k] = w;
+  if constexpr (kKahan) store1(a.comp, k, 0.f, kahan_rest(w, wr));
+  store1(a.param, k, w, wr);
+  store1(a.exp_avg, k, m, mr);
+  store1(a.exp_avg_sq, k, v, vr);
 }
 
-// All arrays fp32: a plain loop over elements (pairs would only add shuffles).
+// All arrays fp32: a plain loop over elements (nothing to round).
 void update_fp32(float* __restrict p, const float* __restrict g, float* __restrict m,
                  float* __restrict v, const Hyper& h, int64_t n, int threads) {
   const int64_t chunk = 1 << 14;
@@ -265,16 +298,12 @@ void update_fp32(float* __restrict p, const float* __restrict g, float* __restri
   }
 }
 
-template <typename P, typename G, typename S, bool kMaster, bool kSR>
-void update(void* param, const void* grad, void* exp_avg, void* exp_avg_sq, float* master,
-            const Hyper& h, u32 key, u32 offset, int64_t n, int threads) {
-  P* p = static_cast<P*>(param);
-  const G* g = static_cast<const G*>(grad);
-  S* m = static_cast<S*>(exp_avg);
-  S* v = static_cast<S*>(exp_avg_sq);
+template <typename P, typename G, typename S, bool kMaster, bool kSR, bool kKahan>
+void update(const Arrays<P, G, S>& a, const Hyper& h, u32 key, u32 offset, int64_t n,
+            int threads) {
   if constexpr (std::is_same_v<P, float> && std::is_same_v<G, float> &&
                 std::is_same_v<S, float>) {
-    update_fp32(p, g, m, v, h, n, threads);  // no bf16 array, nothing to round
+    update_fp32(a.param, a.grad, a.exp_avg, a.exp_avg_sq, h, n, threads);
     return;
   }
   constexpr int64_t U = kUnit<S>;
@@ -285,39 +314,56 @@ void update(void* param, const void* grad, void* exp_avg, void* exp_avg_sq, floa
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t end = (c + 1) * chunk < units ? (c + 1) * chunk : units;
-      update_range<P, G, S, kMaster, kSR>(p, g, m, v, master, h, key, offset, c * chunk, end);
+      update_range<P, G, S, kMaster, kSR, kKahan>(a, h, key, offset, c * chunk, end);
     }
   } else {
-    update_range<P, G, S, kMaster, kSR>(p, g, m, v, master, h, key, offset, 0, units);
+    update_range<P, G, S, kMaster, kSR, kKahan>(a, h, key, offset, 0, units);
   }
-  if (n % U) update_one<P, G, S, kMaster, kSR>(p, g, m, v, master, h, key, offset, n - 1);
+  if (n % U) update_one<P, G, S, kMaster, kSR, kKahan>(a, h, key, offset, n - 1);
+}
+
+template <typename P, typename G, typename S, bool kMaster, bool kKahan>
+void update_sr(const Arrays<P, G, S>& a, const Hyper& h, u32 key, u32 offset, int64_t n,
+               int sr, int threads) {
+  if (sr) {
+    update<P, G, S, kMaster, true, kKahan>(a, h, key, offset, n, threads);
+  } else {
+    update<P, G, S, kMaster, false, kKahan>(a, h, key, offset, n, threads);
+  }
 }
 
 template <typename P, typename G, typename S>
-int dispatch_flags(void* p, const void* g, void* m, void* v, float* master, const Hyper& h,
-                   u32 key, u32 offset, int64_t n, int sr, int threads) {
-  if (master != nullptr) {
-    if constexpr (!std::is_same_v<P, u16>) {
-      return 1;  // master weights are for bf16 parameters only
-    } else if (sr) {
-      update<P, G, S, true, true>(p, g, m, v, master, h, key, offset, n, threads);
-    } else {
-      update<P, G, S, true, false>(p, g, m, v, master, h, key, offset, n, threads);
-    }
-  } else if (sr) {
-    update<P, G, S, false, true>(p, g, m, v, master, h, key, offset, n, threads);
-  } else {
-    update<P, G, S, false, false>(p, g, m, v, master, h, key, offset, n, threads);
+int dispatch_weights(const Arrays<P, G, S>& a, const Hyper& h, u32 key, u32 offset, int64_t n,
+                     int sr, int threads) {
+  if (a.master == nullptr && a.comp == nullptr) {
+    update_sr<P, G, S, false, false>(a, h, key, offset, n, sr, threads);
+    return 0;
   }
-  return 0;
+  if constexpr (std::is_same_v<P, u16>) {  // master weights and Kahan: bf16 parameters only
+    if (a.master != nullptr && a.comp != nullptr) return 1;
+    if (a.master != nullptr) {
+      update_sr<P, G, S, true, false>(a, h, key, offset, n, sr, threads);
+    } else {
+      update_sr<P, G, S, false, true>(a, h, key, offset, n, sr, threads);
+    }
+    return 0;
+  }
+  return 1;
 }
 
 template <typename P, typename G>
 int dispatch_state(int state_bf16, void* p, const void* g, void* m, void* v, float* master,
-                   const Hyper& h, u32 key, u32 offset, int64_t n, int sr, int threads) {
-  return state_bf16 ? dispatch_flags<P, G, u16>(p, g, m, v, master, h, key, offset, n, sr, threads)
-                    : dispatch_flags<P, G, float>(p, g, m, v, master, h, key, offset, n, sr,
-                                                  threads);
+                   void* comp, const Hyper& h, u32 key, u32 offset, int64_t n, int sr,
+                   int threads) {
+  u16* c = static_cast<u16*>(comp);
+  if (state_bf16) {
+    Arrays<P, G, u16> a{static_cast<P*>(p), static_cast<const G*>(g), static_cast<u16*>(m),
+                        static_cast<u16*>(v), master, c};
+    return dispatch_weights(a, h, key, offset, n, sr, threads);
+  }
+  Arrays<P, G, float> a{static_cast<P*>(p), static_cast<const G*>(g), static_cast<float*>(m),
+                        static_cast<float*>(v), master, c};
+  return dispatch_weights(a, h, key, offset, n, sr, threads);
 }
 
 }  // namespace
@@ -325,27 +371,28 @@ int dispatch_state(int state_bf16, void* p, const void* g, void* m, void* v, flo
 extern "C" {
 
 // Version of this entry point's signature; the loader checks it.
-int hlat_adamw_abi(void) { return 1; }
+int hlat_adamw_abi(void) { return 2; }
 
 // One AdamW update of n contiguous elements in place. *_bf16 flags say whether an array
-// holds bf16 (else fp32); master is null or n fp32 values; hyper is adamw_update's 7 floats.
-// Returns 0, or 1 for an unsupported combination.
+// holds bf16 (else fp32); master is null or n fp32 values, comp null or n bf16 values (only
+// one of them, and only for bf16 parameters); hyper is adamw_update's 7 floats. Returns 0,
+// or 1 for an unsupported combination.
 int hlat_adamw_step(void* param, int param_bf16, const void* grad, int grad_bf16,
-                    void* exp_avg, void* exp_avg_sq, int state_bf16, float* master,
+                    void* exp_avg, void* exp_avg_sq, int state_bf16, float* master, void* comp,
                     const float* hyper, uint32_t key, uint32_t offset, int64_t n, int sr,
                     int threads) {
   Hyper h;
   std::memcpy(&h, hyper, sizeof(h));
   if (param_bf16) {
     return grad_bf16 ? dispatch_state<u16, u16>(state_bf16, param, grad, exp_avg, exp_avg_sq,
-                                                master, h, key, offset, n, sr, threads)
+                                                master, comp, h, key, offset, n, sr, threads)
                      : dispatch_state<u16, float>(state_bf16, param, grad, exp_avg, exp_avg_sq,
-                                                  master, h, key, offset, n, sr, threads);
+                                                  master, comp, h, key, offset, n, sr, threads);
   }
   return grad_bf16 ? dispatch_state<float, u16>(state_bf16, param, grad, exp_avg, exp_avg_sq,
-                                                master, h, key, offset, n, sr, threads)
+                                                master, comp, h, key, offset, n, sr, threads)
                    : dispatch_state<float, float>(state_bf16, param, grad, exp_avg, exp_avg_sq,
-                                                  master, h, key, offset, n, sr, threads);
+                                                  master, comp, h, key, offset, n, sr, threads);
 }
 
 }  // extern "C"

@@ -25,7 +25,7 @@ from pathlib import Path
 __all__ = ["cache_dir", "load", "unavailable_reason"]
 
 _SOURCE = Path(__file__).with_name("_adamw_cpu.cpp")
-_ABI = 1
+_ABI = 2
 # -ffp-contract=off: no FMA contraction, so every result is the reference's bit for bit.
 _FLAGS = [
     "-O3",
@@ -134,6 +134,7 @@ def _bind(path: Path) -> ctypes.CDLL:
         ctypes.c_void_p,  # exp_avg_sq
         ctypes.c_int,
         ctypes.c_void_p,  # master or None
+        ctypes.c_void_p,  # Kahan compensation or None
         ctypes.c_void_p,  # hyper
         ctypes.c_uint32,  # key
         ctypes.c_uint32,  # offset

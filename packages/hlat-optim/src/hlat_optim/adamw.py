@@ -18,6 +18,7 @@ from hlat_optim.rounding import (
     _lsr,
     hashed_bits,
     mix32,
+    round_to_nearest,
     round_with_bits,
 )
 
@@ -37,6 +38,7 @@ def adamw_update(
     key: torch.Tensor,
     offset: torch.Tensor,
     stochastic_rounding: bool,
+    compensation: torch.Tensor | None = None,
 ) -> None:
     """One AdamW update of a flat (1-D, contiguous) parameter and its states, in place.
 
@@ -50,7 +52,9 @@ def adamw_update(
     ``key`` (0-d int32) seeds the rounding bits for this parameter and step; ``offset`` (0-d
     int32) is added to the element index so that a shard draws the bits its elements would
     draw in the whole tensor. With ``master`` (fp32) the update is applied to it and copied
-    into ``param`` with round-to-nearest.
+    into ``param`` with round-to-nearest. With ``compensation`` (bf16, Kahan summation) the
+    weight is ``param + compensation``: the update is applied to that sum, ``param`` gets it
+    rounded to nearest and ``compensation`` what the rounding lost.
 
     Note: the scalars arrive as tensors, not Python floats, so that a compiled kernel is
     reused across steps instead of being recompiled for every new learning rate.
@@ -65,12 +69,14 @@ def adamw_update(
     # bit for bit.
     root = v.sqrt() if torch.compiler.is_compiling() else v.double().sqrt().float()
     denom = root / bc2_sqrt + eps
-    w = (master if master is not None else param.float()) * decay
+    w = master if master is not None else param.float()
+    if compensation is not None:
+        w = w + compensation.float()
+    w = w * decay
     w = w - step_size * (m / denom)
 
-    needs_bits = stochastic_rounding and (
-        (master is None and param.dtype == torch.bfloat16) or exp_avg.dtype == torch.bfloat16
-    )
+    param_sr = master is None and compensation is None and param.dtype == torch.bfloat16
+    needs_bits = stochastic_rounding and (param_sr or exp_avg.dtype == torch.bfloat16)
     if needs_bits:
         index = torch.arange(param.numel(), dtype=torch.int32, device=param.device) + offset
         bits = hashed_bits(index, key)
@@ -78,6 +84,10 @@ def adamw_update(
     if master is not None:
         master.copy_(w)
         param.copy_(w)
+    elif compensation is not None:
+        rounded = round_to_nearest(w)
+        param.copy_(rounded)
+        compensation.copy_(w - rounded)  # exact in fp32; rounded to nearest bf16 on the copy
     elif param.dtype == torch.bfloat16 and stochastic_rounding:
         param.copy_(round_with_bits(w, bits & 0xFFFF))
     else:
@@ -159,6 +169,10 @@ class AdamW(torch.optim.Optimizer):
       (8 bytes, the default for bf16 parameters) or fp32 (``state_dtype=torch.float32``, 12).
     - bf16 parameters, ``stochastic_rounding=False``: round-to-nearest write-back, which
       loses updates smaller than half a bf16 ulp (to reproduce the failure).
+    - ``kahan_sum=True``: bf16 parameters with a bf16 Kahan compensation each; the update is
+      applied to ``parameter + compensation`` and written back with round-to-nearest, the
+      rounding error kept in the compensation (10 bytes with bf16 states). States are rounded
+      as ``stochastic_rounding`` says.
     - ``master_weights=True``: an fp32 copy of every bf16 parameter takes the update and is
       copied into the parameter with round-to-nearest (mixed precision, 16 bytes).
     - fp32 parameters: plain fp32 AdamW, equal to ``torch.optim.AdamW`` (16 bytes).
@@ -180,6 +194,7 @@ class AdamW(torch.optim.Optimizer):
         state_dtype: dtype of ``exp_avg``/``exp_avg_sq``; ``None`` means the parameter's
             dtype (fp32 when ``master_weights``).
         master_weights: keep an fp32 master copy of bf16 parameters.
+        kahan_sum: keep a bf16 Kahan compensation of bf16 parameters instead.
         seed: seed of the rounding bits.
         impl: ``"native"`` (a vectorised C++ loop for CPU tensors, built on first use with
             the host compiler), ``"compiled"`` (``torch.compile``d update), ``"reference"``
@@ -199,6 +214,7 @@ class AdamW(torch.optim.Optimizer):
         stochastic_rounding: bool = True,
         state_dtype: torch.dtype | None = None,
         master_weights: bool = False,
+        kahan_sum: bool = False,
         seed: int = 0,
         impl: str = "auto",
     ) -> None:
@@ -215,6 +231,11 @@ class AdamW(torch.optim.Optimizer):
                 f"AdamW: state_dtype must be None, torch.float32 or torch.bfloat16, "
                 f"got {state_dtype}"
             )
+        if kahan_sum and master_weights:
+            raise ValueError(
+                "AdamW: kahan_sum and master_weights are two ways to keep the bits a bf16 "
+                "write-back loses; choose one"
+            )
         if impl not in _IMPLS:
             raise ValueError(f"AdamW: impl must be one of {', '.join(_IMPLS)}, got {impl!r}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, seed=seed)
@@ -230,6 +251,7 @@ class AdamW(torch.optim.Optimizer):
         self.stochastic_rounding = stochastic_rounding
         self.state_dtype = state_dtype
         self.master_weights = master_weights
+        self.kahan_sum = kahan_sum
         self.impl = impl
         self._layouts: dict[torch.Tensor, tuple[int, int]] = {}
 
@@ -243,6 +265,8 @@ class AdamW(torch.optim.Optimizer):
         )
         if master:
             state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format)
+        if self.kahan_sum and p.dtype == torch.bfloat16:
+            state["compensation"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict()``, keeping each state tensor's saved dtype.
@@ -266,7 +290,7 @@ class AdamW(torch.optim.Optimizer):
         """Run the update with the CPU kernel if this parameter can use it; False if not."""
         if self.impl not in ("auto", "native"):
             return False
-        param, grad, exp_avg, exp_avg_sq, master = flat
+        param, grad, exp_avg, exp_avg_sq, master, compensation = flat
         assert param is not None and grad is not None
         assert exp_avg is not None and exp_avg_sq is not None
         tensors = [t for t in flat if t is not None]
@@ -291,6 +315,7 @@ class AdamW(torch.optim.Optimizer):
             exp_avg_sq.data_ptr(),
             int(exp_avg.dtype == bf16),
             master.data_ptr() if master is not None else None,
+            compensation.data_ptr() if compensation is not None else None,
             hyper.data_ptr(),
             key & 0xFFFFFFFF,
             offset & 0xFFFFFFFF,
@@ -385,7 +410,14 @@ class AdamW(torch.optim.Optimizer):
             # parallel norm weight's Partial); the update works on local shards, so the
             # gradient is brought to the parameter's layout first.
             grad = grad.redistribute(pd.device_mesh, pd.placements)
-        tensors = [p, grad, state["exp_avg"], state["exp_avg_sq"], state.get("master")]
+        tensors = [
+            p,
+            grad,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            state.get("master"),
+            state.get("compensation"),
+        ]
         local = [_local(t) if t is not None else None for t in tensors]
         if not all(t is None or t.is_contiguous() for t in local):
             raise RuntimeError(
@@ -400,4 +432,4 @@ class AdamW(torch.optim.Optimizer):
         device = hyper.device
         key = torch.tensor(key_value, dtype=torch.int32, device=device)
         off = torch.tensor(offset, dtype=torch.int32, device=device)
-        self._run(*flat, hyper, key, off, self.stochastic_rounding)
+        self._run(*flat[:5], hyper, key, off, self.stochastic_rounding, flat[5])

@@ -22,6 +22,7 @@ import torch
 __all__ = [
     "hashed_bits",
     "mix32",
+    "round_to_nearest",
     "round_with_bits",
     "stochastic_round",
     "stochastic_round_",
@@ -89,6 +90,18 @@ def round_with_bits(x: torch.Tensor, bits16: torch.Tensor) -> torch.Tensor:
     kept = (i & _LOW_MASK) | (((i & _MANT_MASK) != 0).to(torch.int32) * _QUIET_NAN_BIT)
     rounded = torch.where(special, kept, rounded)
     return rounded.view(torch.float32).to(torch.bfloat16)
+
+
+def round_to_nearest(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (fp32) rounded to the nearest bf16 (ties to even), as an fp32 tensor.
+
+    The same values as ``x.to(torch.bfloat16).float()``, computed on the bit pattern: a
+    compiled kernel may drop a round trip through bf16 as a no-op, but not these integer ops.
+    NaN stays NaN; values past the largest bf16 round to inf, as torch's cast does.
+    """
+    i = x.view(torch.int32)
+    rounded = (i + (_lsr(i, 16) & 1) + 0x7FFF) & _LOW_MASK
+    return torch.where(x.isnan(), x, rounded.view(torch.float32))
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:

@@ -88,6 +88,20 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(corpus, tmp_path):
     assert json.loads(output.strip().splitlines()[-1])["preempted"] is True
 
 
+def test_bf16_kahan_mode_keeps_a_compensation_per_parameter(corpus, tmp_path):
+    trainer = Trainer(tiny_config(corpus, tmp_path, "--optim.precision=bf16-kahan", steps=4))
+    try:
+        summary = trainer.fit()
+        opt = trainer.optimizer
+        assert opt.kahan_sum and opt.stochastic_rounding and not opt.master_weights
+        compensations = [opt.state[p]["compensation"] for p in trainer.model.parameters()]
+        assert all(c.dtype == torch.bfloat16 for c in compensations)
+        assert any(c.abs().sum() > 0 for c in compensations)  # the rounding error is kept
+    finally:
+        trainer.close()
+    assert summary["last_loss"] < summary["first_loss"]
+
+
 def test_bf16_stochastic_rounding_mode_trains_bf16_weights(corpus, tmp_path):
     trainer = Trainer(tiny_config(corpus, tmp_path, "--optim.precision=bf16-sr", steps=6))
     try:

@@ -117,10 +117,12 @@ class OptimConfig:
     clip: float = 1.0
     """Global gradient-norm clip (0: none)."""
     precision: str = "bf16-sr"
-    """``bf16-sr`` (bf16 params, stochastic rounding), ``bf16`` (round to nearest),
-    ``mixed`` (fp32 master weights) or ``fp32``."""
+    """``bf16-sr`` (bf16 params, stochastic rounding), ``bf16-kahan`` (bf16 params with a
+    bf16 Kahan compensation), ``bf16`` (round to nearest), ``mixed`` (fp32 master weights)
+    or ``fp32``."""
     impl: str = "auto"
-    """AdamW update: ``auto`` (compiled, eager fallback), ``compiled`` or ``reference``."""
+    """AdamW update: ``auto`` (C++ loop on CPU, compiled elsewhere, eager fallback),
+    ``native``, ``compiled`` or ``reference``."""
 
 
 @dataclass

@@ -142,8 +142,10 @@ class Trainer:
             betas=(c.optim.beta1, c.optim.beta2),
             eps=c.optim.eps,
             weight_decay=c.optim.weight_decay,
-            stochastic_rounding=c.optim.precision == "bf16-sr",
+            # bf16-kahan: Kahan-compensated parameters, states with stochastic rounding
+            stochastic_rounding=c.optim.precision in ("bf16-sr", "bf16-kahan"),
             master_weights=c.optim.precision == "mixed",
+            kahan_sum=c.optim.precision == "bf16-kahan",
             seed=c.train.seed,
             impl=c.optim.impl,
         )

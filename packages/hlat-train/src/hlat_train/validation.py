@@ -9,7 +9,7 @@ from typing import Any
 
 from hlat_train.config import ConfigError, TrainConfig
 
-PRECISIONS = ("bf16-sr", "bf16", "mixed", "fp32")
+PRECISIONS = ("bf16-sr", "bf16-kahan", "bf16", "mixed", "fp32")
 SPIKE_POLICIES = ("off", "warn", "skip", "rollback")
 
 
@@ -69,8 +69,10 @@ def validate(
         raise ConfigError(
             f"optim.precision must be one of {', '.join(PRECISIONS)}, got {optim.precision!r}"
         )
-    if optim.impl not in ("auto", "compiled", "reference"):
-        raise ConfigError(f"optim.impl must be auto, compiled or reference, got {optim.impl!r}")
+    if optim.impl not in ("auto", "native", "compiled", "reference"):
+        raise ConfigError(
+            f"optim.impl must be auto, native, compiled or reference, got {optim.impl!r}"
+        )
     if not optim.lr > 0:
         raise ConfigError(f"optim.lr must be positive, got {optim.lr}")
     if not 0.0 <= optim.min_lr_ratio <= 1.0:

@@ -60,32 +60,38 @@ def test_raw_sentencepiece_batch_encode(benchmark, corpus):
 
 
 def test_datasets_map_tokenize_then_group_texts(benchmark, corpus, tmp_path):
-    datasets = pytest.importorskip("datasets")
     _, model, texts = corpus
+    _time_datasets_recipe(
+        benchmark, "datasets", texts, _tokenize, _group_texts, {"model": str(model)}
+    )
+
+
+def _time_datasets_recipe(benchmark, name, texts, tokenize, group_texts, tokenize_kwargs=None):
+    """`map(tokenize)` then `map(group_texts)`, both batched with num_proc=2, timed once."""
+    datasets = pytest.importorskip("datasets")
 
     def run():
         start = time.perf_counter()
         ds = datasets.Dataset.from_dict({"text": texts})
         ds = ds.map(
-            _tokenize,
+            tokenize,
             batched=True,
             num_proc=2,
             remove_columns=["text"],
-            fn_kwargs={"model": str(model)},
+            fn_kwargs=tokenize_kwargs or {},
         )
-        ds = ds.map(_group_texts, batched=True, num_proc=2)
-        tokens = len(ds) * SEQ_LEN
-        return tokens, time.perf_counter() - start
+        ds = ds.map(group_texts, batched=True, num_proc=2)
+        return len(ds) * SEQ_LEN, time.perf_counter() - start
 
     datasets.disable_caching()
     tokens, seconds = benchmark.pedantic(run, rounds=1, iterations=1)
-    _record(benchmark, "datasets", tokens, seconds)
+    _record(benchmark, name, tokens, seconds)
 
 
 def test_datasets_run_clm_recipe(benchmark, corpus, tmp_path):
     """transformers' `run_clm.py` preprocessing: `tokenizer(texts)` (input ids and attention
     masks) then `group_texts` over every column, labels a copy of the input ids."""
-    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("datasets")
     transformers = pytest.importorskip("transformers")
     _, model, texts = corpus
     hf_dir = tmp_path / "hf-tokenizer"
@@ -110,17 +116,7 @@ def test_datasets_run_clm_recipe(benchmark, corpus, tmp_path):
         result["labels"] = result["input_ids"].copy()
         return result
 
-    def run():
-        start = time.perf_counter()
-        ds = datasets.Dataset.from_dict({"text": texts})
-        ds = ds.map(tokenize_function, batched=True, num_proc=2, remove_columns=["text"])
-        ds = ds.map(group_texts, batched=True, num_proc=2)
-        tokens = len(ds) * SEQ_LEN
-        return tokens, time.perf_counter() - start
-
-    datasets.disable_caching()
-    tokens, seconds = benchmark.pedantic(run, rounds=1, iterations=1)
-    _record(benchmark, "run_clm", tokens, seconds)
+    _time_datasets_recipe(benchmark, "run_clm", texts, tokenize_function, group_texts)
 
 
 def test_packed_loader_two_workers(benchmark, corpus):

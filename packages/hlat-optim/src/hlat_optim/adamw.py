@@ -112,10 +112,11 @@ def _compiled_update() -> Callable[..., None]:
             compiled = torch.compile(adamw_update, dynamic=True, fullgraph=True)
 
             def run(*args: Any) -> None:
-                # Note: every combination of parameter, state and master dtypes and rounding
-                # mode is its own graph (at most 16); torch's default limit of 8 graphs per
-                # function would make a process that uses several modes fail.
-                with torch._dynamo.config.patch(recompile_limit=32):
+                # Note: every combination of parameter and state dtypes, master weights or
+                # Kahan compensation, and rounding mode is its own graph (two dozen at most);
+                # torch's default limit of 8 graphs per function would make a process that
+                # uses several modes fail.
+                with torch._dynamo.config.patch(recompile_limit=64):
                     compiled(*args)
 
             _compiled = run

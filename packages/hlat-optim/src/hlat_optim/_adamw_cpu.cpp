@@ -104,7 +104,7 @@ struct Hyper {
 };
 
 // kMaster: fp32 master weights; kKahan: a bf16 Kahan compensation (bf16 parameters only).
-template <typename P, typename S, bool kMaster, bool kSR, bool kKahan = false>
+template <typename P, typename S, bool kMaster, bool kSR, bool kKahan>
 struct Policy {
   static constexpr bool kParamSR = kSR && !kMaster && !kKahan && std::is_same_v<P, u16>;
   static constexpr bool kStateSR = kSR && std::is_same_v<S, u16>;

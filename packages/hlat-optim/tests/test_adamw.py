@@ -91,8 +91,11 @@ def _hostile_params(dtype):
     return params
 
 
+@pytest.mark.parametrize("width", ["host", "8 lanes"])
 @pytest.mark.parametrize("mode", ["bf16-sr", "fp32-bf16-states", "mixed-bf16-states", "bf16-kahan"])
-def test_native_kernel_matches_the_reference_on_special_values(mode):
+def test_native_kernel_matches_the_reference_on_special_values(mode, width, request):
+    if width == "8 lanes":
+        request.getfixturevalue("eight_lane_kernel")
     dtype = MODES[mode]["dtype"]
     kwargs = {k: v for k, v in MODES[mode].items() if k != "dtype"}
     runs = []
@@ -308,6 +311,22 @@ def test_float16_parameters_are_rejected_with_their_position():
         TypeError, match=r"parameter 1 of param group 0 \(shape \(3,\)\) is torch.float16"
     ):
         AdamW(params)
+
+
+@pytest.mark.parametrize("impl", ["native", "compiled"])
+def test_a_bad_gradient_is_reported_before_any_parameter_changes(impl):
+    params = _params(torch.bfloat16)
+    opt = AdamW(params, lr=1e-2, impl=impl)
+    _run(opt, params, 1)
+    before = [_bits(t).clone() for p in params for t in [p, *opt.state[p].values()]]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    params[2].grad = torch.ones(5, 7, dtype=torch.bfloat16).t()  # (7, 5), not contiguous
+    with pytest.raises(RuntimeError, match=r"parameter 2 \(shape \(7, 5\)\).*not contiguous"):
+        opt.step()
+    after = [_bits(t) for p in params for t in [p, *opt.state[p].values()]]
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a, b)  # parameters, states and step counts as they were
 
 
 def test_failed_compilation_falls_back_to_the_reference_update_with_a_warning(monkeypatch):

@@ -8,16 +8,6 @@ import torch
 from hlat_optim import AdamW, _native
 
 
-@pytest.fixture
-def fresh_loader(monkeypatch, tmp_path):
-    """A loader that has not tried yet, building into an empty cache directory."""
-    monkeypatch.setattr(_native, "_tried", False)
-    monkeypatch.setattr(_native, "_lib", None)
-    monkeypatch.setattr(_native, "_reason", None)
-    monkeypatch.setenv("HLAT_OPTIM_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
 def test_builds_once_into_the_cache_and_reuses_it(fresh_loader, monkeypatch):
     assert _native.load() is not None, _native.unavailable_reason()
     built = list(fresh_loader.glob("*.so"))
@@ -79,3 +69,16 @@ def test_disabled_by_environment(fresh_loader, monkeypatch):
     monkeypatch.setenv("HLAT_OPTIM_NATIVE", "0")
     assert _native.load() is None
     assert _native.unavailable_reason() == "disabled by HLAT_OPTIM_NATIVE=0"
+
+
+def test_extra_flags_from_the_environment_build_a_library_of_their_own(fresh_loader, monkeypatch):
+    assert _native.load() is not None, _native.unavailable_reason()
+    monkeypatch.setattr(_native, "_tried", False)
+    monkeypatch.setenv("HLAT_OPTIM_CXXFLAGS", "-DHLAT_UNUSED_MACRO=1")
+    assert _native.load() is not None, _native.unavailable_reason()
+    assert len(list(fresh_loader.glob("*.so"))) == 2  # the flags are part of the cache key
+
+    monkeypatch.setattr(_native, "_tried", False)
+    monkeypatch.setenv("HLAT_OPTIM_CXXFLAGS", "-fno-such-flag")
+    assert _native.load() is None
+    assert "-fno-such-flag" in _native.unavailable_reason()

@@ -8,6 +8,10 @@ needs neither torch's headers nor a build step at install time: the same require
 source, the flags, the compiler and the CPU's feature flags, so a shared home directory on a
 cluster of mixed machines never loads a library built for another CPU. If no compiler works,
 ``load()`` returns ``None`` and says why in ``unavailable_reason()``.
+
+``$HLAT_OPTIM_CXXFLAGS`` adds flags after the defaults, e.g. ``-march=x86-64-v3`` to build
+for the oldest CPU of a mixed cluster, or ``-mno-avx512f`` for the 8-lane loop on an
+AVX-512 CPU.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -25,7 +30,7 @@ from pathlib import Path
 __all__ = ["cache_dir", "load", "unavailable_reason"]
 
 _SOURCE = Path(__file__).with_name("_adamw_cpu.cpp")
-_ABI = 2
+_ABI = 3
 # -ffp-contract=off: no FMA contraction, so every result is the reference's bit for bit.
 _FLAGS = [
     "-O3",
@@ -75,9 +80,10 @@ def _cpu_features() -> str:
 
 def _build(compiler: str) -> Path:
     errors = []
+    user_flags = shlex.split(os.environ.get("HLAT_OPTIM_CXXFLAGS", ""))
     for extra in _VARIANTS:
         try:
-            return _build_with(compiler, [*_FLAGS, *extra])
+            return _build_with(compiler, [*_FLAGS, *user_flags, *extra])
         except RuntimeError as exc:
             errors.append(str(exc))
     raise RuntimeError("; ".join(errors))
@@ -124,22 +130,11 @@ def _bind(path: Path) -> ctypes.CDLL:
     if lib.hlat_adamw_abi() != _ABI:
         raise RuntimeError(f"{path} has another entry-point version than this hlat-optim")
     fn = lib.hlat_adamw_step
-    fn.restype = ctypes.c_int
+    fn.restype = ctypes.c_int64
     fn.argtypes = [
-        ctypes.c_void_p,  # param
-        ctypes.c_int,
-        ctypes.c_void_p,  # grad
-        ctypes.c_int,
-        ctypes.c_void_p,  # exp_avg
-        ctypes.c_void_p,  # exp_avg_sq
-        ctypes.c_int,
-        ctypes.c_void_p,  # master or None
-        ctypes.c_void_p,  # Kahan compensation or None
-        ctypes.c_void_p,  # hyper
-        ctypes.c_uint32,  # key
-        ctypes.c_uint32,  # offset
-        ctypes.c_int64,  # n
-        ctypes.c_int,  # stochastic rounding
+        ctypes.c_int64,  # number of tensors
+        ctypes.c_void_p,  # table: 10 int64 per tensor
+        ctypes.c_void_p,  # hyperparameters: 7 float32 per tensor
         ctypes.c_int,  # threads
     ]
     return lib

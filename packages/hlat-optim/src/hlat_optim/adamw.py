@@ -17,7 +17,6 @@ from hlat_optim.rounding import (
     _local,
     _lsr,
     hashed_bits,
-    mix32,
     round_to_nearest,
     round_with_bits,
 )
@@ -26,6 +25,8 @@ __all__ = ["AdamW", "adamw_update"]
 
 _SUPPORTED = (torch.float32, torch.bfloat16)
 _IMPLS = ("auto", "native", "compiled", "reference")
+# An odd multiplier: the high 16 bits of (bits * it) are exp_avg_sq's rounding bits.
+_SQ_MULT = 0x2C1B3C6D
 
 
 def adamw_update(
@@ -47,8 +48,9 @@ def adamw_update(
     every path computes the same thing bit for bit.
 
     ``hyper`` is a float32 tensor ``[decay, step_size, 1 - beta1, beta2, 1 - beta2, eps,
-    bias_correction2_sqrt]`` with ``decay = 1 - lr * weight_decay`` and
-    ``step_size = lr / (1 - beta1**step)``, computed in float64 on the host as torch does.
+    1 / bias_correction2_sqrt]`` with ``decay = 1 - lr * weight_decay``,
+    ``step_size = lr / (1 - beta1**step)`` and ``bias_correction2_sqrt = sqrt(1 -
+    beta2**step)``, computed in float64 on the host as torch does.
     ``key`` (0-d int32) seeds the rounding bits for this parameter and step; ``offset`` (0-d
     int32) is added to the element index so that a shard draws the bits its elements would
     draw in the whole tensor. With ``master`` (fp32) the update is applied to it and copied
@@ -56,10 +58,14 @@ def adamw_update(
     weight is ``param + compensation``: the update is applied to that sum, ``param`` gets it
     rounded to nearest and ``compensation`` what the rounding lost.
 
+    Stochastic rounding draws 32 hashed bits per element (``hashed_bits``): the low 16 round
+    the parameter, the high 16 ``exp_avg``, and the high 16 of ``bits * 0x2C1B3C6D`` (an
+    odd multiplier) ``exp_avg_sq``. Those last are uniform and independent of the low 16.
+
     Note: the scalars arrive as tensors, not Python floats, so that a compiled kernel is
     reused across steps instead of being recompiled for every new learning rate.
     """
-    decay, step_size, one_minus_beta1, beta2, one_minus_beta2, eps, bc2_sqrt = hyper.unbind(0)
+    decay, step_size, one_minus_beta1, beta2, one_minus_beta2, eps, inv_bc2_sqrt = hyper.unbind(0)
     g = grad.float()
     m = exp_avg.float()
     m = m + one_minus_beta1 * (g - m)
@@ -68,7 +74,10 @@ def adamw_update(
     # compiled kernel's is; eagerly, the float64 root rounded once is, so both paths agree
     # bit for bit.
     root = v.sqrt() if torch.compiler.is_compiling() else v.double().sqrt().float()
-    denom = root / bc2_sqrt + eps
+    # Note: torch divides by bias_correction2_sqrt; multiplying by its inverse (within one
+    # ulp of that) leaves one division per element, and division is what bounds a
+    # vectorised CPU step.
+    denom = root * inv_bc2_sqrt + eps
     w = master if master is not None else param.float()
     if compensation is not None:
         w = w + compensation.float()
@@ -95,7 +104,7 @@ def adamw_update(
 
     if exp_avg.dtype == torch.bfloat16 and stochastic_rounding:
         exp_avg.copy_(round_with_bits(m, _lsr(bits, 16)))
-        exp_avg_sq.copy_(round_with_bits(v, mix32(bits ^ 0x5BD1E995) & 0xFFFF))
+        exp_avg_sq.copy_(round_with_bits(v, _lsr(bits * _SQ_MULT, 16)))
     else:
         exp_avg.copy_(m)
         exp_avg_sq.copy_(v)
@@ -285,48 +294,17 @@ class AdamW(torch.optim.Optimizer):
                 if torch.is_tensor(value) and name != "step" and value.dtype != p.dtype:
                     self.state[p][name] = value.detach().to(_local(p).device, copy=True)
 
-    def _native_step(
-        self, flat: list[torch.Tensor | None], hyper: torch.Tensor, key: int, offset: int
-    ) -> bool:
-        """Run the update with the CPU kernel if this parameter can use it; False if not."""
-        if self.impl not in ("auto", "native"):
-            return False
-        param, grad, exp_avg, exp_avg_sq, master, compensation = flat
-        assert param is not None and grad is not None
-        assert exp_avg is not None and exp_avg_sq is not None
-        tensors = [t for t in flat if t is not None]
-        why = None
-        if not all(t.device.type == "cpu" for t in tensors):
-            why = "it runs on CPU tensors only"
-        elif grad.dtype not in _SUPPORTED:
-            why = f"the gradient is {grad.dtype}, not float32 or bfloat16"
-        lib = _native.load() if why is None else None
-        if lib is None:
-            if self.impl == "native":
-                why = why or f"the kernel could not be built: {_native.unavailable_reason()}"
-                raise RuntimeError(f"hlat_optim.AdamW(impl='native'): {why}")
-            return False
-        bf16 = torch.bfloat16
-        rc = lib.hlat_adamw_step(
-            param.data_ptr(),
-            int(param.dtype == bf16),
-            grad.data_ptr(),
-            int(grad.dtype == bf16),
-            exp_avg.data_ptr(),
-            exp_avg_sq.data_ptr(),
-            int(exp_avg.dtype == bf16),
-            master.data_ptr() if master is not None else None,
-            compensation.data_ptr() if compensation is not None else None,
-            hyper.data_ptr(),
-            key & 0xFFFFFFFF,
-            offset & 0xFFFFFFFF,
-            param.numel(),
-            int(self.stochastic_rounding),
-            torch.get_num_threads(),
-        )
-        if rc != 0:
-            raise RuntimeError(f"hlat_optim.AdamW: the CPU kernel rejected its arguments ({rc})")
-        return True
+    def _native_reason(self, local: list[torch.Tensor | None]) -> str | None:
+        """Why the CPU kernel cannot update this parameter, or None if it can."""
+        grad = local[1]
+        assert grad is not None
+        if not all(t.device.type == "cpu" for t in local if t is not None):
+            return "it runs on CPU tensors only"
+        if grad.dtype not in _SUPPORTED:
+            return f"the gradient is {grad.dtype}, not float32 or bfloat16"
+        if _native.load() is None:
+            return f"the kernel could not be built: {_native.unavailable_reason()}"
+        return None
 
     def _update_fn(self) -> Callable[..., None]:
         if self.impl == "reference":
@@ -360,46 +338,72 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        todo: list[tuple[dict[str, Any], torch.Tensor, int]] = []
         index = -1
         for group in self.param_groups:
-            lr = float(group["lr"])
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
-                    raise RuntimeError("hlat_optim.AdamW does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    self._init_state(p, state)
-                state["step"] += 1
-                step = int(state["step"].item())
-                hyper = torch.tensor(
-                    [
-                        1.0 - lr * group["weight_decay"],
-                        lr / (1.0 - beta1**step),
-                        1.0 - beta1,
-                        beta2,
-                        1.0 - beta2,
-                        group["eps"],
-                        math.sqrt(1.0 - beta2**step),
-                    ],
-                    dtype=torch.float32,
-                    device=_local(p).device,
-                )
-                self._update_param(p, state, hyper, group["seed"], step, index)
+                    raise RuntimeError(
+                        f"hlat_optim.AdamW: parameter {index} has a sparse gradient, which is "
+                        "not supported"
+                    )
+                todo.append((group, p, index))
+        # Everything that can fail is checked before any state changes.
+        prepared = []
+        for group, p, index in todo:
+            state = self.state[p]
+            if not state:
+                self._init_state(p, state)
+            local, offset, salt = self._locals(p, state, index)
+            native = False
+            if self.impl in ("auto", "native"):
+                why = self._native_reason(local)
+                if why is not None and self.impl == "native":
+                    raise RuntimeError(f"hlat_optim.AdamW(impl='native'): {why}")
+                native = why is None
+            prepared.append((group, state, index, local, offset, salt, native))
+        counters = [state["step"] for _, state, *_ in prepared]
+        if counters:
+            torch._foreach_add_(counters, 1.0)  # one call for all parameters' step counts
+        batch = _NativeBatch()
+        for group, state, index, local, offset, salt, native in prepared:
+            lr = float(group["lr"])
+            beta1, beta2 = group["betas"]
+            step = int(state["step"].item())
+            hyper = [
+                1.0 - lr * group["weight_decay"],
+                lr / (1.0 - beta1**step),
+                1.0 - beta1,
+                beta2,
+                1.0 - beta2,
+                group["eps"],
+                1.0 / math.sqrt(1.0 - beta2**step),
+            ]
+            key = _step_key(group["seed"], step, index, salt)
+            if native:
+                batch.add(local, hyper, key, offset, self.stochastic_rounding, index)
+                continue
+            flat = [t.view(-1) if t is not None else None for t in local]
+            device = flat[0].device  # type: ignore[union-attr]
+            self._run(
+                *flat[:5],
+                torch.tensor(hyper, dtype=torch.float32, device=device),
+                torch.tensor(key, dtype=torch.int32, device=device),
+                torch.tensor(offset, dtype=torch.int32, device=device),
+                self.stochastic_rounding,
+                flat[5],
+            )
+        batch.run()
         return loss
 
-    def _update_param(
-        self,
-        p: torch.Tensor,
-        state: dict[str, Any],
-        hyper: torch.Tensor,
-        seed: int,
-        step: int,
-        index: int,
-    ) -> None:
+    def _locals(
+        self, p: torch.Tensor, state: dict[str, Any], index: int
+    ) -> tuple[list[torch.Tensor | None], int, int]:
+        """The contiguous local tensors of one update (parameter, gradient, states, master
+        weights, compensation), and the index offset and key salt of its shard."""
         if p not in self._layouts:
             self._layouts[p] = _shard_layout(p)
         offset, salt = self._layouts[p]
@@ -426,11 +430,67 @@ class AdamW(torch.optim.Optimizer):
                 "is not contiguous; call .contiguous() on the parameter before building the "
                 "optimizer"
             )
-        flat = [t.view(-1) if t is not None else None for t in local]
-        key_value = _step_key(seed, step, index, salt)
-        if self._native_step(flat, hyper, key_value, offset):
+        return local, offset, salt
+
+
+class _NativeBatch:
+    """The updates of one step that go to the CPU kernel, made in one call at the end."""
+
+    def __init__(self) -> None:
+        self.rows: list[list[int]] = []
+        self.hypers: list[list[float]] = []
+        self.indices: list[int] = []
+        self.keep: list[list[torch.Tensor | None]] = []  # alive until the call
+
+    def add(
+        self,
+        local: list[torch.Tensor | None],
+        hyper: list[float],
+        key: int,
+        offset: int,
+        stochastic_rounding: bool,
+        index: int,
+    ) -> None:
+        param, grad, exp_avg, exp_avg_sq, master, compensation = local
+        assert param is not None and grad is not None
+        assert exp_avg is not None and exp_avg_sq is not None
+        bf16 = torch.bfloat16
+        flags = (
+            (param.dtype == bf16)
+            | (grad.dtype == bf16) << 1
+            | (exp_avg.dtype == bf16) << 2
+            | bool(stochastic_rounding) << 3
+        )
+        self.rows.append(
+            [
+                param.data_ptr(),
+                grad.data_ptr(),
+                exp_avg.data_ptr(),
+                exp_avg_sq.data_ptr(),
+                master.data_ptr() if master is not None else 0,
+                compensation.data_ptr() if compensation is not None else 0,
+                param.numel(),
+                flags,
+                key & 0xFFFFFFFF,
+                offset & 0xFFFFFFFF,
+            ]
+        )
+        self.hypers.append(hyper)
+        self.indices.append(index)
+        self.keep.append(local)
+
+    def run(self) -> None:
+        if not self.rows:
             return
-        device = hyper.device
-        key = torch.tensor(key_value, dtype=torch.int32, device=device)
-        off = torch.tensor(offset, dtype=torch.int32, device=device)
-        self._run(*flat[:5], hyper, key, off, self.stochastic_rounding, flat[5])
+        lib = _native.load()
+        assert lib is not None
+        table = torch.tensor(self.rows, dtype=torch.int64)
+        hypers = torch.tensor(self.hypers, dtype=torch.float32)
+        rc = lib.hlat_adamw_step(
+            len(self.rows), table.data_ptr(), hypers.data_ptr(), torch.get_num_threads()
+        )
+        if rc != 0:
+            raise RuntimeError(
+                f"hlat_optim.AdamW: the CPU kernel rejected parameter {self.indices[rc - 1]}'s "
+                "combination of dtypes and states"
+            )

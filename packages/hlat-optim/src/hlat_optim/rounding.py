@@ -110,7 +110,12 @@ def _local(x: torch.Tensor) -> torch.Tensor:
     return d.to_local() if _is_dtensor(x) else x
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _is_dtensor(x: torch.Tensor) -> bool:
+    if type(x) in _PLAIN:  # the common case, without an import
+        return False
     try:
         from torch.distributed.tensor import DTensor
     except Exception:  # torch built without distributed

@@ -164,14 +164,18 @@ def test_resident_memory_is_flat_over_an_epoch(benchmark, files):
 
     samples = benchmark.pedantic(run, rounds=1, iterations=1)
     quarter = max(1, len(samples) // 4)
+    # Note: the word cache is this process's one growing structure, bounded by cache_size
+    words = len(tokenizer.word_cache) if tokenizer.word_cache is not None else 0
     benchmark.extra_info.update(
         rss_anon_mb_first_quarter=round(max(samples[:quarter]), 1),
         rss_anon_mb_last_quarter=round(max(samples[-quarter:]), 1),
         samples=len(samples),
+        word_cache_words=words,
     )
     print(
         f"\nanonymous RSS over an epoch (MB): first quarter max {max(samples[:quarter]):.1f}, "
-        f"last quarter max {max(samples[-quarter:]):.1f}, {len(samples)} samples"
+        f"last quarter max {max(samples[-quarter:]):.1f}, {len(samples)} samples; "
+        f"word cache {words} words at the end (at most {tokenizer.cache_size})"
     )
 
 

@@ -1,8 +1,10 @@
 """Packed tokens per second on the Python standard library's sources, CPU, one run each,
-against raw SentencePiece batch encoding (the ceiling) and the usual `datasets` recipe
+against raw SentencePiece batch encoding and the usual `datasets` recipe
 (`map(tokenize)` then `map(group_texts)`, num_proc=2), in two forms: as in transformers'
 `run_clm.py` example (a transformers tokenizer made from the same SentencePiece model) and
-with SentencePiece called directly. Figures are ratios to the peers."""
+with SentencePiece called directly. The loader runs with its word cache (the default) and
+without it. Each is run three times and its fastest round counts (one round varies by 10 %
+or more on a shared machine). Figures are ratios to the peers."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import pytest
 
 from hlat_data import ArrowSource, PackedLoader, Tokenizer, train_tokenizer
 
-SEQ_LEN, BATCH, CHARS = 2048, 8, 30_000_000
+SEQ_LEN, BATCH, CHARS, ROUNDS = 2048, 8, 30_000_000, 3
 RESULTS: dict[str, float] = {}
 
 
@@ -40,6 +42,15 @@ def corpus(tmp_path_factory):
     return root / "stdlib.arrow", model, texts
 
 
+def _fastest_round(benchmark, name, run):
+    """Runs ``run`` (returning tokens, seconds, ...) ROUNDS times and records the fastest."""
+    rounds = []
+    benchmark.pedantic(lambda: rounds.append(run()), rounds=ROUNDS, iterations=1)
+    best = max(rounds, key=lambda r: r[0] / r[1])
+    _record(benchmark, name, best[0], best[1])
+    return best
+
+
 def _record(benchmark, name, tokens, seconds):
     RESULTS[name] = tokens / seconds
     benchmark.extra_info["tokens_per_s"] = round(tokens / seconds)
@@ -48,15 +59,15 @@ def _record(benchmark, name, tokens, seconds):
 
 def test_raw_sentencepiece_batch_encode(benchmark, corpus):
     _, model, texts = corpus
-    tokenizer = Tokenizer.from_file(model, num_threads=2)
+    # SentencePiece itself: no word cache in front of it
+    tokenizer = Tokenizer.from_file(model, num_threads=2, cache_size=0)
 
     def run():
         start = time.perf_counter()
         tokens = sum(map(len, tokenizer.encode_batch(texts)))
         return tokens, time.perf_counter() - start
 
-    tokens, seconds = benchmark.pedantic(run, rounds=1, iterations=1)
-    _record(benchmark, "raw", tokens, seconds)
+    _fastest_round(benchmark, "raw", run)
 
 
 def test_datasets_map_tokenize_then_group_texts(benchmark, corpus, tmp_path):
@@ -67,7 +78,7 @@ def test_datasets_map_tokenize_then_group_texts(benchmark, corpus, tmp_path):
 
 
 def _time_datasets_recipe(benchmark, name, texts, tokenize, group_texts, tokenize_kwargs=None):
-    """`map(tokenize)` then `map(group_texts)`, both batched with num_proc=2, timed once."""
+    """`map(tokenize)` then `map(group_texts)`, both batched with num_proc=2."""
     datasets = pytest.importorskip("datasets")
 
     def run():
@@ -84,8 +95,7 @@ def _time_datasets_recipe(benchmark, name, texts, tokenize, group_texts, tokeniz
         return len(ds) * SEQ_LEN, time.perf_counter() - start
 
     datasets.disable_caching()
-    tokens, seconds = benchmark.pedantic(run, rounds=1, iterations=1)
-    _record(benchmark, name, tokens, seconds)
+    _fastest_round(benchmark, name, run)
 
 
 def test_datasets_run_clm_recipe(benchmark, corpus, tmp_path):
@@ -121,9 +131,17 @@ def test_datasets_run_clm_recipe(benchmark, corpus, tmp_path):
 
 def test_packed_loader_two_workers(benchmark, corpus):
     path, model, _ = corpus
-    tokenizer = Tokenizer.from_file(model)
+    _time_loader(benchmark, "hlat-data", path, model, {})
 
+
+def test_packed_loader_two_workers_without_word_cache(benchmark, corpus):
+    path, model, _ = corpus
+    _time_loader(benchmark, "hlat-data, no word cache", path, model, {"cache_size": 0})
+
+
+def _time_loader(benchmark, name, path, model, tokenizer_options):
     def run():
+        tokenizer = Tokenizer.from_file(model, **tokenizer_options)  # a cold word cache
         start = time.perf_counter()
         loader = PackedLoader(
             ArrowSource(path),
@@ -142,27 +160,25 @@ def test_packed_loader_two_workers(benchmark, corpus):
             marks.append((time.perf_counter(), tokens))
         half_time, half_tokens = marks[len(marks) // 2]
         steady = (tokens - half_tokens) / (marks[-1][0] - half_time)
-        return tokens, marks[-1][0] - start, steady
+        return tokens, marks[-1][0] - start, steady, marks[0][0] - start
 
-    tokens, seconds, steady = benchmark.pedantic(run, rounds=1, iterations=1)
-    _record(benchmark, "hlat-data", tokens, seconds)
+    _, _, steady, first = _fastest_round(benchmark, name, run)
     # Note: the whole-run figure, the one compared with the peers, includes starting two
     # worker processes (interpreter, imports, loading the tokenizer), which a run of hours
     # amortises; the second half of the run shows the rate once they are up (its documents
     # differ from the first half's, so it is not a ratio to the peers).
-    benchmark.extra_info["steady_tokens_per_s"] = round(steady)
-    print(f"hlat-data, second half of the run: {steady / 1e6:.2f} M tokens/s")
-    if "raw" in RESULTS:
-        benchmark.extra_info["vs_raw_encode"] = round(RESULTS["hlat-data"] / RESULTS["raw"], 2)
-        print(f"hlat-data / raw encode: {RESULTS['hlat-data'] / RESULTS['raw']:.2f}x")
-    if "run_clm" in RESULTS:
-        ratio = RESULTS["hlat-data"] / RESULTS["run_clm"]
-        benchmark.extra_info["vs_run_clm_recipe"] = round(ratio, 2)
-        print(f"hlat-data / datasets recipe as in run_clm.py: {ratio:.2f}x")
-    if "datasets" in RESULTS:
-        ratio = RESULTS["hlat-data"] / RESULTS["datasets"]
-        benchmark.extra_info["vs_datasets_sentencepiece"] = round(ratio, 2)
-        print(f"hlat-data / datasets recipe with SentencePiece called directly: {ratio:.2f}x")
+    benchmark.extra_info.update(steady_tokens_per_s=round(steady), first_batch_s=round(first, 3))
+    print(f"{name}, second half of the run: {steady / 1e6:.2f} M tokens/s")
+    print(f"{name}, first batch after {first:.2f} s")
+    for peer, label in (
+        ("raw", "raw encode"),
+        ("run_clm", "datasets recipe as in run_clm.py"),
+        ("datasets", "datasets recipe with SentencePiece called directly"),
+    ):
+        if peer in RESULTS:
+            ratio = RESULTS[name] / RESULTS[peer]
+            benchmark.extra_info[f"vs_{peer}"] = round(ratio, 2)
+            print(f"{name} / {label}: {ratio:.2f}x")
 
 
 _PROCESSORS: dict = {}
@@ -192,14 +208,18 @@ def test_encode_step_alone_against_raw_encode_on_one_thread(benchmark, corpus):
     from hlat_data.loader import _Encoder
 
     path, model, _ = corpus
-    tokenizer = Tokenizer.from_file(model, num_threads=1)
+    raw_tokenizer = Tokenizer.from_file(model, num_threads=1, cache_size=0)
     source = ArrowSource(path)
     texts = source.texts(range(len(source)))
-    encode = _Encoder(source, tokenizer, add_bos=False, add_eos=True)
+    encoders = []
 
     def run():
+        # a cold word cache, as a worker starts with
+        tokenizer = Tokenizer.from_file(model, num_threads=1)
+        encode = _Encoder(source, tokenizer, add_bos=False, add_eos=True)
+        encoders.append(encode)
         start = time.perf_counter()
-        raw = sum(map(len, tokenizer.encode_batch(texts)))
+        raw = sum(map(len, raw_tokenizer.encode_batch(texts)))
         middle = time.perf_counter()
         ours = sum(
             len(encode((0, s, np.arange(s, min(s + 64, len(source))), 0)).tokens)
@@ -208,6 +228,13 @@ def test_encode_step_alone_against_raw_encode_on_one_thread(benchmark, corpus):
         end = time.perf_counter()
         return raw / (middle - start), ours / (end - middle)
 
-    raw, ours = benchmark.pedantic(run, rounds=1, iterations=1)
-    benchmark.extra_info.update(raw_tokens_per_s=round(raw), ours_tokens_per_s=round(ours))
-    print(f"\nencode step alone / raw encode, one thread: {ours / raw:.2f}x")
+    rounds = []
+    benchmark.pedantic(lambda: rounds.append(run()), rounds=ROUNDS, iterations=1)
+    raw, ours = max(r[0] for r in rounds), max(r[1] for r in rounds)
+    cache = encoders[-1].tokenizer.word_cache
+    hit_rate = cache.hits / (cache.hits + cache.misses)
+    benchmark.extra_info.update(
+        raw_tokens_per_s=round(raw), ours_tokens_per_s=round(ours), word_hit_rate=hit_rate
+    )
+    print(f"\nencode step alone / raw encode, one thread (fastest rounds): {ours / raw:.2f}x")
+    print(f"word cache: {hit_rate:.1%} of {cache.hits + cache.misses} words found")

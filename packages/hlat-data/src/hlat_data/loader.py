@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import multiprocessing
 import queue
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -48,7 +49,9 @@ class PackedLoader:
         num_epochs: stop after this many epochs (None: run forever).
         drop_last: at the end of the last epoch, drop the partial batch (True) or yield it
             padded with ``-100`` labels past ``doc_lens.sum(-1)`` (False).
-        mp_context: multiprocessing start method for the workers.
+        mp_context: multiprocessing start method for the workers; by default
+            ``"forkserver"`` where the platform has it (workers are forked from a server
+            process that has imported this package once), else ``"spawn"``.
 
     Note:
         The state is a cursor into the document stream, not the leftover tokens: on
@@ -76,7 +79,7 @@ class PackedLoader:
         chunk_docs: int = 64,
         num_epochs: int | None = None,
         drop_last: bool = True,
-        mp_context: str = "spawn",
+        mp_context: str | None = None,
     ) -> None:
         for name, value in (
             ("seq_len", seq_len),
@@ -88,6 +91,14 @@ class PackedLoader:
                 raise DataError(f"{name} must be at least 1, got {value}")
         if num_workers < 0:
             raise DataError(f"num_workers must be 0 or more, got {num_workers}")
+        methods = multiprocessing.get_all_start_methods()
+        if mp_context is None:
+            mp_context = "forkserver" if "forkserver" in methods else "spawn"
+        elif mp_context not in methods:
+            raise DataError(
+                f"mp_context {mp_context!r} is not a start method of this platform "
+                f"(it has {', '.join(methods)})"
+            )
         if num_epochs is not None and num_epochs < 1:
             raise DataError(f"num_epochs must be at least 1 or None, got {num_epochs}")
         if add_eos and tokenizer.eos_id < 0:
@@ -203,6 +214,8 @@ class PackedLoader:
                 yield encode(task)
             return
         context: Any = multiprocessing.get_context(self.mp_context)
+        if self.mp_context == "forkserver":
+            _preload_in_forkserver(context)
         inbox: Any = context.Queue()
         results: Any = context.Queue()
         stop = context.Event()
@@ -222,9 +235,7 @@ class PackedLoader:
             )
             for _ in range(self.num_workers)
         ]
-        for worker in workers:
-            worker.start()
-            setup.put(worker_encode)
+        starter = _Starter(workers, setup, worker_encode)
         try:
             tasks = enumerate(self._tasks())
             in_flight = 0
@@ -235,7 +246,7 @@ class PackedLoader:
             wanted = 0
             while in_flight:
                 while wanted not in done:
-                    number, chunk = _next_result(results, inbox, workers, encode)
+                    number, chunk = _next_result(results, inbox, starter, encode)
                     done[number] = chunk
                 yield done.pop(wanted)
                 wanted += 1
@@ -244,7 +255,8 @@ class PackedLoader:
                     inbox.put((number, task))
                     in_flight += 1
         finally:
-            _shut_down(workers, inbox, results, stop)
+            starter.join()
+            _shut_down(starter.started(), inbox, results, stop)
             setup.cancel_join_thread()
             setup.close()
 
@@ -356,11 +368,7 @@ class _Encoder:
         epoch, start, ids, skip = task
         documents = self.source.documents(ids)
         pieces = [piece for doc in documents for piece in doc]
-        encoded = self.tokenizer.encode_batch(pieces) if pieces else []
-        piece_lens = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
-        flat = np.fromiter(
-            itertools.chain.from_iterable(encoded), dtype=np.int32, count=int(piece_lens.sum())
-        )
+        flat, piece_lens = self.tokenizer.encode_flat(pieces)
         owners = np.repeat(np.arange(len(documents)), [len(d) for d in documents])
         content = np.bincount(owners, weights=piece_lens, minlength=len(documents)).astype(np.int64)
         nonempty = np.flatnonzero([len(d) > 0 for d in documents])
@@ -389,6 +397,48 @@ class _Encoder:
             flat = flat[skip:]
             lens[0] -= skip
         return Chunk(epoch, start, flat, lens, skip)
+
+
+def _preload_in_forkserver(context: Any) -> None:
+    """Adds this module to what the fork server imports when it starts, so each worker
+    forked from it begins with numpy, pyarrow and SentencePiece already imported.
+
+    Note: the list is process-wide and read when the server starts (once per process);
+    the default entry, ``__main__``, is kept.
+    """
+    from multiprocessing import forkserver
+
+    server: Any = getattr(forkserver, "_forkserver", None)
+    current = list(getattr(server, "_preload_modules", None) or ["__main__"])
+    if __name__ not in current:
+        context.set_forkserver_preload([*current, __name__])
+
+
+class _Starter(threading.Thread):
+    """Starts the worker processes, and sends each its encoder, off the calling thread.
+
+    Note: with forkserver or spawn, ``Process.start()`` waits until the server or the child
+    interpreter has booted and imported this package (about 0.3 s); meanwhile the caller
+    encodes the first chunks itself instead of waiting for it.
+    """
+
+    def __init__(self, workers: list[Any], setup: Any, encoder: _Encoder) -> None:
+        super().__init__(daemon=True, name="hlat-data-start-workers")
+        self.workers, self.setup, self.encoder = workers, setup, encoder
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            for worker in self.workers:
+                worker.start()
+                self.setup.put(self.encoder)
+        except BaseException as e:
+            self.error = e
+
+    def started(self) -> list[Any]:
+        """The workers started so far."""
+        return [w for w in self.workers if w.pid is not None]
 
 
 def _work(setup: Any, inbox: Any, results: Any, stop: Any) -> None:
@@ -427,7 +477,7 @@ def _shut_down(workers: list[Any], inbox: Any, results: Any, stop: Any) -> None:
 
 
 def _next_result(
-    results: Any, inbox: Any, workers: list[Any], encode: _Encoder
+    results: Any, inbox: Any, starter: _Starter, encode: _Encoder
 ) -> tuple[int, Chunk]:
     """The next finished chunk, in any order.
 
@@ -452,7 +502,12 @@ def _next_result(
                 number, payload = results.get(timeout=0.01)
             except queue.Empty:
                 waited += 0.01
-                dead = [w for w in workers if not w.is_alive()] if waited >= 1 else []
+                if starter.error is not None:
+                    raise DataError(
+                        f"the tokenizer workers could not be started: {starter.error}; "
+                        "run with num_workers=0 to tokenize in this process"
+                    ) from starter.error
+                dead = [w for w in starter.started() if not w.is_alive()] if waited >= 1 else []
                 if dead:
                     raise DataError(
                         f"a tokenizer worker died (exit code {dead[0].exitcode}); "

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import os
 from typing import Any
 
 import fsspec
+import numpy as np
 
+from hlat_data import wordcache
 from hlat_data.errors import DataError
 
 _HF_EOS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
@@ -21,11 +24,20 @@ class Tokenizer:
     Build one with :meth:`from_file`. The object pickles as the model file's bytes, so it
     travels to worker processes cheaply and is rebuilt there.
 
+    A SentencePiece BPE model with identity normalization (Llama's kind, and what
+    :func:`train_tokenizer` writes) encodes through a word cache
+    (:mod:`hlat_data.wordcache`): each whitespace-delimited word is encoded by SentencePiece
+    once and looked up after that, with the same ids as encoding the whole text. Other models
+    encode every text in full.
+
     Attributes:
         kind: ``"sentencepiece"`` or ``"hf"``.
         bos_id, eos_id: special ids (-1 when the model has none).
         vocab_size: number of ids.
         num_threads: threads used by :meth:`encode_batch`.
+        cache_size: words the word cache keeps at most (0: no cache).
+        word_cache: the word cache (its ``hits`` and ``misses`` count look-ups), or None.
+        word_cache_unavailable: why this model encodes without a word cache, or None.
     """
 
     def __init__(
@@ -37,16 +49,23 @@ class Tokenizer:
         bos_token: str | None = None,
         eos_token: str | None = None,
         num_threads: int | None = None,
+        cache_size: int = 1 << 18,
     ) -> None:
         if kind not in ("sentencepiece", "hf"):
             raise DataError(f"tokenizer kind must be 'sentencepiece' or 'hf', got {kind!r}")
+        if cache_size < 0:
+            raise DataError(f"cache_size must be 0 or more, got {cache_size}")
         self.kind = kind
         self.name = name
         self._model = model
         self._bos_token = bos_token
         self._eos_token = eos_token
         self.num_threads = num_threads or os.cpu_count() or 1
+        self.cache_size = cache_size
         self._impl: Any = None
+        self._words_impl: Any = None  # the model without its dummy prefix, for single words
+        self.word_cache: wordcache.WordCache | None = None
+        self.word_cache_unavailable: str | None = None
         self._load()
 
     @classmethod
@@ -58,12 +77,14 @@ class Tokenizer:
         eos_token: str | None = None,
         num_threads: int | None = None,
         storage_options: dict[str, Any] | None = None,
+        cache_size: int = 1 << 18,
     ) -> Tokenizer:
         """Load a SentencePiece ``.model`` or a Hugging Face ``tokenizer.json`` (by suffix).
 
         ``bos_token``/``eos_token`` name the special tokens of a Hugging Face tokenizer
         (default: the first of ``</s>``, ``<|endoftext|>``, ... it knows); a SentencePiece
-        model carries its own ids. Local paths and fsspec URLs are accepted.
+        model carries its own ids. Local paths and fsspec URLs are accepted. ``cache_size``
+        bounds the word cache (about 200 bytes a word; 0 turns it off).
         """
         url = os.fspath(path)
         try:
@@ -82,6 +103,7 @@ class Tokenizer:
             bos_token=bos_token,
             eos_token=eos_token,
             num_threads=num_threads,
+            cache_size=cache_size,
         )
 
     def _load(self) -> None:
@@ -99,6 +121,7 @@ class Tokenizer:
             self.vocab_size = processor.get_piece_size()
             self.bos_id = processor.bos_id()
             self.eos_id = processor.eos_id()
+            self._load_word_cache()
             return
         try:
             import tokenizers
@@ -115,6 +138,49 @@ class Tokenizer:
         self.bos_id = _token_id(impl, self._bos_token, _HF_BOS, self.name)
         self.eos_id = _token_id(impl, self._eos_token, _HF_EOS, self.name)
 
+    def _load_word_cache(self) -> None:
+        if self.cache_size == 0:
+            self.word_cache_unavailable = "turned off (cache_size=0)"
+            return
+        import sentencepiece
+
+        reason = wordcache.cache_blocker(self._model, self._impl)
+        if reason is None:
+            words = sentencepiece.SentencePieceProcessor()
+            words.LoadFromSerializedProto(wordcache.without_dummy_prefix(self._model))
+            self._words_impl = words
+            self.word_cache = wordcache.WordCache(
+                dummy_prefix=wordcache.adds_dummy_prefix(self._model), capacity=self.cache_size
+            )
+            reason = self._word_cache_disagreement()
+        if reason is not None:
+            self.word_cache, self._words_impl = None, None
+        self.word_cache_unavailable = reason
+
+    def _word_cache_disagreement(self) -> str | None:
+        """A last check of the conditions :mod:`~hlat_data.wordcache` relies on, on texts
+        that exercise them; None if the cache gives SentencePiece's ids on all of them."""
+        probes = [
+            "",
+            " ",
+            "a",
+            "  a  b  ",
+            "x\u2581 y\u2581",
+            "\tdef f(x):\n    return 1  ",
+            "12 345",
+        ]
+        direct = self._impl.encode(probes)
+        ids, lens = self._cached_flat(probes)
+        cached = [part.tolist() for part in np.split(ids, np.cumsum(lens)[:-1])]
+        if cached != direct:
+            return "its encodings differ from SentencePiece's on a self-check"
+        return None
+
+    def _cached_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        assert self.word_cache is not None
+        words, threads = self._words_impl, self.num_threads
+        return self.word_cache.encode_flat(texts, lambda w: words.encode(w, num_threads=threads))
+
     def with_threads(self, num_threads: int) -> Tokenizer:
         """A copy that encodes batches with ``num_threads`` threads."""
         clone = copy.copy(self)
@@ -127,11 +193,27 @@ class Tokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Ids of each text, without BOS/EOS, using :attr:`num_threads` threads."""
+        if self.word_cache is not None:
+            ids, lens = self._cached_flat(texts)
+            return [part.tolist() for part in np.split(ids, np.cumsum(lens)[:-1])]
         if self.kind == "sentencepiece":
             return self._impl.encode(texts, num_threads=self.num_threads)
         encode = getattr(self._impl, "encode_batch_fast", self._impl.encode_batch)
         encodings = encode(texts, add_special_tokens=False)
         return [e.ids for e in encodings]
+
+    def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Ids of all texts concatenated (int32, without BOS/EOS) and each text's count
+        (int64): :meth:`encode_batch` as two arrays, without a Python int per id when the
+        word cache is on."""
+        if self.word_cache is not None:
+            return self._cached_flat(texts)
+        encoded = self.encode_batch(texts)
+        lens = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+        ids = np.fromiter(
+            itertools.chain.from_iterable(encoded), dtype=np.int32, count=int(lens.sum())
+        )
+        return ids, lens
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids``."""
@@ -144,7 +226,7 @@ class Tokenizer:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_impl"] = None
+        state.update(_impl=None, _words_impl=None, word_cache=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

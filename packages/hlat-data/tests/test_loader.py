@@ -90,6 +90,27 @@ def test_batches_do_not_depend_on_the_number_of_workers(source, tokenizer, refer
     )
 
 
+def test_batches_are_the_same_with_and_without_the_word_cache(source, tokenizer_path, reference):
+    plain = Tokenizer.from_file(tokenizer_path, num_threads=1, cache_size=0)
+    assert plain.word_cache is None
+    batches = reference[0][:40]
+    assert_same_batches(batches, list(itertools.islice(make_loader(source, plain), 40)))
+    cached = Tokenizer.from_file(tokenizer_path, num_threads=1)
+    assert cached.word_cache is not None
+    workers = make_loader(source, cached, num_workers=2, chunk_docs=3)  # a cache in each
+    assert_same_batches(batches, list(itertools.islice(workers, 40)))
+
+
+def test_spawned_workers_give_the_same_batches(source, tokenizer, reference):
+    loader = make_loader(source, tokenizer, num_workers=1, mp_context="spawn")
+    assert_same_batches(reference[0][:20], list(itertools.islice(loader, 20)))
+
+
+def test_an_unknown_start_method_is_an_error_naming_the_platform_s(source, tokenizer):
+    with pytest.raises(DataError, match=r"mp_context 'threads' is not a start method .*spawn"):
+        make_loader(source, tokenizer, num_workers=1, mp_context="threads")
+
+
 def test_every_row_is_exact_with_next_token_labels_and_consistent_positions(reference, tokenizer):
     batches = reference[0]
     stream = np.concatenate([b.input_ids.reshape(-1) for b in batches])

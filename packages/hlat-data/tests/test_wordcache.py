@@ -159,3 +159,14 @@ def test_a_pickled_tokenizer_builds_its_own_cache(tokenizer_path, documents):
     assert clone.word_cache is not None and clone.word_cache is not tokenizer.word_cache
     assert len(clone.word_cache) < len(tokenizer.word_cache)  # not shipped with the pickle
     assert clone.encode_batch(documents) == sentencepiece_ids(tokenizer_path, documents)
+
+
+@pytest.mark.parametrize("cache_size", [0, 1 << 18])
+def test_an_empty_batch_encodes_to_nothing_and_flat_ids_are_writable(tokenizer_path, cache_size):
+    tokenizer = Tokenizer.from_file(tokenizer_path, cache_size=cache_size)
+    assert tokenizer.encode_batch([]) == []
+    ids, lens = tokenizer.encode_flat([])
+    assert (ids.size, lens.size) == (0, 0)
+    ids, lens = tokenizer.encode_flat(["x = 1", ""])
+    assert lens[1] == 0
+    ids[0] = 7  # a caller may reuse the buffer

@@ -170,9 +170,7 @@ class Tokenizer:
             "12 345",
         ]
         direct = self._impl.encode(probes)
-        ids, lens = self._cached_flat(probes)
-        cached = [part.tolist() for part in np.split(ids, np.cumsum(lens)[:-1])]
-        if cached != direct:
+        if _as_lists(*self._cached_flat(probes)) != direct:
             return "its encodings differ from SentencePiece's on a self-check"
         return None
 
@@ -194,8 +192,7 @@ class Tokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Ids of each text, without BOS/EOS, using :attr:`num_threads` threads."""
         if self.word_cache is not None:
-            ids, lens = self._cached_flat(texts)
-            return [part.tolist() for part in np.split(ids, np.cumsum(lens)[:-1])]
+            return _as_lists(*self._cached_flat(texts))
         if self.kind == "sentencepiece":
             return self._impl.encode(texts, num_threads=self.num_threads)
         encode = getattr(self._impl, "encode_batch_fast", self._impl.encode_batch)
@@ -238,6 +235,12 @@ class Tokenizer:
             f"Tokenizer({self.kind}, {self.name!r}, vocab {self.vocab_size}, "
             f"bos {self.bos_id}, eos {self.eos_id})"
         )
+
+
+def _as_lists(ids: np.ndarray, lens: np.ndarray) -> list[list[int]]:
+    """The ids of each text, from the flat form."""
+    ends = np.cumsum(lens).tolist()
+    return [ids[end - n : end].tolist() for end, n in zip(ends, lens.tolist(), strict=True)]
 
 
 def _token_id(impl: Any, wanted: str | None, candidates: tuple[str, ...], name: str) -> int:

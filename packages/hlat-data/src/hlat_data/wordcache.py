@@ -186,7 +186,7 @@ class WordCache:
         if new:
             self._trim(new)
         lens = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)) // 4
-        ids = np.frombuffer(b"".join(encoded), dtype=np.int32)
+        ids = np.frombuffer(bytearray().join(encoded), dtype=np.int32)  # writable
         return ids, lens
 
     def _trim(self, new: list[str]) -> None:

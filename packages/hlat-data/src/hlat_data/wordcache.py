@@ -43,6 +43,7 @@ _SPACE = "\u2581"  # SentencePiece's whitespace symbol
 _WORDS = re.compile(f"[ {_SPACE}]*[^ {_SPACE}]+|[ {_SPACE}]+\\Z")
 _PIECE_OK = re.compile(f"{_SPACE}*[^{_SPACE}]*\\Z")
 _BPE = 2  # TrainerSpec.ModelType
+_ENCODE_SLICE = 512  # new words per SentencePiece call
 
 # ModelProto field numbers (sentencepiece_model.proto)
 _TRAINER_SPEC, _NORMALIZER_SPEC = 2, 3
@@ -177,10 +178,15 @@ class WordCache:
         count = sum(map(len, split))
         self.misses += len(new)
         self.hits += count - len(new)
-        if new:
-            # Note: this call's new words go in first, so every look-up below is a plain
-            # dict look-up; the cache is trimmed back to its bounds afterwards
-            words.update(zip(new, (array("i", ids).tobytes() for ids in encode(new)), strict=True))
+        # Note: this call's new words go in first, so every look-up below is a plain dict
+        # look-up; the cache is trimmed back to its bounds afterwards. They are encoded a
+        # slice at a time: SentencePiece returns a list per word, and a few hundred
+        # thousand of them alive at once would set off full garbage collections.
+        for start in range(0, len(new), _ENCODE_SLICE):
+            part = new[start : start + _ENCODE_SLICE]
+            words.update(
+                zip(part, (array("i", ids).tobytes() for ids in encode(part)), strict=True)
+            )
         lookup = words.__getitem__
         encoded = [b"".join(map(lookup, ws)) for ws in split]
         if new:

@@ -2,8 +2,8 @@
 against raw SentencePiece batch encoding and the usual `datasets` recipe
 (`map(tokenize)` then `map(group_texts)`, num_proc=2), in two forms: as in transformers'
 `run_clm.py` example (a transformers tokenizer made from the same SentencePiece model) and
-with SentencePiece called directly. The loader runs with its word cache (the default) and
-without it. Each is run three times and its fastest round counts (one round varies by 10 %
+with SentencePiece called directly. The loader runs with 2 workers and its defaults
+(chunks of 64 documents, the word cache), and without the word cache. Each is run three times and its fastest round counts (one round varies by 10 %
 or more on a shared machine). Figures are ratios to the peers."""
 
 from __future__ import annotations
@@ -151,7 +151,6 @@ def _time_loader(benchmark, name, path, model, tokenizer_options):
             block_size=16,
             num_workers=2,
             num_epochs=1,
-            chunk_docs=32,
         )
         marks = []
         tokens = 0

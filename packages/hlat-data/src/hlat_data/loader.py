@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import multiprocessing
+import os
 import queue
 import threading
 import time
@@ -236,6 +237,10 @@ class PackedLoader:
             for _ in range(self.num_workers)
         ]
         starter = _Starter(workers, setup, worker_encode)
+        # Note: once the workers run, this process helps only if they leave a core free;
+        # on a machine they fill, a third encoder would compete for the cores and meet
+        # every word anew in a word cache of its own
+        helps = self.num_workers < _usable_cores()
         try:
             tasks = enumerate(self._tasks())
             in_flight = 0
@@ -246,7 +251,7 @@ class PackedLoader:
             wanted = 0
             while in_flight:
                 while wanted not in done:
-                    number, chunk = _next_result(results, inbox, starter, encode)
+                    number, chunk = _next_result(results, inbox, starter, encode, helps)
                     done[number] = chunk
                 yield done.pop(wanted)
                 wanted += 1
@@ -476,25 +481,31 @@ def _shut_down(workers: list[Any], inbox: Any, results: Any, stop: Any) -> None:
         q.close()
 
 
+def _usable_cores() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
 def _next_result(
-    results: Any, inbox: Any, starter: _Starter, encode: _Encoder
+    results: Any, inbox: Any, starter: _Starter, encode: _Encoder, helps: bool
 ) -> tuple[int, Chunk]:
     """The next finished chunk, in any order.
 
     Note:
-        While no worker result is ready (workers still starting, or all busy), this
-        process takes a pending task from the shared inbox and encodes it itself: it would
-        otherwise sit idle, since the caller is waiting for data anyway.
+        While no worker result is ready and the workers are still starting (or, with
+        ``helps``, all busy), this process takes a pending task from the shared inbox and
+        encodes it itself: it would otherwise sit idle, since the caller is waiting for data
+        anyway.
     """
     waited = 0.0
     while True:
         try:
             number, payload = results.get_nowait()
         except queue.Empty:
-            try:
-                item = inbox.get_nowait()
-            except queue.Empty:
-                item = None
+            item = None
+            if helps or starter.is_alive():
+                with contextlib.suppress(queue.Empty):
+                    item = inbox.get_nowait()
             if item is not None:
                 number, task = item
                 return number, encode(task)

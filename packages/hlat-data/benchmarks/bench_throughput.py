@@ -1,10 +1,10 @@
-"""Packed tokens per second on the Python standard library's sources, CPU, one run each,
-against raw SentencePiece batch encoding and the usual `datasets` recipe
-(`map(tokenize)` then `map(group_texts)`, num_proc=2), in two forms: as in transformers'
-`run_clm.py` example (a transformers tokenizer made from the same SentencePiece model) and
-with SentencePiece called directly. The loader runs with 2 workers and its defaults
-(chunks of 64 documents, the word cache), and without the word cache. Each is run three times and its fastest round counts (one round varies by 10 %
-or more on a shared machine). Figures are ratios to the peers."""
+"""Packed tokens per second on the Python standard library's sources, CPU, against raw
+SentencePiece batch encoding and the usual `datasets` recipe (`map(tokenize)` then
+`map(group_texts)`, num_proc=2), in two forms: as in transformers' `run_clm.py` example (a
+transformers tokenizer made from the same SentencePiece model) and with SentencePiece called
+directly. The loader runs with 2 workers and its defaults (chunks of 64 documents, the word
+cache), and without the word cache. Each is run three times and its fastest round counts
+(one round varies by 10 % or more on a shared machine). Figures are ratios to the peers."""
 
 from __future__ import annotations
 

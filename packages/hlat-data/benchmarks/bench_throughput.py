@@ -236,4 +236,4 @@ def test_encode_step_alone_against_raw_encode_on_one_thread(benchmark, corpus):
         raw_tokens_per_s=round(raw), ours_tokens_per_s=round(ours), word_hit_rate=hit_rate
     )
     print(f"\nencode step alone / raw encode, one thread (fastest rounds): {ours / raw:.2f}x")
-    print(f"word cache: {hit_rate:.1%} of {cache.hits + cache.misses} words found")
+    print(f"word cache: {hit_rate:.1%} of {cache.hits + cache.misses} parts found")

@@ -4,13 +4,46 @@ from __future__ import annotations
 
 import pickle
 import random
+import re
 from pathlib import Path
 
 import pytest
 import sentencepiece
 
 from hlat_data import DataError, Tokenizer
-from hlat_data.wordcache import _WORDS, adds_dummy_prefix, without_dummy_prefix
+from hlat_data.wordcache import adds_dummy_prefix, ascii_cuts, without_dummy_prefix
+
+# Whitespace-delimited words: a run of spaces (or of SentencePiece's whitespace symbol) then a
+# run of other characters; or trailing spaces.
+WORDS = re.compile("[ \u2581]*[^ \u2581]+|[ \u2581]+\\Z")
+
+
+def merged_pieces(model_path: str) -> list[str]:
+    """The pieces BPE merges into, ``▁`` written as a space."""
+    sp = sentencepiece.SentencePieceProcessor(model_file=model_path)
+    return [
+        sp.id_to_piece(i).replace("\u2581", " ")
+        for i in range(sp.get_piece_size())
+        if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i))
+    ]
+
+
+def cache_keys(model_path: str, text: str) -> list[str]:
+    """The pieces the cache cuts ``text`` into, by its rule written out plainly: before a
+    space after a non-space, and between two ASCII characters that are pieces of their own
+    and that no piece holds side by side."""
+    pieces = merged_pieces(model_path)
+    pairs = {p[k : k + 2] for p in pieces for k in range(len(p) - 1)}
+    singles = {p for p in pieces if len(p) == 1 and p.isascii()}
+    text = " " + text.replace("\u2581", " ")
+    keys, start = [], 0
+    for i in range(1, len(text)):
+        a, b = text[i - 1], text[i]
+        if (b == " " and a != " ") or (a in singles and b in singles and a + b not in pairs):
+            keys.append(text[start:i])
+            start = i
+    return [*keys, text[start:]]
+
 
 # Characters that exercise every rule the cache relies on: spaces (single and in runs),
 # SentencePiece's own whitespace symbol written literally, tabs and newlines (no spaces for
@@ -63,12 +96,38 @@ def test_cached_ids_equal_sentencepiece_on_code_and_random_text(tokenizer_path, 
     texts = [*documents, *random_texts(300)]
     expected = sentencepiece_ids(tokenizer_path, texts)
     assert tokenizer.encode_batch(texts) == expected
-    # a second pass answers from the cache, with the same ids; only the words too long to
+    # a second pass answers from the cache, with the same ids; only the pieces too long to
     # keep are encoded again
     misses = tokenizer.word_cache.misses
     assert tokenizer.encode_batch(texts) == expected
-    long_words = {w for t in texts for w in _WORDS.findall(" " + t) if len(w) > 64}
-    assert tokenizer.word_cache.misses - misses == len(long_words)
+    long_keys = {k for t in texts if t for k in cache_keys(tokenizer_path, t) if len(k) > 64}
+    assert long_keys
+    assert tokenizer.word_cache.misses - misses == len(long_keys)
+
+
+def test_words_are_also_cut_between_ascii_characters_no_piece_joins(tokenizer_path):
+    tokenizer = Tokenizer.from_file(tokenizer_path, num_threads=1)
+    pieces = merged_pieces(tokenizer_path)
+    pairs = {p[k : k + 2] for p in pieces for k in range(len(p) - 1)}
+    singles = {p for p in pieces if len(p) == 1 and p.isascii()}
+    table = ascii_cuts(tokenizer._impl).reshape(256, 256)
+    for a in range(256):
+        for b in range(256):
+            cut = chr(a) in singles and chr(b) in singles and chr(a) + chr(b) not in pairs
+            assert table[a, b] == cut, (chr(a), chr(b))
+    assert table.sum() > 1000  # a code vocabulary of 512 pieces leaves most pairs apart
+
+
+def test_runs_of_characters_outside_the_vocabulary_stay_one_unknown_piece(tmp_path, documents):
+    """Without byte fallback, SentencePiece folds a run of unknown characters into one
+    unknown piece; the cache must not cut such a run, even between ASCII characters."""
+    model = train(tmp_path, documents, "no-fallback", byte_fallback=False)
+    sp = sentencepiece.SentencePieceProcessor(model_file=model)
+    assert sp.encode("\x01\x02", out_type=str)[-1] == "\x01\x02"  # one piece, unknown
+    tokenizer = Tokenizer.from_file(model, num_threads=1)
+    assert tokenizer.word_cache is not None, tokenizer.word_cache_unavailable
+    texts = ["\x01\x02", "a\x01\x02b", "x=\x01\x02\x03;", "(\x7f\x01)", *documents[:5]]
+    assert tokenizer.encode_batch(texts) == sentencepiece_ids(model, texts)
 
 
 def test_flat_encoding_is_the_batch_encoding_concatenated(tokenizer_path, documents):
@@ -170,3 +229,18 @@ def test_an_empty_batch_encodes_to_nothing_and_flat_ids_are_writable(tokenizer_p
     ids, lens = tokenizer.encode_flat(["x = 1", ""])
     assert lens[1] == 0
     ids[0] = 7  # a caller may reuse the buffer
+
+
+def test_a_copy_with_other_threads_shares_the_model_and_has_its_own_cache(
+    tokenizer_path, documents
+):
+    tokenizer = Tokenizer.from_file(tokenizer_path, num_threads=1)
+    tokenizer.encode_batch(documents[:5])
+    clone = tokenizer.with_threads(2)
+    assert (clone.num_threads, tokenizer.num_threads) == (2, 1)
+    assert clone._impl is tokenizer._impl  # not loaded again
+    assert clone.word_cache is not tokenizer.word_cache and len(clone.word_cache) == 0
+    assert clone.encode_batch(documents) == sentencepiece_ids(tokenizer_path, documents)
+    shipped = pickle.loads(pickle.dumps(clone))  # as the loader sends it to its workers
+    assert shipped.num_threads == 2
+    assert shipped.encode_batch(documents[:5]) == sentencepiece_ids(tokenizer_path, documents[:5])

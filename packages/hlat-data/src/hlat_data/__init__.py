@@ -11,7 +11,7 @@ from hlat_data.packer import IGNORE_INDEX, Batch
 from hlat_data.source import ArrowSource
 from hlat_data.tokenizer import Tokenizer, train_tokenizer
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "IGNORE_INDEX",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import itertools
 import os
@@ -150,7 +149,9 @@ class Tokenizer:
             words.LoadFromSerializedProto(wordcache.without_dummy_prefix(self._model))
             self._words_impl = words
             self.word_cache = wordcache.WordCache(
-                dummy_prefix=wordcache.adds_dummy_prefix(self._model), capacity=self.cache_size
+                dummy_prefix=wordcache.adds_dummy_prefix(self._model),
+                capacity=self.cache_size,
+                cuts=wordcache.ascii_cuts(self._impl),
             )
             reason = self._word_cache_disagreement()
         if reason is not None:
@@ -180,9 +181,13 @@ class Tokenizer:
         return self.word_cache.encode_flat(texts, lambda w: words.encode(w, num_threads=threads))
 
     def with_threads(self, num_threads: int) -> Tokenizer:
-        """A copy that encodes batches with ``num_threads`` threads."""
-        clone = copy.copy(self)
+        """A copy that encodes batches with ``num_threads`` threads, with a word cache of its
+        own (empty); the loaded model is shared, not loaded again."""
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)
         clone.num_threads = num_threads
+        if self.word_cache is not None:
+            clone.word_cache = self.word_cache.empty_copy()
         return clone
 
     def encode(self, text: str) -> list[int]:

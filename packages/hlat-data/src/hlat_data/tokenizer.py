@@ -25,16 +25,16 @@ class Tokenizer:
 
     A SentencePiece BPE model with identity normalization (Llama's kind, and what
     :func:`train_tokenizer` writes) encodes through a word cache
-    (:mod:`hlat_data.wordcache`): each whitespace-delimited word is encoded by SentencePiece
-    once and looked up after that, with the same ids as encoding the whole text. Other models
-    encode every text in full.
+    (:mod:`hlat_data.wordcache`): text is cut into words, and words further where no piece
+    spans the cut; each part is encoded by SentencePiece once and looked up after that, with
+    the same ids as encoding the whole text. Other models encode every text in full.
 
     Attributes:
         kind: ``"sentencepiece"`` or ``"hf"``.
         bos_id, eos_id: special ids (-1 when the model has none).
         vocab_size: number of ids.
         num_threads: threads used by :meth:`encode_batch`.
-        cache_size: words the word cache keeps at most (0: no cache).
+        cache_size: parts the word cache keeps at most (0: no cache).
         word_cache: the word cache (its ``hits`` and ``misses`` count look-ups), or None.
         word_cache_unavailable: why this model encodes without a word cache, or None.
     """

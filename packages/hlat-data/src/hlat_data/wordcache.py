@@ -184,7 +184,7 @@ def ascii_cuts(processor: Any) -> np.ndarray:
     data = np.frombuffer(b"".join(utf8), dtype=np.uint8).astype(np.intp)
     # pairs of neighbouring bytes within a piece (a piece's last byte has no partner)
     within = np.ones(max(len(data) - 1, 0), dtype=bool)
-    within[np.cumsum([len(u) for u in utf8])[:-1] - 1] = False
+    within[np.cumsum(np.fromiter(map(len, utf8), np.intp, count=len(utf8)))[:-1] - 1] = False
     ascii_pair = within & (data[:-1] < 128) & (data[1:] < 128)
     inside = np.zeros((128, 128), dtype=bool)  # pairs some piece holds
     inside[data[:-1][ascii_pair], data[1:][ascii_pair]] = True

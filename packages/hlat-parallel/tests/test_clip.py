@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from hlat_parallel import clip_grad_norm_
+from hlat_parallel import clip_grad_norm_, param_norm
 
 
 def params_with_grads(scale: float) -> list[torch.nn.Parameter]:
@@ -42,3 +42,21 @@ def test_parameters_without_gradients_are_skipped():
     params.append(torch.nn.Parameter(torch.ones(3)))
     assert clip_grad_norm_(params, max_norm=1.0) > 1.0
     assert params[-1].grad is None
+
+
+def test_a_non_finite_norm_leaves_the_gradients_untouched_and_is_returned():
+    params = params_with_grads(1.0)
+    params[1].grad[5] = float("nan")
+    before = [p.grad.clone() for p in params]
+    norm = clip_grad_norm_(params, max_norm=1.0)
+    assert norm.isnan()
+    for p, b in zip(params, before, strict=True):
+        assert torch.equal(p.grad.nan_to_num(), b.nan_to_num())
+
+
+def test_param_norm_is_the_norm_of_all_weights():
+    params = params_with_grads(1.0)
+    for p in params:
+        p.data.normal_()
+    exact = torch.cat([p.detach().double().flatten() for p in params]).norm()
+    assert abs(param_norm(params).double() - exact) / exact < 1e-6

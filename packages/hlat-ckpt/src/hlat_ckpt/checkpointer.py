@@ -615,12 +615,11 @@ class Checkpointer:
         for key, t in flat.items():
             local = t.to_local() if isinstance(t, DTensor) else t
             buf = self._buffers.get(key)
+            device_resident = local.device.type != "cpu"
             if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
-                buf = torch.empty(
-                    local.shape, dtype=local.dtype, device="cpu", pin_memory=local.is_cuda
-                )
-            buf.copy_(local.detach(), non_blocking=local.is_cuda)
-            on_device |= local.device.type != "cpu"
+                buf = _host_buffer(local, pinned=device_resident)
+            buf.copy_(local.detach(), non_blocking=device_resident and buf.is_pinned())
+            on_device |= device_resident
             buffers[key] = buf
             if isinstance(t, DTensor):
                 staged[key] = DTensor.from_local(
@@ -633,8 +632,8 @@ class Checkpointer:
                 )
             else:
                 staged[key] = buf
-        if on_device and torch.cuda.is_available():
-            torch.cuda.synchronize()
+        if on_device:
+            torch.accelerator.synchronize()  # the non-blocking copies above have landed
         self._buffers = buffers
         return staged
 
@@ -836,3 +835,14 @@ def _wait_at_exit(ref: weakref.ref[Checkpointer]) -> None:
     except Exception:
         traceback.print_exc()
         print("hlat-ckpt: the last checkpoint was not saved (see above)", file=sys.stderr)
+
+
+def _host_buffer(like: torch.Tensor, pinned: bool) -> torch.Tensor:
+    """An empty CPU tensor shaped like ``like``; page-locked when it receives a copy from an
+    accelerator (so the copy runs without blocking) and the device's runtime can pin."""
+    if pinned:
+        try:
+            return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=True)
+        except RuntimeError:  # a backend without pinned host memory
+            pass
+    return torch.empty(like.shape, dtype=like.dtype, device="cpu")

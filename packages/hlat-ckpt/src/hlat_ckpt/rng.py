@@ -11,7 +11,8 @@ import torch
 
 class RNGState:
     """The calling process's RNG states (``random``, NumPy's global generator if NumPy is
-    installed, torch's CPU generator and every CUDA device's generator), with
+    installed, torch's CPU generator and the generator of every device of the accelerator
+    ``torch.accelerator`` reports, CUDA or another), with
     ``state_dict()/load_state_dict()``.
 
     :class:`~hlat_ckpt.Checkpointer` saves one per rank under the name ``"rng"`` unless told
@@ -35,8 +36,10 @@ class RNGState:
             pass
         else:
             state["numpy"] = np.random.get_state()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state_all()
+        module = _accelerator_module()
+        if module is not None and getattr(module, "is_initialized", lambda: True)():
+            # keyed by device type ("cuda", "neuron"...), as hlat-ckpt 0.2 keyed CUDA's
+            state[torch.accelerator.current_accelerator().type] = module.get_rng_state_all()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -54,5 +57,18 @@ class RNGState:
             import numpy as np
 
             np.random.set_state(state["numpy"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(list(state["cuda"]))
+        module = _accelerator_module()
+        device_type = torch.accelerator.current_accelerator().type if module else None
+        if module is not None and device_type in state:
+            module.set_rng_state_all(list(state[device_type]))
+
+
+def _accelerator_module() -> Any:
+    """The torch module of the accelerator (``torch.cuda``, ``torch.xpu``, TorchNeuron's...)
+    when there is one and it keeps per-device generator states, else None."""
+    if not torch.accelerator.is_available():
+        return None
+    module = torch.get_device_module(torch.accelerator.current_accelerator())
+    if not callable(getattr(module, "get_rng_state_all", None)):
+        return None
+    return module

@@ -138,7 +138,7 @@ class Llama(nn.Module):
 
         with torch.device("meta"):
             model = Llama(LlamaConfig.preset("hlat-7b"))
-        model.to_empty(device="cuda")
+        model.to_empty(device=torch.accelerator.current_accelerator() or "cpu")
         model.init_weights()
 
     Built on a real device, the weights are initialised at once.

@@ -4,7 +4,15 @@
 """
 
 from hlat_parallel.apply import parallelize
-from hlat_parallel.clip import clip_grad_norm_
+from hlat_parallel.clip import clip_grad_norm_, global_norm, param_norm
+from hlat_parallel.device import (
+    DeviceError,
+    check_device,
+    compile_backend_for,
+    dist_backend_for,
+    pins_memory,
+    resolve_device,
+)
 from hlat_parallel.dims import (
     ParallelConfigError,
     ParallelDims,
@@ -18,16 +26,24 @@ from hlat_parallel.zero import no_grad_sync, shard_optimizer
 __version__ = "0.2.0"
 
 __all__ = [
+    "DeviceError",
     "ParallelConfigError",
     "ParallelDims",
     "PlanEntry",
+    "check_device",
     "check_parallel_config",
     "clip_grad_norm_",
+    "compile_backend_for",
+    "dist_backend_for",
+    "global_norm",
     "init_parallel",
     "loss_parallel",
     "match_plan",
     "no_grad_sync",
     "parallelize",
+    "param_norm",
     "parse_plan",
+    "pins_memory",
+    "resolve_device",
     "shard_optimizer",
 ]

@@ -12,6 +12,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
+from hlat_parallel.device import (
+    BackendChoice,
+    DeviceError,
+    auto_backend,
+    check_device,
+    dist_backend_for,
+    resolve_device,
+)
+
 Backend = Literal["auto", "torch", "neuron"]
 
 
@@ -105,6 +114,10 @@ class ParallelDims:
     """The process group of this rank's data-parallel replicas (same TP rank)."""
     mesh: Any = None
     """The 2-D ``DeviceMesh`` with dimensions ("dp", "tp"); ``None`` on the neuron backend."""
+    dist_backend: str = ""
+    """The process-group backend (``gloo``, ``nccl``, ``neuron``, ``xla``...)."""
+    backend_reason: str = ""
+    """Why this backend: what ``backend="auto"`` saw, or that it was asked for."""
 
     @property
     def sequence_parallel(self) -> bool:
@@ -120,14 +133,6 @@ class ParallelDims:
     def dp_mesh(self) -> Any:
         """The 1-D "dp" sub-mesh (torch backend)."""
         return self.mesh["dp"] if self.mesh is not None else None
-
-
-def _neuron_available() -> bool:
-    try:
-        import torch_neuronx  # noqa: F401
-    except Exception:  # the PyPI placeholder raises on import, not only ImportError
-        return False
-    return True
 
 
 def _env_int(name: str, default: int) -> int:
@@ -151,14 +156,21 @@ def init_parallel(
     n_kv_heads: int | None = None,
     seq_len: int | None = None,
     timeout: datetime.timedelta | None = None,
+    device: str = "auto",
+    dist_backend: str = "auto",
 ) -> ParallelDims:
     """Join (or start) the process group and build the ("dp", "tp") layout.
 
     Reads torchrun's ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK``; without them it runs as a
-    single process. ``backend="auto"`` picks ``neuron`` where ``torch_neuronx`` imports and
-    ``torch`` elsewhere (NCCL on CUDA, gloo on CPU). ``n_heads``, ``n_kv_heads`` and
-    ``seq_len`` are optional: given, they are validated too (see
-    :func:`check_parallel_config`). All checks run before the process group is created.
+    single process. ``device`` is ``"auto"`` (the accelerator ``torch.accelerator``
+    reports, else the CPU) or any device torch knows (``"cpu"``, ``"cuda"``, ``"neuron"``);
+    each local process takes the device of its local rank. ``dist_backend`` is the
+    process-group backend, ``"auto"`` meaning torch's default for the device type.
+    ``backend="auto"`` picks the parallel engine as :func:`hlat_parallel.device.choose_backend`
+    explains (the native ``torch`` path on every device, trn2/trn3 included; ``neuron``, the
+    legacy NxD path, on trn1); :attr:`ParallelDims.backend_reason` says why.
+    ``n_heads``, ``n_kv_heads`` and ``seq_len`` are optional: given, they are validated too
+    (see :func:`check_parallel_config`). All checks run before the process group is created.
 
     Under torchrun the process group is created on a namespace of the store per restart
     attempt (``TORCHELASTIC_RESTART_COUNT``), so workers restarted by
@@ -176,13 +188,23 @@ def init_parallel(
     check_parallel_config(
         world_size, tp, sp, n_heads=n_heads, n_kv_heads=n_kv_heads, seq_len=seq_len
     )
-    if backend == "auto":
-        backend = "neuron" if _neuron_available() else "torch"
-    if backend == "neuron":
+    try:
+        check_device(device)
+        choice = (
+            auto_backend(device)
+            if backend == "auto"
+            else BackendChoice(backend, f"parallel backend {backend!r} as configured")
+        )
+    except DeviceError as error:
+        raise ParallelConfigError(str(error)) from None
+    if choice.backend == "neuron":
         from hlat_parallel.neuron_backend import init_neuron_parallel
 
-        return init_neuron_parallel(world_size, rank, tp, sp, timeout)
-    return _init_torch(world_size, rank, tp, sp, timeout)
+        dims = init_neuron_parallel(world_size, rank, tp, sp, timeout)
+    else:
+        dims = _init_torch(world_size, rank, tp, sp, timeout, device, dist_backend)
+    dims.backend_reason = choice.reason
+    return dims
 
 
 def _attempt_store(
@@ -211,17 +233,21 @@ def _attempt_store(
 
 
 def _init_torch(
-    world_size: int, rank: int, tp: int, sp: bool, timeout: datetime.timedelta | None
+    world_size: int,
+    rank: int,
+    tp: int,
+    sp: bool,
+    timeout: datetime.timedelta | None,
+    device_spec: str,
+    dist_backend: str,
 ) -> ParallelDims:
     from torch.distributed.device_mesh import init_device_mesh
 
-    if torch.cuda.is_available():
-        device = torch.device("cuda", _env_int("LOCAL_RANK", 0))
-        torch.cuda.set_device(device)
-        pg_backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        pg_backend = "gloo"
+    device = resolve_device(device_spec, _env_int("LOCAL_RANK", 0))
+    try:
+        pg_backend = dist_backend_for(device, dist_backend)
+    except DeviceError as error:
+        raise ParallelConfigError(str(error)) from None
     if not dist.is_initialized():
         kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         if world_size == 1:  # one process needs no rendezvous: an in-memory store will do
@@ -254,4 +280,5 @@ def _init_torch(
         tp_group=mesh["tp"].get_group(),
         dp_group=mesh["dp"].get_group(),
         mesh=mesh,
+        dist_backend=str(dist.get_backend()),
     )

@@ -67,7 +67,10 @@ def shard_optimizer(
     (which shards them over "dp"), so the optimizer creates its state on the local shard
     only; a parameter that is not sharded while dp > 1 is an error. Any optimizer that
     accepts DTensor parameters works (``torch.optim.AdamW``, ``hlat_optim.AdamW``).
-    neuron backend: NeuronX Distributed's ``NeuronZero1Optimizer`` wraps ``optimizer_cls``.
+    neuron backend: NeuronX Distributed's ``NeuronZero1Optimizer`` wraps ``optimizer_cls``
+    and clips inside ``step()``; ``kw`` must then hold ``optimizer_dtype`` and ``max_norm``
+    (``**zero1_precision(mode).zero1_kwargs(), **zero1_clip(max_norm)`` from
+    :mod:`hlat_parallel.neuron_backend`; see ``neuron_zero1_optimizer``).
     """
     params = list(params)
     if dims.backend == "neuron":

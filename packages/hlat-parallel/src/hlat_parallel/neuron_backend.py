@@ -338,6 +338,7 @@ def apply_neuron_parallel(
     check_untied(model, matched)
     nxd = _import_nxd()
     layers = nxd.parallel_layers
+    _ensure_model_parallel_rng(layers, dims)
     modules = dict(model.named_modules())
     for name, entry in matched.items():
         module = modules[name]
@@ -363,6 +364,25 @@ def apply_neuron_parallel(
         from hlat_parallel.torch_backend import sequence_check
 
         model.register_forward_pre_hook(sequence_check(dims.tp), with_kwargs=True)
+
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+"""The name of NxD's per-TP-rank RNG state (``parallel_layers.random``)."""
+
+
+def _ensure_model_parallel_rng(layers: Any, dims: ParallelDims) -> None:
+    """Give NxD's RNG tracker its per-TP-rank state if nobody has yet.
+
+    Note: NxD builds a layer on the XLA device inside ``get_xla_rng_tracker().fork()``,
+    which raises until ``model_parallel_xla_manual_seed`` has run. The values drawn there do
+    not matter here (:func:`shard_init` copies or leaves the shard), so the state is added
+    with the tracker's own ``add``, which restores the torch generator, rather than with
+    ``model_parallel_xla_manual_seed``, which reseeds it; a later
+    ``model_parallel_xla_manual_seed(seed)`` replaces it.
+    """
+    tracker = layers.get_xla_rng_tracker()
+    if MODEL_PARALLEL_RNG not in tracker.get_states():
+        tracker.add(MODEL_PARALLEL_RNG, tp_seed(0, dims.tp_rank))
 
 
 def _scatter_output(dim: int, mappings: Any) -> Any:
@@ -668,7 +688,8 @@ def neuron_zero1_optimizer(
 def zero1_grad_norm(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
     """The global gradient norm (before clipping) that NxD's ZeRO-1 computed in its last
     ``step()``: its ``grad_norm`` property, a 0-d tensor on the device (reading its value
-    waits for the step); ``None`` before the first step.
+    waits for the step); ``None`` before the first step. NxD sums the squares in the dtype
+    of the weight shards (``optimizer_dtype``: bf16 under ``bf16-sr``).
 
     Raises :class:`TypeError` for an optimizer without that property (not NxD's ZeRO-1).
     """

@@ -59,9 +59,9 @@ def main() -> None:
     resumed = NeuronCheckpointer(root, use_xser=False, nxd=NxdStandIn())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        step = resumed.load_latest(b)
+        resumed_step = resumed.load_latest(b)
     out = {
-        "step": step,
+        "step": resumed_step,
         "position": b["loader"]["position"],
         "momentum_matches_own": momentum(b) == saved,
         "warnings": [str(w.message) for w in caught],

@@ -396,7 +396,7 @@ class AdamW(torch.optim.Optimizer):
                 self.stochastic_rounding,
                 flat[5],
             )
-        batch.run()
+        batch.run(None)
         return loss
 
     def _locals(
@@ -479,7 +479,8 @@ class _NativeBatch:
         self.indices.append(index)
         self.keep.append(local)
 
-    def run(self) -> None:
+    def run(self, skip: torch.Tensor | None) -> None:
+        """One kernel call; ``skip`` (a CPU bool tensor or None) is read by the kernel."""
         if not self.rows:
             return
         lib = _native.load()
@@ -487,7 +488,11 @@ class _NativeBatch:
         table = torch.tensor(self.rows, dtype=torch.int64)
         hypers = torch.tensor(self.hypers, dtype=torch.float32)
         rc = lib.hlat_adamw_step(
-            len(self.rows), table.data_ptr(), hypers.data_ptr(), torch.get_num_threads()
+            len(self.rows),
+            table.data_ptr(),
+            hypers.data_ptr(),
+            torch.get_num_threads(),
+            skip.data_ptr() if skip is not None else None,
         )
         if rc != 0:
             raise RuntimeError(

@@ -492,16 +492,17 @@ constexpr int64_t kChunk = 1 << 15;  // elements per task: a multiple of every g
 extern "C" {
 
 // Version of the entry point's signature; the loader checks it.
-int hlat_adamw_abi(void) { return 3; }
+int hlat_adamw_abi(void) { return 4; }
 
 // One AdamW update, in place, of `count` contiguous tensors. `table` has 10 int64 values per
 // tensor: the addresses of param, grad, exp_avg, exp_avg_sq, master (fp32, or 0) and comp
 // (bf16 Kahan compensation, or 0), the element count n, flags (1: param is bf16, 2: grad is
 // bf16, 4: states are bf16, 8: stochastic rounding), the rounding key and the index offset.
-// `hypers` has adamw_update's 7 floats per tensor. Returns 0, or 1 + the index of the first
+// `hypers` has adamw_update's 7 floats per tensor. `skip` is the data of a torch.bool tensor,
+// or null: when it holds true, nothing is updated. Returns 0, or 1 + the index of the first
 // row with an unsupported combination (then nothing is updated).
 int64_t hlat_adamw_step(int64_t count, const int64_t* table, const float* hypers,
-                        int threads) {
+                        int threads, const uint8_t* skip) {
   std::vector<Task> tasks;
   for (int64_t i = 0; i < count; ++i) {
     Row r;
@@ -512,6 +513,9 @@ int64_t hlat_adamw_step(int64_t count, const int64_t* table, const float* hypers
     }
     for (int64_t b = 0; b < r.n; b += kChunk) tasks.push_back({i, b, b + kChunk < r.n ? b + kChunk : r.n});
   }
+  // Read here, after the rows are checked, so that a bad row is reported on skipped steps too;
+  // the flag is read from the tensor's memory, so the caller never reads it on the host.
+  if (skip != nullptr && *skip != 0) return 0;
   const int64_t ntasks = static_cast<int64_t>(tasks.size());
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && ntasks > 1)
   for (int64_t t = 0; t < ntasks; ++t) {

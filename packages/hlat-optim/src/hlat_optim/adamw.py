@@ -25,6 +25,11 @@ __all__ = ["AdamW", "adamw_update"]
 
 _SUPPORTED = (torch.float32, torch.bfloat16)
 _IMPLS = ("auto", "native", "compiled", "reference")
+_HYPER_WIDTH = 7  # adamw_update's hyper
+_TABLE_WIDTH = _HYPER_WIDTH + 2  # hyper, key, offset
+# Graphs of the compiled group update a process may hold: a few groups per optimizer, and
+# processes (tests, notebooks) that build optimizers for several models.
+_RECOMPILE_LIMIT = 128
 # An odd multiplier: the high 16 bits of (bits * it) are exp_avg_sq's rounding bits.
 _SQ_MULT = 0x2C1B3C6D
 
@@ -40,12 +45,14 @@ def adamw_update(
     offset: torch.Tensor,
     stochastic_rounding: bool,
     compensation: torch.Tensor | None = None,
+    skip: torch.Tensor | None = None,
 ) -> None:
     """One AdamW update of a flat (1-D, contiguous) parameter and its states, in place.
 
-    This is the reference implementation; ``AdamW`` runs it as is (``impl="reference"``),
-    through ``torch.compile`` or, on CPU, as the equivalent C++ loop in ``_adamw_cpu.cpp``;
-    every path computes the same thing bit for bit.
+    This is the reference implementation; ``AdamW`` runs it for each tensor of a group of
+    same-dtype tensors, eagerly (``impl="reference"``) or inside one ``torch.compile``d call
+    per group, or, on CPU, as the equivalent C++ loop in ``_adamw_cpu.cpp``; every path
+    computes the same thing bit for bit.
 
     ``hyper`` is a float32 tensor ``[decay, step_size, 1 - beta1, beta2, 1 - beta2, eps,
     1 / bias_correction2_sqrt]`` with ``decay = 1 - lr * weight_decay``,
@@ -62,8 +69,14 @@ def adamw_update(
     the parameter, the high 16 ``exp_avg``, and the high 16 of ``bits * 0x2C1B3C6D`` (an
     odd multiplier) ``exp_avg_sq``. Those last are uniform and independent of the low 16.
 
+    ``skip`` (a 0-d bool tensor on the parameter's device, or ``None``): where it is true,
+    every tensor written keeps its value bit for bit, whatever the gradient holds (inf and
+    NaN included). The choice is an elementwise select, made on the device.
+
     Note: the scalars arrive as tensors, not Python floats, so that a compiled kernel is
-    reused across steps instead of being recompiled for every new learning rate.
+    reused across steps instead of being recompiled for every new learning rate. ``skip``
+    is a tensor so that it can be decided on the device: reading it on the host would wait
+    for the device.
     """
     decay, step_size, one_minus_beta1, beta2, one_minus_beta2, eps, inv_bc2_sqrt = hyper.unbind(0)
     g = grad.float()
@@ -91,45 +104,165 @@ def adamw_update(
         bits = hashed_bits(index, key)
 
     if master is not None:
-        master.copy_(w)
-        param.copy_(w)
+        master.copy_(_unless(skip, master, w))
+        param.copy_(_unless(skip, param, w))
     elif compensation is not None:
         rounded = round_to_nearest(w)
-        param.copy_(rounded)
-        compensation.copy_(w - rounded)  # exact in fp32; rounded to nearest bf16 on the copy
+        param.copy_(_unless(skip, param, rounded))
+        # w - rounded is exact in fp32; rounded to nearest bf16 on the way in
+        compensation.copy_(_unless(skip, compensation, w - rounded))
     elif param.dtype == torch.bfloat16 and stochastic_rounding:
-        param.copy_(round_with_bits(w, bits & 0xFFFF))
+        param.copy_(_unless(skip, param, round_with_bits(w, bits & 0xFFFF)))
     else:
-        param.copy_(w)
+        param.copy_(_unless(skip, param, w))
 
     if exp_avg.dtype == torch.bfloat16 and stochastic_rounding:
-        exp_avg.copy_(round_with_bits(m, _lsr(bits, 16)))
-        exp_avg_sq.copy_(round_with_bits(v, _lsr(bits * _SQ_MULT, 16)))
+        exp_avg.copy_(_unless(skip, exp_avg, round_with_bits(m, _lsr(bits, 16))))
+        exp_avg_sq.copy_(_unless(skip, exp_avg_sq, round_with_bits(v, _lsr(bits * _SQ_MULT, 16))))
     else:
-        exp_avg.copy_(m)
-        exp_avg_sq.copy_(v)
+        exp_avg.copy_(_unless(skip, exp_avg, m))
+        exp_avg_sq.copy_(_unless(skip, exp_avg_sq, v))
 
 
-_compiled: Callable[..., None] | None = None
+def _unless(skip: torch.Tensor | None, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``new`` as ``old``'s dtype, or ``old`` itself where ``skip`` is true.
+
+    Note: ``new`` is cast before the select (the cast ``copy_`` would make), so that a
+    skipped element is ``old``'s own bits, never a round trip through another dtype.
+    """
+    if skip is None:
+        return new
+    return torch.where(skip, old, new.to(old.dtype))
+
+
+def _adamw_update_group(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    masters: list[torch.Tensor] | None,
+    compensations: list[torch.Tensor] | None,
+    table: torch.Tensor,
+    stochastic_rounding: bool,
+    skip: torch.Tensor | None,
+) -> None:
+    """``adamw_update`` of every tensor of a group that shares a device and dtypes.
+
+    ``table`` (int32, one row of ``_TABLE_WIDTH`` per tensor, on the tensors' device) holds
+    each tensor's ``hyper`` as float32 bit patterns, then its ``key`` and its ``offset``.
+
+    Note: one function for the whole group, so that ``torch.compile`` makes one graph of it
+    and a step makes one call per group, with one table: the number of calls and of
+    host-to-device copies does not grow with the number of parameters. The loop is unrolled
+    in the graph, so a group compiles once per process for its number of tensors.
+    """
+    for i, param in enumerate(params):
+        row = table[i]
+        adamw_update(
+            param,
+            grads[i],
+            exp_avgs[i],
+            exp_avg_sqs[i],
+            masters[i] if masters is not None else None,
+            row[:_HYPER_WIDTH].view(torch.float32),
+            row[_HYPER_WIDTH],
+            row[_HYPER_WIDTH + 1],
+            stochastic_rounding,
+            compensations[i] if compensations is not None else None,
+            skip,
+        )
+
+
+# The compiled group update for each torch.compile backend, made on first use.
+_compiled: dict[str, Callable[..., None]] = {}
 _compile_lock = threading.Lock()
 
 
-def _compiled_update() -> Callable[..., None]:
-    global _compiled
+def _compiled_group(backend: str) -> Callable[..., None]:
     with _compile_lock:
-        if _compiled is None:
-            compiled = torch.compile(adamw_update, dynamic=True, fullgraph=True)
+        fn = _compiled.get(backend)
+        if fn is None:
+            compiled = torch.compile(
+                _adamw_update_group, backend=backend, dynamic=True, fullgraph=True
+            )
 
             def run(*args: Any) -> None:
-                # Note: every combination of parameter and state dtypes, master weights or
-                # Kahan compensation, and rounding mode is its own graph (two dozen at most);
-                # torch's default limit of 8 graphs per function would make a process that
-                # uses several modes fail.
-                with torch._dynamo.config.patch(recompile_limit=64):
+                # Note: every group shape (number of tensors; parameter, gradient and state
+                # dtypes; master weights or Kahan compensation; rounding mode; with or
+                # without skip) is its own graph; torch's default limit of 8 graphs per
+                # function would make a process with several groups or modes fail.
+                with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
                     compiled(*args)
 
-            _compiled = run
-    return _compiled
+            fn = _compiled[backend] = run
+    return fn
+
+
+def _default_backend(device: torch.device) -> str:
+    """The ``torch.compile`` backend for tensors on ``device``.
+
+    Note: TorchNeuron (device type ``neuron``) compiles through its own backend, ``"neuron"``;
+    that choice cannot be tested without a Trainium device. Every other device, CPU included,
+    uses inductor.
+    """
+    return "neuron" if device.type == "neuron" else "inductor"
+
+
+# Device types whose backend could not allocate pinned host memory.
+_UNPINNABLE: set[str] = set()
+
+
+def _pinnable(device: torch.device) -> bool:
+    """Whether host memory pinned for the current accelerator can feed ``device``."""
+    if device.type == "cpu" or device.type in _UNPINNABLE:
+        return False
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    current = accelerator.current_accelerator() if accelerator is not None else None
+    return current is not None and current.type == device.type
+
+
+def _group_table(
+    hypers: list[list[float]], ints: list[tuple[int, int]], device: torch.device
+) -> torch.Tensor:
+    """One group's ``hyper`` rows and (key, offset) pairs as one int32 table on ``device``.
+
+    Built on the host and copied in one transfer: from pinned memory without waiting where
+    the device's backend can pin, else from ordinary memory. The float32 values are the
+    float64 ones rounded to nearest, as ``torch.tensor`` rounds them on every path.
+    """
+    shape = (len(hypers), _TABLE_WIDTH)
+    table = None
+    if _pinnable(device):
+        try:
+            table = torch.empty(shape, dtype=torch.int32, pin_memory=True)
+        except RuntimeError:
+            _UNPINNABLE.add(device.type)
+    if table is None:
+        table = torch.empty(shape, dtype=torch.int32)
+    parts = [
+        torch.tensor(hypers, dtype=torch.float32).view(torch.int32),
+        torch.tensor(ints, dtype=torch.int32),
+    ]
+    torch.cat(parts, dim=1, out=table)
+    return table.to(device, non_blocking=True)
+
+
+def _int32(x: int) -> int:
+    """``x`` modulo 2**32, as a signed int32 (the hash's arithmetic wraps)."""
+    x &= 0xFFFFFFFF
+    return x - (1 << 32) if x >= 1 << 31 else x
+
+
+def _host_float(x: float | torch.Tensor) -> float:
+    """A hyperparameter's value on the host.
+
+    Note: a CPU tensor is read with ``tolist()``, which reads its memory without a
+    dispatched scalar read; a tensor on an accelerator has to be copied back, which waits
+    for the device, so a tensor ``lr`` belongs on the CPU.
+    """
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+        return float(x.detach().reshape(()).tolist())
+    return float(x)
 
 
 def _step_key(seed: int, step: int, index: int, salt: int) -> int:
@@ -189,7 +322,8 @@ class AdamW(torch.optim.Optimizer):
 
     Weight decay is applied to every parameter, norm weights included, unless a param group
     sets ``weight_decay=0``. ``lr`` may be a float or a tensor and is driven by any
-    ``torch.optim.lr_scheduler``.
+    ``torch.optim.lr_scheduler``; a tensor ``lr`` belongs on the CPU, as the host reads it
+    every step.
 
     Rounding bits come from a counter-based hash of (element index, ``seed``, step,
     parameter index), so the whole rounding state is the ``seed`` (in every param group)
@@ -207,10 +341,17 @@ class AdamW(torch.optim.Optimizer):
         kahan_sum: keep a bf16 Kahan compensation of bf16 parameters instead.
         seed: seed of the rounding bits.
         impl: ``"native"`` (a vectorised C++ loop for CPU tensors, built on first use with
-            the host compiler), ``"compiled"`` (``torch.compile``d update), ``"reference"``
-            (the same update run eagerly) or ``"auto"``: native for CPU tensors when it
-            builds, compiled otherwise, and the reference with a warning if compilation
-            fails. All give bit-identical results.
+            the host compiler), ``"compiled"`` (the update through ``torch.compile``, on any
+            device), ``"reference"`` (the same update run eagerly) or ``"auto"``: native for
+            CPU tensors when it builds, compiled otherwise, and the reference with a warning
+            if compilation fails. All give bit-identical results. The compiled and
+            reference paths group the parameters by device and by parameter, gradient and
+            state dtypes (and master weights or Kahan compensation) and make one call per
+            group and step, with the group's per-parameter values in one small table copied
+            to the device at once.
+        compile_backend: the ``torch.compile`` backend of the compiled path; ``None`` means
+            ``"neuron"`` for TorchNeuron tensors (device type ``neuron``) and ``"inductor"``
+            for every other device.
     """
 
     def __init__(
@@ -227,6 +368,7 @@ class AdamW(torch.optim.Optimizer):
         kahan_sum: bool = False,
         seed: int = 0,
         impl: str = "auto",
+        compile_backend: str | None = None,
     ) -> None:
         if not float(lr) >= 0.0:
             raise ValueError(f"AdamW: lr must be >= 0, got {lr}")
@@ -248,6 +390,13 @@ class AdamW(torch.optim.Optimizer):
             )
         if impl not in _IMPLS:
             raise ValueError(f"AdamW: impl must be one of {', '.join(_IMPLS)}, got {impl!r}")
+        if compile_backend is not None and not (
+            isinstance(compile_backend, str) and compile_backend
+        ):
+            raise ValueError(
+                "AdamW: compile_backend must be the name of a torch.compile backend (e.g. "
+                f"'inductor') or None, got {compile_backend!r}"
+            )
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, seed=seed)
         super().__init__(params, defaults)
         for gi, group in enumerate(self.param_groups):
@@ -263,6 +412,7 @@ class AdamW(torch.optim.Optimizer):
         self.master_weights = master_weights
         self.kahan_sum = kahan_sum
         self.impl = impl
+        self.compile_backend = compile_backend
         self._layouts: dict[torch.Tensor, tuple[int, int]] = {}
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
@@ -283,7 +433,9 @@ class AdamW(torch.optim.Optimizer):
 
         Note: ``torch.optim.Optimizer`` casts floating-point state to the parameter's dtype on
         load, which would turn fp32 master weights and fp32 moments of bf16 parameters into
-        bf16; the saved tensors are put back with their own dtype afterwards.
+        bf16; the saved tensors are put back with their own dtype afterwards. A step count
+        saved anywhere else than in a CPU float32 tensor is brought there, as ``step()``
+        reads all counts on the host at once.
         """
         saved = state_dict["state"]
         super().load_state_dict(state_dict)
@@ -293,6 +445,14 @@ class AdamW(torch.optim.Optimizer):
             for name, value in saved.get(pid, {}).items():
                 if torch.is_tensor(value) and name != "step" and value.dtype != p.dtype:
                     self.state[p][name] = value.detach().to(_local(p).device, copy=True)
+            step = self.state[p].get("step")
+            if step is not None and not (
+                torch.is_tensor(step)
+                and step.device.type == "cpu"
+                and step.dtype == torch.float32
+                and step.dim() == 0
+            ):
+                self.state[p]["step"] = torch.tensor(float(step), dtype=torch.float32)
 
     def _native_reason(self, local: list[torch.Tensor | None]) -> str | None:
         """Why the CPU kernel cannot update this parameter, or None if it can."""
@@ -306,18 +466,15 @@ class AdamW(torch.optim.Optimizer):
             return f"the kernel could not be built: {_native.unavailable_reason()}"
         return None
 
-    def _update_fn(self) -> Callable[..., None]:
+    def _run_group(self, group: _Group, skip: torch.Tensor | None) -> None:
+        """One call of the group update: compiled, or the reference eagerly."""
+        args = group.arguments(self.stochastic_rounding, skip)
         if self.impl == "reference":
-            return adamw_update
-        return _compiled_update()
-
-    def _run(self, *args: Any) -> None:
-        fn = self._update_fn()
-        if fn is adamw_update:
-            fn(*args)
+            _adamw_update_group(*args)
             return
+        backend = self.compile_backend or _default_backend(group.device)
         try:
-            fn(*args)
+            _compiled_group(backend)(*args)
         except Exception as exc:
             if self.impl == "compiled":
                 raise
@@ -329,15 +486,45 @@ class AdamW(torch.optim.Optimizer):
                 stacklevel=3,
             )
             self.impl = "reference"
-            adamw_update(*args)
+            _adamw_update_group(*args)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One optimizer step over every parameter that has a gradient."""
+    def step(
+        self, closure: Callable[[], float] | None = None, *, skip: torch.Tensor | None = None
+    ) -> float | None:
+        """One optimizer step over every parameter that has a gradient.
+
+        ``skip``: a 0-d ``torch.bool`` tensor on the parameters' device (or on the CPU, then
+        copied to each device). Where it holds true, parameters, master weights, Kahan
+        compensations and moments keep their exact values, even if the gradients hold inf or
+        NaN; it is never read on the host, so a step that decides on the device (e.g. on a
+        non-finite gradient norm) makes the host wait for nothing.
+
+        The step makes no scalar read per parameter: the step counts are read on the host
+        all at once, and the compiled and reference paths make one call per group of
+        parameters that share a device and dtypes.
+
+        Note: the step counts advance on a skipped step too (they live on the host, and
+        advancing them depending on ``skip`` would mean reading it there), so bias correction
+        and rounding keys count attempted steps: after skipped steps the moments' bias
+        correction counts steps they did not see, a difference that vanishes as
+        ``beta**step`` does.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if skip is not None and not (
+            torch.is_tensor(skip) and skip.dtype == torch.bool and skip.dim() == 0
+        ):
+            got = (
+                f"a {skip.dtype} tensor of shape {tuple(skip.shape)}"
+                if torch.is_tensor(skip)
+                else type(skip).__name__
+            )
+            raise TypeError(
+                f"hlat_optim.AdamW.step: skip must be a 0-d torch.bool tensor, got {got}"
+            )
         todo: list[tuple[dict[str, Any], torch.Tensor, int]] = []
         index = -1
         for group in self.param_groups:
@@ -349,6 +536,11 @@ class AdamW(torch.optim.Optimizer):
                     raise RuntimeError(
                         f"hlat_optim.AdamW: parameter {index} has a sparse gradient, which is "
                         "not supported"
+                    )
+                if skip is not None and skip.device.type != "cpu" and p.device.type == "cpu":
+                    raise ValueError(
+                        f"hlat_optim.AdamW.step: skip is on {skip.device} but parameter {index} "
+                        "is on the CPU, where the update reads it; pass skip on the CPU"
                     )
                 todo.append((group, p, index))
         # Everything that can fail is checked before any state changes.
@@ -365,38 +557,49 @@ class AdamW(torch.optim.Optimizer):
                     raise RuntimeError(f"hlat_optim.AdamW(impl='native'): {why}")
                 native = why is None
             prepared.append((group, state, index, local, offset, salt, native))
+        if not prepared:
+            return loss
         counters = [state["step"] for _, state, *_ in prepared]
-        if counters:
-            torch._foreach_add_(counters, 1.0)  # one call for all parameters' step counts
+        torch._foreach_add_(counters, 1.0)  # one call for all parameters' step counts
+        # Note: one read of all counts; tolist() on a CPU tensor reads its memory directly,
+        # where .item() per parameter would be a dispatched scalar read each.
+        steps = torch.stack(counters).tolist()
         batch = _NativeBatch()
-        for group, state, index, local, offset, salt, native in prepared:
-            lr = float(group["lr"])
-            beta1, beta2 = group["betas"]
-            step = int(state["step"].item())
-            hyper = [
-                1.0 - lr * group["weight_decay"],
-                lr / (1.0 - beta1**step),
-                1.0 - beta1,
-                beta2,
-                1.0 - beta2,
-                group["eps"],
-                1.0 / math.sqrt(1.0 - beta2**step),
-            ]
+        groups: dict[tuple[Any, ...], _Group] = {}
+        hypers: dict[tuple[int, int], list[float]] = {}
+        for (group, _, index, local, offset, salt, native), count in zip(
+            prepared, steps, strict=True
+        ):
+            step = int(count)
+            hyper = hypers.get((id(group), step))
+            if hyper is None:
+                hyper = hypers[id(group), step] = _hyper(group, step)
             key = _step_key(group["seed"], step, index, salt)
             if native:
                 batch.add(local, hyper, key, offset, self.stochastic_rounding, index)
                 continue
-            flat = [t.view(-1) if t is not None else None for t in local]
-            device = flat[0].device  # type: ignore[union-attr]
-            self._run(
-                *flat[:5],
-                torch.tensor(hyper, dtype=torch.float32, device=device),
-                torch.tensor(key, dtype=torch.int32, device=device),
-                torch.tensor(offset, dtype=torch.int32, device=device),
-                self.stochastic_rounding,
-                flat[5],
+            param, grad, exp_avg, _, master, compensation = local
+            assert param is not None and grad is not None and exp_avg is not None
+            signature = (
+                param.device,
+                param.dtype,
+                grad.dtype,
+                exp_avg.dtype,
+                master is not None,
+                compensation is not None,
             )
-        batch.run()
+            if signature not in groups:
+                groups[signature] = _Group(param.device)
+            groups[signature].add(local, hyper, key, offset)
+        batch.run(skip)
+        on_device: dict[torch.device, torch.Tensor] = {}
+        for g in groups.values():
+            flag = skip
+            if skip is not None and skip.device != g.device:
+                if g.device not in on_device:
+                    on_device[g.device] = skip.to(g.device, non_blocking=True)
+                flag = on_device[g.device]
+            self._run_group(g, flag)
         return loss
 
     def _locals(
@@ -431,6 +634,55 @@ class AdamW(torch.optim.Optimizer):
                 "optimizer"
             )
         return local, offset, salt
+
+
+def _hyper(group: dict[str, Any], step: int) -> list[float]:
+    """``adamw_update``'s ``hyper`` for a param group at a step, in float64 as torch does."""
+    lr = _host_float(group["lr"])
+    beta1, beta2 = group["betas"]
+    return [
+        1.0 - lr * group["weight_decay"],
+        lr / (1.0 - beta1**step),
+        1.0 - beta1,
+        beta2,
+        1.0 - beta2,
+        group["eps"],
+        1.0 / math.sqrt(1.0 - beta2**step),
+    ]
+
+
+class _Group:
+    """The updates of one step that share a device and dtypes: one group-update call."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.tensors: list[list[torch.Tensor]] = [[] for _ in range(6)]
+        self.hypers: list[list[float]] = []
+        self.ints: list[tuple[int, int]] = []
+
+    def add(
+        self, local: list[torch.Tensor | None], hyper: list[float], key: int, offset: int
+    ) -> None:
+        for column, t in zip(self.tensors, local, strict=True):
+            if t is not None:
+                column.append(t.view(-1))
+        self.hypers.append(hyper)
+        self.ints.append((key, _int32(offset)))
+
+    def arguments(self, stochastic_rounding: bool, skip: torch.Tensor | None) -> tuple[Any, ...]:
+        """The arguments of ``_adamw_update_group``, with the group's table on its device."""
+        params, grads, exp_avgs, exp_avg_sqs, masters, compensations = self.tensors
+        return (
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            masters or None,
+            compensations or None,
+            _group_table(self.hypers, self.ints, self.device),
+            stochastic_rounding,
+            skip,
+        )
 
 
 class _NativeBatch:
@@ -479,7 +731,8 @@ class _NativeBatch:
         self.indices.append(index)
         self.keep.append(local)
 
-    def run(self) -> None:
+    def run(self, skip: torch.Tensor | None) -> None:
+        """One kernel call; ``skip`` (a CPU bool tensor or None) is read by the kernel."""
         if not self.rows:
             return
         lib = _native.load()
@@ -487,7 +740,11 @@ class _NativeBatch:
         table = torch.tensor(self.rows, dtype=torch.int64)
         hypers = torch.tensor(self.hypers, dtype=torch.float32)
         rc = lib.hlat_adamw_step(
-            len(self.rows), table.data_ptr(), hypers.data_ptr(), torch.get_num_threads()
+            len(self.rows),
+            table.data_ptr(),
+            hypers.data_ptr(),
+            torch.get_num_threads(),
+            skip.data_ptr() if skip is not None else None,
         )
         if rc != 0:
             raise RuntimeError(

@@ -1,0 +1,299 @@
+"""The grouped step: one update call per device and dtype group, no scalar read on the host,
+and the device-side skip, on every path (CPU tensors; the compiled path through inductor)."""
+
+import copy
+import io
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hlat_optim.adamw as adamw_module
+from hlat_optim import AdamW
+
+SHAPES = [(48, 32), (32,), (7, 5)]
+IMPLS = ["reference", "native", "compiled"]
+# Precision modes for a model of bf16 and fp32 parameters: the options apply to the bf16
+# ones, the fp32 ones are plain fp32 AdamW in every mode.
+MODES = {
+    "bf16-sr": {},
+    "mixed": {"master_weights": True},
+    "bf16-kahan": {"kahan_sum": True},
+}
+
+
+def _model(scale=1, seed=0):
+    """bf16 and fp32 parameters of SHAPES (``scale`` of each), in two param groups with
+    different hyperparameters that both hold tensors of each dtype."""
+    g = torch.Generator().manual_seed(seed)
+    bf16, fp32 = [], []
+    for _ in range(scale):
+        for shape in SHAPES:
+            bf16.append(torch.nn.Parameter(torch.randn(shape, generator=g).bfloat16()))
+            fp32.append(torch.nn.Parameter(torch.randn(shape, generator=g)))
+    params = [p for pair in zip(bf16, fp32, strict=True) for p in pair]
+    half = len(params) // 2
+    groups = [
+        {"params": params[:half]},
+        {"params": params[half:], "lr": 3e-3, "weight_decay": 0.0},
+    ]
+    return params, groups
+
+
+def _optimizer(groups, impl, mode, **kwargs):
+    return AdamW(groups, lr=1e-2, weight_decay=0.1, seed=5, impl=impl, **MODES[mode], **kwargs)
+
+
+def _gradients(params, step, nonfinite=False):
+    g = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        grad = torch.randn(p.shape, generator=g)
+        if nonfinite:
+            grad.view(-1)[0] = float("nan")
+            grad.view(-1)[-1] = float("inf")
+        p.grad = grad.to(p.dtype)
+
+
+def _run(opt, params, steps, start=0, **step_kwargs):
+    for step in range(start, start + steps):
+        _gradients(params, step)
+        opt.step(**step_kwargs)
+
+
+def _bits(t):
+    t = t.detach()
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32).clone()
+
+
+def _snapshot(opt, params):
+    """Bit patterns of every parameter and state tensor, step counts included."""
+    return [_bits(t) for p in params for t in [p, *opt.state[p].values()]]
+
+
+def _assert_same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_grouped_compiled_step_is_bit_identical_to_reference_and_native(mode):
+    runs = {}
+    for impl in IMPLS:
+        params, groups = _model()
+        opt = _optimizer(groups, impl, mode)
+        _run(opt, params, 4)
+        runs[impl] = _snapshot(opt, params)
+    _assert_same(runs["compiled"], runs["reference"])
+    _assert_same(runs["native"], runs["reference"])
+
+
+def _wrap_calls(monkeypatch, backend):
+    """Records the number of tensors of each call of the compiled group update and of each
+    table built, calling the real functions."""
+    compiled = adamw_module._compiled_group(backend)
+    calls, tables = [], []
+
+    def counting_update(*args):
+        calls.append(len(args[0]))
+        compiled(*args)
+
+    build = adamw_module._group_table
+
+    def counting_table(hypers, ints, device):
+        table = build(hypers, ints, device)
+        tables.append((table.shape[0], table.device))
+        return table
+
+    monkeypatch.setitem(adamw_module._compiled, backend, counting_update)
+    monkeypatch.setattr(adamw_module, "_group_table", counting_table)
+    return calls, tables
+
+
+def test_compiled_calls_per_step_equal_the_groups_whatever_the_number_of_parameters(monkeypatch):
+    # Note: through torch.compile's "eager" backend, which runs the traced graph as is: the
+    # calls do not depend on the backend, inductor's results are tested above, and inductor
+    # would spend minutes of C++ compilation on the larger model's graphs.
+    calls, tables = _wrap_calls(monkeypatch, "eager")
+    per_step = {}
+    for scale in (1, 4):
+        params, groups = _model(scale)
+        opt = _optimizer(groups, "compiled", "bf16-sr", compile_backend="eager")
+        for step in range(3):
+            calls.clear(), tables.clear()
+            _run(opt, params, 1, start=step)
+            # two groups (bf16 and fp32), each with all its tensors in one call
+            assert sorted(calls) == [3 * scale, 3 * scale]
+            assert sorted(tables) == [(3 * scale, torch.device("cpu"))] * 2
+        per_step[scale] = len(calls)
+    assert per_step[1] == per_step[4] == 2
+
+
+class _ScalarReads(TorchDispatchMode):
+    """Counts dispatched scalar reads (``.item()``, ``float(tensor)``): each one waits for
+    the device that holds the tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _prepared(impl):
+    """An optimizer one step in (kernels built, graphs compiled), with a tensor lr, and
+    gradients for the next step."""
+    params, groups = _model()
+    groups[1]["lr"] = torch.tensor(3e-3)
+    opt = _optimizer(groups, impl, "bf16-sr")
+    _run(opt, params, 1)
+    _run(opt, params, 1, start=1, skip=torch.tensor(False))
+    _gradients(params, 2)
+    return opt
+
+
+@pytest.mark.parametrize("impl", ["reference", "native"])
+def test_a_step_dispatches_no_scalar_read(impl):
+    opt = _prepared(impl)
+    with _ScalarReads() as reads:
+        float(torch.tensor(1.0))  # the counter sees a read
+        assert reads.count == 1
+        opt.step()
+        opt.step(skip=torch.tensor(False))
+    assert reads.count == 1
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_step_makes_no_scalar_read_inside_or_outside_compiled_code(impl):
+    # Note: the profiler, as torch.compile refuses to trace under a Python dispatch mode;
+    # it records every dispatched op, those of the compiled code included.
+    opt = _prepared(impl)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.step()
+        opt.step(skip=torch.tensor(False))
+        float(torch.tensor(1.0))  # the profiler sees a read
+    names = [e.name for e in prof.events()]
+    assert names.count("aten::_local_scalar_dense") == 1
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_skipped_step_keeps_every_tensor_bit_for_bit_even_with_nonfinite_gradients(impl, mode):
+    params, groups = _model()
+    opt = _optimizer(groups, impl, mode)
+    _run(opt, params, 1)
+    before = [_bits(t) for p in params for t in [p, *opt.state[p].values()] if t.dim()]
+    for nonfinite in (False, True):
+        _gradients(params, 1, nonfinite=nonfinite)
+        opt.step(skip=torch.tensor(True))
+    after = [_bits(t) for p in params for t in [p, *opt.state[p].values()] if t.dim()]
+    _assert_same(after, before)
+    # the step counts still advance: bias correction counts attempted steps
+    assert all(opt.state[p]["step"].item() == 3 for p in params)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_step_with_skip_false_equals_a_plain_step(impl, mode):
+    runs = []
+    for skip in (None, torch.tensor(False)):
+        params, groups = _model()
+        opt = _optimizer(groups, impl, mode)
+        _run(opt, params, 3, skip=skip)
+        runs.append(_snapshot(opt, params))
+    _assert_same(*runs)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_grouped_resume_from_state_dict_is_bit_identical_to_an_uninterrupted_run(mode):
+    params, groups = _model()
+    opt = _optimizer(groups, "compiled", mode)
+    _run(opt, params, 3)
+    buf = io.BytesIO()
+    torch.save({"params": [p.detach().clone() for p in params], "opt": opt.state_dict()}, buf)
+    _run(opt, params, 3, start=3)
+
+    buf.seek(0)
+    saved = torch.load(buf)
+    resumed, groups = _model(seed=1)  # other values, overwritten from the checkpoint
+    with torch.no_grad():
+        for p, value in zip(resumed, saved["params"], strict=True):
+            p.copy_(value)
+    opt2 = AdamW(groups, impl="compiled", **MODES[mode])  # seed and lr from the checkpoint
+    opt2.load_state_dict(saved["opt"])
+    _run(opt2, resumed, 3, start=3)
+    _assert_same(_snapshot(opt2, resumed), _snapshot(opt, params))
+
+
+def test_a_step_count_saved_in_another_form_loads_as_a_cpu_float32_count():
+    params, groups = _model()
+    opt = _optimizer(groups, "reference", "bf16-sr")
+    _run(opt, params, 2)
+    expected = _snapshot(opt, params)
+    state = copy.deepcopy(opt.state_dict())
+    state["state"][0]["step"] = 2  # a plain number
+    state["state"][1]["step"] = torch.tensor(2, dtype=torch.int64)
+    opt.load_state_dict(state)
+    for p in params:
+        step = opt.state[p]["step"]
+        assert (step.dtype, step.device.type, step.dim()) == (torch.float32, "cpu", 0)
+    _assert_same(_snapshot(opt, params), expected)
+
+
+def test_skip_must_be_a_0d_bool_tensor():
+    params, groups = _model()
+    opt = _optimizer(groups, "reference", "bf16-sr")
+    _gradients(params, 0)
+    with pytest.raises(TypeError, match=r"skip must be a 0-d torch.bool tensor, got a torch.int64"):
+        opt.step(skip=torch.tensor(1))
+    with pytest.raises(TypeError, match=r"got a torch.bool tensor of shape \(1,\)"):
+        opt.step(skip=torch.tensor([True]))
+    with pytest.raises(TypeError, match=r"got bool"):
+        opt.step(skip=True)
+    assert not opt.state  # nothing was touched
+
+
+def test_skip_on_another_device_than_cpu_parameters_is_rejected_before_any_change():
+    params, groups = _model()
+    opt = _optimizer(groups, "native", "bf16-sr")
+    _run(opt, params, 1)
+    before = _snapshot(opt, params)
+    with pytest.raises(ValueError, match=r"skip is on meta but parameter 0 is on the CPU"):
+        opt.step(skip=torch.tensor(True, device="meta"))
+    _assert_same(_snapshot(opt, params), before)
+
+
+# Graphs compiled through the "hlat-recording" backend: inductor, with a record of each graph.
+_RECORDED = []
+
+
+def _recording_inductor(gm, example_inputs):
+    from torch._inductor.compile_fx import compile_fx
+
+    _RECORDED.append(len(example_inputs))
+    return compile_fx(gm, example_inputs)
+
+
+def test_compile_backend_chooses_the_torch_compile_backend():
+    if "hlat-recording" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(_recording_inductor, name="hlat-recording")
+    _RECORDED.clear()
+    runs = []
+    for impl, backend in (("compiled", "hlat-recording"), ("reference", None)):
+        params, groups = _model()
+        opt = _optimizer(groups, impl, "bf16-sr", compile_backend=backend)
+        _run(opt, params, 2)
+        runs.append(_snapshot(opt, params))
+    assert len(_RECORDED) == 2  # one graph per group
+    _assert_same(*runs)
+
+    params, groups = _model()
+    _gradients(params, 0)
+    opt = _optimizer(groups, "compiled", "bf16-sr", compile_backend="no-such-backend")
+    with pytest.raises(Exception, match="no-such-backend"):
+        opt.step()
+    with pytest.raises(ValueError, match=r"compile_backend must be the name of a torch.compile"):
+        _optimizer(groups, "compiled", "bf16-sr", compile_backend="")

@@ -180,7 +180,7 @@ def _cuda_present() -> bool:
 
 
 USAGE_ERRORS = [
-    (["--device", "nosuchdevice"], "does not know this device type"),
+    (["--device", "nosuchdevice"], "has no device of that type"),
     (["--device", "cpu:0"], "give the device type only"),
     (["--device", "cpu", "--backend", "nosuch"], "no 'nosuch' process-group backend"),
     (["--device", "cpu", "--override", "--train.device=cuda"], "train.device is set by"),
@@ -189,7 +189,7 @@ USAGE_ERRORS = [
     (["--device", "cpu", "--config", "missing.toml"], "missing.toml not found"),
     pytest.param(
         ["--device", "neuron"],
-        "pip install torch-neuronx",
+        "pip install 'torch-neuronx==",
         marks=pytest.mark.skipif(_neuron_present(), reason="torch-neuronx is installed"),
     ),
     pytest.param(

@@ -118,16 +118,6 @@ TOLERANCES = {
     "bf16": Tolerance(rtol=3e-2, atol=1e-3),
 }
 
-INSTALL_HINTS = {
-    "cuda": "a CUDA build of torch (https://pytorch.org/get-started/locally/) on a machine "
-    "with an NVIDIA GPU and driver",
-    "neuron": "torch-neuronx, the TorchNeuron backend (pip install torch-neuronx "
-    "--extra-index-url https://pip.repos.neuron.amazonaws.com), on a trn2 or trn3 instance "
-    "with the Neuron driver",
-    "xpu": "a torch build with XPU support on a machine with an Intel GPU",
-    "mps": "torch on macOS with Apple silicon",
-}
-
 
 class UsageError(Exception):
     """A mistake in the command line or the config; exit status 2."""
@@ -246,52 +236,43 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def check_device(device: str, nproc: int, option: str) -> None:
-    """Raise :class:`UsageError` unless torch can run ``nproc`` processes on ``device``."""
+    """Raise :class:`UsageError` unless torch can run ``nproc`` processes on ``device``
+    (hlat-parallel's own check, which names what to install, plus one device per process)."""
     import torch
+
+    from hlat_parallel import DeviceError
+    from hlat_parallel import check_device as check
 
     if ":" in device:
         raise UsageError(
             f"{option} {device!r}: give the device type only (e.g. {device.split(':')[0]!r}); "
             "each process takes the device of its LOCAL_RANK"
         )
-    hint = INSTALL_HINTS.get(device, f"the PyTorch extension that provides the {device!r} device")
     try:
-        torch.device(device)
-    except RuntimeError:
-        raise UsageError(
-            f"{option} {device!r}: torch {torch.__version__} does not know this device type; "
-            f"install {hint}"
-        ) from None
-    if device == "cpu":
-        return
-    module = getattr(torch, device, None)
-    available = getattr(module, "is_available", None)
-    if available is None or not available():
-        raise UsageError(
-            f"{option} {device!r}: torch {torch.__version__} has no usable {device} device "
-            f"here; install {hint}"
-        )
-    count = getattr(module, "device_count", None)
-    if count is not None and count() < nproc:
+        check(device)
+    except DeviceError as e:
+        raise UsageError(f"{option}: {e}") from None
+    if device != "cpu" and torch.accelerator.device_count() < nproc:
         raise UsageError(
             f"--nproc {nproc} needs {nproc} {device} devices (one per process); "
-            f"this machine has {count()}"
+            f"this machine has {torch.accelerator.device_count()}"
         )
 
 
 def resolve_backend(device: str, backend: str, option: str) -> str:
     """The process-group backend name ``backend`` stands for on ``device``; checks torch has it."""
+    import torch
     import torch.distributed as dist
 
     if not dist.is_available():
         raise UsageError("this torch was built without torch.distributed")
     if backend == "auto":
-        default = dist.Backend.default_device_backend_map.get(device)
-        if default is None:
-            raise UsageError(
-                f"torch has no default process-group backend for {device!r}; give {option}"
-            )
-        backend = default
+        from hlat_parallel import DeviceError, dist_backend_for
+
+        try:
+            backend = dist_backend_for(torch.device(device))
+        except DeviceError as e:
+            raise UsageError(f"{e}; give {option}") from None
     if not dist.is_backend_available(backend):
         raise UsageError(
             f"{option} {backend!r}: this torch has no {backend!r} process-group backend "
@@ -325,12 +306,6 @@ class Side:
     @property
     def label(self) -> str:
         return f"{self.device} + {self.backend}"
-
-
-def has_dist_backend_key() -> bool:
-    from hlat_train.config import ParallelConfig
-
-    return "dist_backend" in {f.name for f in dataclasses.fields(ParallelConfig)}
 
 
 def base_config(args: argparse.Namespace, overrides: list[str]) -> Any:
@@ -377,7 +352,7 @@ def provide_data(configs: list[Any], cache_dir: Path | None) -> None:
     )
 
 
-def apply_side_settings(side: Side, args: argparse.Namespace, dist_backend_key: bool) -> None:
+def apply_side_settings(side: Side, args: argparse.Namespace) -> None:
     from hlat_train.validation import ConfigError, validate
 
     config = side.config
@@ -389,19 +364,7 @@ def apply_side_settings(side: Side, args: argparse.Namespace, dist_backend_key: 
     config.checkpoint.resume = False
     config.logging.every = 1
     config.logging.jsonl = True
-    if dist_backend_key:
-        config.set("parallel.dist_backend", side.backend)
-    else:
-        import torch.distributed as dist
-
-        # hlat-train without parallel.dist_backend takes torch's default for the device
-        default = dist.Backend.default_device_backend_map.get(side.device)
-        if side.backend != default:
-            raise UsageError(
-                f"the {side.name} run needs process-group backend {side.backend!r} on "
-                f"{side.device}, but this hlat-train has no parallel.dist_backend setting and "
-                f"uses {default!r}; update hlat-train or choose {default!r}"
-            )
+    config.set("parallel.dist_backend", side.backend)
     try:
         validate(config, args.nproc, local_world_size=args.nproc)
     except ConfigError as e:
@@ -477,8 +440,7 @@ def run_side(side: Side, args: argparse.Namespace) -> None:
     # cuBLAS repeats its results only with a fixed workspace (torch's deterministic mode)
     env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if side.device == "cpu":
-        # a CPU run leaves the GPUs alone: hlat-train without parallel.dist_backend creates
-        # an NCCL process group whenever CUDA is visible, whatever train.device says
+        # a CPU run leaves the GPUs alone (no CUDA context, no memory taken on them)
         env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [
         sys.executable,
@@ -631,10 +593,6 @@ def environment(trainer: Any) -> dict[str, Any]:
 
 
 def device_name(device: Any) -> str:
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
     if device.type == "cpu":
         try:
             with open("/proc/cpuinfo") as f:
@@ -644,12 +602,9 @@ def device_name(device: Any) -> str:
         except OSError:
             pass
         return platform.processor() or platform.machine()
-    module = getattr(torch, device.type, None)
-    get_name = getattr(module, "get_device_name", None)
-    try:
-        return str(get_name(device)) if get_name else device.type
-    except Exception:  # a backend whose get_device_name wants an index, or none
-        return device.type
+    from hlat_train.metrics import device_name as accelerator_name
+
+    return accelerator_name(device)
 
 
 # --- comparing -------------------------------------------------------------------------------
@@ -1020,9 +975,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     reference.config = base_config(args, args.override)
     candidate.config = base_config(args, [*args.override, *args.candidate_override])
     provide_data([reference.config, candidate.config], args.cache_dir)
-    dist_backend_key = has_dist_backend_key()
     for side in (reference, candidate):
-        apply_side_settings(side, args, dist_backend_key)
+        apply_side_settings(side, args)
     if args.reference_from:
         check_reusable(reference, args.reference_from, args)
 

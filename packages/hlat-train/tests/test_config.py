@@ -13,7 +13,9 @@ from hlat_train import ConfigError, TrainConfig, Trainer, preset_names, validate
 from hlat_train.cli import main
 
 
-@pytest.mark.parametrize("name", ["tiny-demo", "hlat-7b", "llama2-7b-trn1-128", "llama3-8b"])
+@pytest.mark.parametrize(
+    "name", ["tiny-demo", "hlat-7b", "hlat-7b-trn2", "llama2-7b-trn1-128", "llama3-8b"]
+)
 def test_every_preset_parses_and_validates(name):
     assert name in preset_names()
     config = TrainConfig.preset(name)
@@ -47,6 +49,20 @@ def test_hlat_7b_preset_is_the_papers_recipe():
     )
     assert (c.checkpoint.every, c.checkpoint.keep_last) == (1000, 5)
     assert llama.checkpointing == "selective"
+
+
+def test_trn2_preset_is_the_same_recipe_on_the_native_path():
+    trn1, trn2 = TrainConfig.preset("hlat-7b"), TrainConfig.preset("hlat-7b-trn2")
+    assert (trn2.parallel.backend, trn2.train.device, trn2.parallel.tp) == ("torch", "auto", 4)
+    assert (trn2.optim, trn2.model.preset, trn2.data.seq_len) == (
+        trn1.optim,
+        trn1.model.preset,
+        trn1.data.seq_len,
+    )
+    # 16 nodes of 64 logical NeuronCores: dp 256, 4 micro-batches of 1 per step
+    validate(trn2, world_size=16 * 64, local_world_size=64, check_files=False)
+    assert trn2.grad_accum(dp=16 * 64 // 4) == 4
+    assert not trn2.logging.param_norm
 
 
 def test_trn1_128_node_preset_needs_512_data_parallel_replicas_and_accumulates_twice():
@@ -158,3 +174,24 @@ def test_too_few_documents_for_the_data_parallel_ranks_fails_before_any_process_
 def test_sharded_init_with_torch_tensor_parallelism_is_accepted():
     config = TrainConfig.preset("hlat-7b", ["--train.init=sharded", "--parallel.backend=torch"])
     validate(config, check_files=False)
+
+
+def test_a_device_this_torch_lacks_fails_before_any_process_group(corpus, tmp_path):
+    with pytest.raises(ConfigError, match=r"train.device: device 'neuron'.*torch-neuronx"):
+        Trainer(tiny_config(corpus, tmp_path, "--train.device=neuron"))
+    assert not dist.is_initialized()
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_the_legacy_neuron_backend_refuses_another_device():
+    config = TrainConfig.preset("hlat-7b", ["--parallel.backend=neuron", "--train.device=cpu"])
+    with pytest.raises(ConfigError, match="computes on the XLA device"):
+        validate(config, check_files=False)
+
+
+def test_a_precision_nxd_cannot_honour_is_refused_before_any_work():
+    config = TrainConfig.preset("hlat-7b", ["--parallel.backend=neuron"])
+    validate(config, check_files=False)  # bf16-sr: HLAT's mode on NxD
+    config.set("optim.precision", "bf16-kahan")
+    with pytest.raises(ConfigError, match="optim.precision on parallel.backend = 'neuron'"):
+        validate(config, check_files=False)

@@ -7,15 +7,36 @@ import json
 import torch
 
 from hlat_train import PEAK_TFLOPS, read_metrics
-from hlat_train.metrics import MetricsWriter, device_peak_tflops, plot_metrics
+from hlat_train.metrics import MetricsWriter, device_peak_tflops, plot_metrics, table_peak
 
 
-def test_peak_table_covers_trainium_and_the_gpus():
-    assert set(PEAK_TFLOPS) == {"trainium-neuroncore-v2", "h100", "h200", "a100"}
+def test_peak_table_covers_three_trainium_generations_and_the_gpus():
+    assert set(PEAK_TFLOPS) == {
+        "trainium-neuroncore-v2",
+        "trainium2-neuroncore-v3",
+        "trainium3-neuroncore-v4",
+        "h100",
+        "h200",
+        "a100",
+    }
     assert device_peak_tflops(torch.device("cpu"), "neuron") == (
         95.0,
         "Trainium NeuronCore-v2 (table)",
     )
+
+
+def test_trn2_and_trn3_peaks_are_per_logical_neuroncore(monkeypatch):
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+    peak, source = table_peak("neuron", "neuron", instance="trn2.48xlarge")
+    assert peak == 667.0 / 8 * 2 and "trn2" in source
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    assert table_peak("neuron", "neuron", instance="trn3.48xlarge")[0] == 671.0 / 8
+    assert table_peak("neuron", "neuron", instance=None) is None  # unknown: measured instead
+
+
+def test_gpus_are_found_by_their_name_whatever_the_device_type():
+    assert table_peak("cuda", "NVIDIA H100 80GB HBM3") == (989.0, "H100 (table)")
+    assert table_peak("xpu", "Intel Data Center GPU Max 1550") is None
 
 
 def test_cpu_peak_is_measured():

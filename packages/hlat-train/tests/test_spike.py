@@ -5,37 +5,56 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from train_helpers import tiny_config
 
 from hlat_ckpt import consolidate
 from hlat_train import SpikeGuard, Trainer, read_metrics
 
 
+def _t(x: float) -> torch.Tensor:
+    return torch.tensor(x)
+
+
 def test_loss_far_above_the_running_band_is_a_spike():
     guard = SpikeGuard(window=20, k=4.0, min_history=5)
     for loss in (3.0, 3.1, 2.9, 3.05, 2.95, 3.0):
-        assert not guard.check(loss, 1.0).spike
-        guard.accept(loss)
-    assert not guard.check(3.2, 1.0).spike
-    verdict = guard.check(4.0, 1.0)
-    assert verdict.spike and "above mean" in verdict.reason
+        assert not guard.check(_t(loss), _t(1.0))
+        guard.accept(_t(loss))
+    assert not guard.check(_t(3.2), _t(1.0))
+    assert guard.check(_t(4.0), _t(1.0))
+    assert 3.0 < guard.limit() < 4.0
 
 
-def test_non_finite_grad_norm_is_a_spike_even_without_history():
+def test_non_finite_loss_or_grad_norm_is_a_spike_even_without_history():
     guard = SpikeGuard(min_history=10)
-    assert guard.check(3.0, math.inf).spike
-    assert guard.check(math.nan, 1.0).spike
-    assert not guard.check(30.0, 1.0).spike  # too little history to judge a loss
+    assert guard.check(_t(3.0), _t(math.inf))
+    assert guard.check(_t(math.nan), _t(1.0))
+    assert not guard.check(_t(30.0), _t(1.0))  # too little history to judge a loss
+
+
+def test_the_verdict_is_a_device_tensor_and_a_spike_is_kept_out_of_the_window():
+    guard = SpikeGuard(window=4, k=3.0, min_history=2)
+    for loss in (1.0, 1.1, 0.9):
+        guard.accept(_t(loss))
+    verdict = guard.check(_t(50.0), _t(1.0))
+    assert verdict.dtype == torch.bool and verdict.dim() == 0 and verdict
+    guard.accept(_t(50.0), ~verdict)  # rejected: the window does not move
+    assert guard.state_dict()["losses"] == pytest.approx([1.0, 1.1, 0.9])
 
 
 def test_guard_window_survives_state_dict_round_trip():
     guard = SpikeGuard(window=4, k=3.0, min_history=2)
     for loss in (1.0, 1.1, 0.9, 1.0, 1.05):
-        guard.accept(loss)
+        guard.accept(_t(loss))
     restored = SpikeGuard(window=4, k=3.0, min_history=2)
     restored.load_state_dict(guard.state_dict())
-    assert restored.state_dict() == {"losses": [1.1, 0.9, 1.0, 1.05]}
-    assert restored.check(5.0, 1.0) == guard.check(5.0, 1.0)
+    assert restored.state_dict() == guard.state_dict()
+    assert restored.state_dict()["losses"] == pytest.approx([1.1, 0.9, 1.0, 1.05])
+    for loss in (1.2, 5.0, 1.0):
+        assert bool(restored.check(_t(loss), _t(1.0))) == bool(guard.check(_t(loss), _t(1.0)))
+        restored.accept(_t(loss))
+        guard.accept(_t(loss))
 
 
 def _run(corpus, out, policy: str, steps: int = 8, inject: int = 6):
@@ -46,6 +65,7 @@ def _run(corpus, out, policy: str, steps: int = 8, inject: int = 6):
         "--spike.min_history=3",
         f"--spike.inject_at=[{inject}]",
         "--checkpoint.every=4",
+        "--optim.decay_steps=8",  # the same LR schedule whatever train.steps says
         steps=steps,
     )
     trainer = Trainer(config)
@@ -68,9 +88,16 @@ def test_warn_policy_reports_the_spike_and_keeps_the_update(corpus, tmp_path):
 
 @pytest.mark.slow
 def test_skip_policy_drops_the_update_of_the_spiking_step(corpus, tmp_path):
-    _, records, updates = _run(corpus, tmp_path, "skip")
+    _, records, updates = _run(corpus, tmp_path / "skip", "skip", steps=6, inject=6)
     assert records[5]["action"] == "skip" and records[5]["step"] == 6
-    assert updates == {7}  # 8 steps, one update skipped
+    assert records[5]["skipped"] == 1 and records[4]["skipped"] == 0
+    assert updates == {6}  # the step counts advance on a skipped step (bias correction)
+    _run(corpus, tmp_path / "clean", "warn", steps=5, inject=1000)
+    skipped = consolidate(str(tmp_path / "skip" / "checkpoints"))["model"]
+    clean = consolidate(str(tmp_path / "clean" / "checkpoints"))["model"]
+    # the weights after the skipped step 6 are exactly those after step 5
+    assert skipped.keys() == clean.keys()
+    assert all(torch.equal(skipped[k], clean[k]) for k in clean)
 
 
 @pytest.mark.slow

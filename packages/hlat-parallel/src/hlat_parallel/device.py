@@ -31,7 +31,8 @@ INSTALL_HINTS: dict[str, str] = {
     ),
     "neuron": (
         "TorchNeuron on a trn2 or trn3 instance: the torch-neuronx release matching this torch "
-        f"({torch.__version__.split('+')[0]}) from the Neuron package repository; on trn1 use "
+        f"(pip install 'torch-neuronx=={'.'.join(torch.__version__.split('.')[:2])}.*' "
+        "--extra-index-url https://pip.repos.neuron.amazonaws.com); on trn1 use "
         "parallel.backend = 'neuron' (NeuronX Distributed) instead"
     ),
     "xpu": "an XPU build of torch",

@@ -138,7 +138,13 @@ class ParallelConfig:
     nodes: int = 0
     """Expected number of nodes (0: any); checked against torchrun's world."""
     backend: str = "auto"
-    """``auto``, ``torch`` or ``neuron``."""
+    """``torch``: the native path on any device (DTensor TP/SP, FSDP2, DCP): CPUs, GPUs and
+    Trainium trn2/trn3 through TorchNeuron's ``neuron`` device. ``neuron``: the legacy
+    PyTorch/XLA + NeuronX Distributed path, for trn1. ``auto``: ``torch`` wherever a
+    ``neuron`` device is registered or NxD is absent, ``neuron`` on trn1 (the log says why)."""
+    dist_backend: str = "auto"
+    """Process-group backend (``gloo``, ``nccl``, ``neuron``...); ``auto``: torch's default
+    for the device type."""
 
 
 @dataclass
@@ -165,7 +171,9 @@ class LoggingConfig:
     """Console, JSONL, TensorBoard and the end-of-run plot."""
 
     every: int = 1
-    """Log every this many steps."""
+    """Log every this many steps. Logged steps (and checkpoint steps) are the only ones
+    that read values from the device (one transfer); the steps between them never make the
+    host wait for the device."""
     progress: bool = True
     """Progress bar with ETA on rank 0 (tqdm when installed)."""
     jsonl: bool = True
@@ -176,6 +184,9 @@ class LoggingConfig:
     """Write ``<out_dir>/training.png`` at the end (needs ``matplotlib``; skipped without)."""
     peak_tflops: float = 0.0
     """Peak per-device TFLOP/s for MFU; 0: the built-in table, or a measured CPU matmul."""
+    param_norm: bool = True
+    """Log the global parameter norm at logged steps (a pass over every weight and one
+    all-reduce per layout; the large presets turn it off)."""
 
 
 @dataclass
@@ -185,7 +196,12 @@ class SpikeConfig:
 
     policy: str = "warn"
     """``off``, ``warn``, ``skip`` (drop the update) or ``rollback`` (reload the last
-    checkpoint and skip the batches that caused the spike)."""
+    checkpoint and skip the batches that caused the spike). The guard judges on the device:
+    ``skip`` and ``rollback`` drop the spiking step's update there at once, without a host
+    read. ``rollback`` goes back when the verdict is next read on the host, at the next
+    logged step (``logging.every``) or before the next checkpoint, whichever comes first, so
+    a checkpoint never holds a state past an unhandled spike. Whatever the policy, an update
+    with a non-finite loss or gradient norm is always dropped."""
     window: int = 50
     """Steps in the running mean and standard deviation."""
     k: float = 6.0
@@ -238,7 +254,10 @@ class RunConfig:
     seed: int = 0
     """Seed of the weight initialisation and the stochastic rounding."""
     device: str = "auto"
-    """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``."""
+    """``auto`` (the accelerator ``torch.accelerator`` reports, else the CPU), ``cpu``,
+    ``cuda``, ``neuron`` (Trainium trn2/trn3 through TorchNeuron) or any other device torch
+    knows; each local process takes the device of its local rank. A device this torch lacks
+    stops the run before any work, naming what to install."""
     init: str = "auto"
     """How weights are created. ``full``: every rank builds the whole model from ``seed``
     and keeps its shard, so every parallel layout starts from the same weights. ``sharded``:

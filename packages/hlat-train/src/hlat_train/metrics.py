@@ -16,11 +16,68 @@ if TYPE_CHECKING:
 
 # Dense bf16 peak TFLOP/s per device (the unit one process drives), from vendor data sheets.
 PEAK_TFLOPS: dict[str, float] = {
-    "trainium-neuroncore-v2": 95.0,  # trn1: 190 TFLOP/s bf16 per Trainium chip of 2 cores
+    # trn1: "Two NeuronCore-v2 delivering ... 190 FP16/BF16/cFP8/TF32 TFLOPS" per Trainium
+    # chip (AWS Neuron docs, Trainium architecture); one process drives one NeuronCore-v2.
+    "trainium-neuroncore-v2": 95.0,
+    # trn2: "Eight NeuronCore-v3 that collectively deliver ... 667 BF16/FP16/TF32 TFLOPS" per
+    # Trainium2 chip (AWS Neuron docs, Trainium2 architecture): per physical NeuronCore.
+    "trainium2-neuroncore-v3": 667.0 / 8,
+    # trn3: "Eight NeuronCore-v4 cores that collectively deliver ... 671 BF16/FP16/TF32
+    # TFLOPS" per Trainium3 chip (AWS Neuron docs, Trainium3 architecture).
+    "trainium3-neuroncore-v4": 671.0 / 8,
     "h200": 989.0,  # SXM, same tensor cores as H100 SXM
     "h100": 989.0,  # SXM; PCIe parts are lower, pass logging.peak_tflops
     "a100": 312.0,
 }
+
+_NEURON_CORES = {"trn2": "trainium2-neuroncore-v3", "trn3": "trainium3-neuroncore-v4"}
+DEFAULT_LOGICAL_NEURONCORES = 2
+"""Physical NeuronCores per logical one on trn2/trn3 (``NEURON_LOGICAL_NC_CONFIG``), the
+unit one TorchNeuron process drives; 2 is the Neuron runtime's default there."""
+
+
+def device_name(device: torch.device) -> str:
+    """The device's model name from its torch module (``torch.cuda.get_device_name``,
+    ``torch.xpu``...); the device type where the module has none."""
+    import torch
+
+    module = getattr(torch, device.type, None)
+    get_name = getattr(module, "get_device_name", None)
+    if device.type != "cpu" and callable(get_name):
+        try:
+            return str(get_name(device))
+        except Exception:  # a plugin may not implement it for every index
+            pass
+    return device.type
+
+
+def table_peak(
+    device_type: str, name: str, backend: str = "torch", instance: str | None = None
+) -> tuple[float, str] | None:
+    """(peak TFLOP/s, what it is) from :data:`PEAK_TFLOPS`, or None where the table has no
+    entry (pure: the caller supplies what it found).
+
+    Trainium is recognised by the backend (``neuron``: trn1 NeuronCore-v2) or by the
+    ``neuron`` device with the instance type (trn2/trn3), where one process drives a
+    logical NeuronCore of ``NEURON_LOGICAL_NC_CONFIG`` physical ones.
+    """
+    if backend == "neuron":
+        return PEAK_TFLOPS["trainium-neuroncore-v2"], "Trainium NeuronCore-v2 (table)"
+    if device_type == "neuron":
+        generation = (instance or "").split(".")[0]
+        key = _NEURON_CORES.get(generation)
+        if key is None:
+            return None
+        try:
+            lnc = int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", DEFAULT_LOGICAL_NEURONCORES))
+        except ValueError:
+            lnc = DEFAULT_LOGICAL_NEURONCORES
+        return PEAK_TFLOPS[key] * lnc, f"{generation} logical NeuronCore of {lnc} {key} (table)"
+    lowered = name.lower()
+    for model in ("h200", "h100", "a100"):
+        if model in lowered:
+            return PEAK_TFLOPS[model], f"{model.upper()} (table)"
+    return None
 
 
 def device_peak_tflops(
@@ -28,24 +85,22 @@ def device_peak_tflops(
 ) -> tuple[float, str]:
     """(peak TFLOP/s of one device, what it is) for MFU.
 
-    Trainium and the GPUs above come from :data:`PEAK_TFLOPS`; on a CPU, or a GPU not in the
-    table, the peak is *measured* with a short fp32 matmul (so CPU MFU reads as a fraction
-    of what this machine's matmul reaches, not of a data-sheet number). With ``cache`` (a
-    JSON file path) a measurement is saved there and reused by later calls on the same host,
-    device and thread count: a restarted run keeps its first measurement instead of paying
-    for another one at every start.
+    Trainium and the GPUs of :data:`PEAK_TFLOPS` come from the table; on a CPU, or a device
+    not in the table, the peak is *measured* with a short fp32 matmul (so MFU reads as a
+    fraction of what this machine's matmul reaches, not of a data-sheet number). With
+    ``cache`` (a JSON file path) a measurement is saved there and reused by later calls on
+    the same host, device and thread count: a restarted run keeps its first measurement
+    instead of paying for another one at every start.
     """
     import torch
 
-    if backend == "neuron":
-        return PEAK_TFLOPS["trainium-neuroncore-v2"], "Trainium NeuronCore-v2 (table)"
-    name = device.type
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device).lower()
-        for model in ("h200", "h100", "a100"):
-            if model in name:
-                return PEAK_TFLOPS[model], f"{model.upper()} (table)"
-    source = f"{device.type} (measured fp32 matmul)"
+    from hlat_parallel.device import instance_type
+
+    name = device_name(device)
+    known = table_peak(device.type, name, backend, instance_type())
+    if known is not None:
+        return known
+    source = f"{name} (measured fp32 matmul)"
     key = {"host": socket.gethostname(), "device": name, "threads": torch.get_num_threads()}
     if cache is not None:
         try:
@@ -66,6 +121,13 @@ def device_peak_tflops(
     return peak, source
 
 
+def _synchronize(device: torch.device) -> None:
+    import torch
+
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
 def measure_matmul_tflops(device: torch.device, size: int = 1024, seconds: float = 0.3) -> float:
     """The fp32 matmul rate this device reaches now, in TFLOP/s (best of repeated timings)."""
     import torch
@@ -73,23 +135,27 @@ def measure_matmul_tflops(device: torch.device, size: int = 1024, seconds: float
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
     torch.mm(a, b)  # warm-up: thread pool and kernels
+    _synchronize(device)
     best = math.inf
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline or best == math.inf:
         start = time.perf_counter()
         torch.mm(a, b)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        _synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best / 1e12
 
 
 def memory_gib(device: torch.device) -> float:
-    """Peak device memory (CUDA) or resident memory of this process (CPU), in GiB."""
-    if device.type == "cuda":
+    """Peak memory allocated on an accelerator (``torch.accelerator``'s statistics), or the
+    resident memory of this process on a CPU, in GiB."""
+    if device.type != "cpu":
         import torch
 
-        return torch.cuda.max_memory_allocated(device) / 2**30
+        try:
+            return torch.accelerator.max_memory_allocated(device) / 2**30
+        except (RuntimeError, NotImplementedError):  # a backend without memory statistics
+            return math.nan
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30

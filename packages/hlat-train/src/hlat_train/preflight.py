@@ -114,14 +114,17 @@ def check_devices(args: argparse.Namespace, local_world_size: int) -> Check:
 
     problems = []
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    found = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    # the devices of torch's accelerator other than TorchNeuron's, which neuron-ls counts
+    kind = found.type if found is not None and found.type != "neuron" else "gpu"
+    gpus = torch.accelerator.device_count() if kind != "gpu" else 0
     n_dev, n_cores, how = _neuron_devices()
     metrics = {"cpus": float(cpus or 0), "gpus": float(gpus), "neuron_cores": float(n_cores)}
-    detail = f"cpu {cpus} cores; cuda {gpus}; neuron {n_dev} devices / {n_cores} cores ({how})"
+    detail = f"cpu {cpus} cores; {kind} {gpus}; neuron {n_dev} devices / {n_cores} cores ({how})"
     if how.startswith("neuron-ls failed"):
         problems.append(how)
     if args.expect_gpus and gpus < args.expect_gpus:
-        problems.append(f"{gpus} CUDA GPUs visible, --expect-gpus {args.expect_gpus}")
+        problems.append(f"{gpus} {kind} devices visible, --expect-gpus {args.expect_gpus}")
     if args.expect_neuron_cores and n_cores < args.expect_neuron_cores:
         problems.append(
             f"{n_cores} NeuronCores visible, --expect-neuron-cores {args.expect_neuron_cores}"
@@ -362,11 +365,12 @@ def _init_group(world_size: int, rank: int, timeout_s: float) -> tuple[Any, Any]
     kw: dict[str, Any] = {"timeout": timeout}
     if store is not None:
         kw.update(store=store, rank=0, world_size=1)
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl", **kw)
-        return torch.device("cuda", local), torch.cuda.synchronize
+    if torch.accelerator.is_available():  # CUDA, TorchNeuron's neuron device, ...
+        from hlat_parallel.device import dist_backend_for, resolve_device
+
+        device = resolve_device("auto", int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(dist_backend_for(device), **kw)
+        return device, lambda: torch.accelerator.synchronize(device)
     if _neuron_devices()[1]:
         try:  # the real torch-xla exists only on Neuron instances
             import torch_xla.core.xla_model as xm
@@ -485,7 +489,9 @@ def parse_args(
     p.add_argument("--burn-in-mb", type=float, default=64.0, help="all-reduce buffer (MiB)")
     p.add_argument("--burn-in-iters", type=int, default=5, help="timed all-reduces")
     p.add_argument("--min-busbw-gbps", type=float, default=0.0, help="fail below (GB/s)")
-    p.add_argument("--expect-gpus", type=int, default=0, help="CUDA GPUs each node must see")
+    p.add_argument(
+        "--expect-gpus", type=int, default=0, help="accelerators (GPUs) each node must see"
+    )
     p.add_argument("--expect-neuron-cores", type=int, default=0, help="per node, e.g. 32")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout (s)")
     p.add_argument("--json", default=None, help="write every rank's results here (rank 0)")

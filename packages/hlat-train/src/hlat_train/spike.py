@@ -1,24 +1,21 @@
-"""The loss-spike guard: detection over a running window, and the policy to apply."""
+"""The loss-spike guard: judged on the device, so a training step never waits for the host."""
 
 from __future__ import annotations
 
-import math
-from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
-
-@dataclass
-class SpikeVerdict:
-    """What the guard saw at one step."""
-
-    spike: bool
-    reason: str = ""
+import torch
 
 
 class SpikeGuard:
     """Flags a step whose loss is above ``mean + k * std`` of the last ``window`` accepted
-    losses (after ``min_history`` of them), or whose gradient norm is not finite.
+    losses (after ``min_history`` of them), or whose loss or gradient norm is not finite.
+
+    Everything stays on the device: the window is a ring buffer tensor, :meth:`check`
+    returns a 0-d bool tensor and :meth:`accept` records a loss only where its ``keep``
+    flag is true. The trainer hands the verdict to the optimizer as a device-side skip
+    (``hlat_optim.AdamW.step(skip=...)``), so judging costs no host synchronisation; the
+    verdict is read on the host only when a step is logged.
 
     Spiking losses are not added to the window, so one spike does not widen the band that
     judges the next step. The window is part of the training state (``state_dict``), so a
@@ -27,37 +24,70 @@ class SpikeGuard:
     Note:
         HLAT watched loss curves by eye and restarted by hand. A rule on the loss alone
         (rather than on the gradient norm, which legitimately falls and rises with the
-        learning-rate schedule) catches the events that matter with one threshold.
+        learning-rate schedule) catches the events that matter with one threshold. The
+        device-side window follows OLMo-core's ``SkipStepAdamW``.
     """
 
-    def __init__(self, window: int = 50, k: float = 6.0, min_history: int = 10) -> None:
+    def __init__(
+        self,
+        window: int = 50,
+        k: float = 6.0,
+        min_history: int = 10,
+        device: torch.device | str | None = None,
+    ) -> None:
         self.window, self.k, self.min_history = window, k, min_history
-        self._losses: deque[float] = deque(maxlen=window)
+        self._losses = torch.zeros(window, dtype=torch.float32, device=device)
+        self._slots = torch.arange(window, device=device)
+        self._count = torch.zeros((), dtype=torch.long, device=device)  # at most `window`
+        self._next = torch.zeros((), dtype=torch.long, device=device)  # slot of the next loss
 
-    def check(self, loss: float, grad_norm: float) -> SpikeVerdict:
-        """Judge one step (does not record it: call :meth:`accept` for steps kept)."""
-        if not math.isfinite(grad_norm) or not math.isfinite(loss):
-            return SpikeVerdict(True, f"non-finite loss {loss} or grad norm {grad_norm}")
-        if len(self._losses) >= self.min_history:
-            mean = sum(self._losses) / len(self._losses)
-            var = sum((x - mean) ** 2 for x in self._losses) / (len(self._losses) - 1)
-            limit = mean + self.k * math.sqrt(var)
-            if loss > limit:
-                return SpikeVerdict(
-                    True,
-                    f"loss {loss:.4f} above mean {mean:.4f} + {self.k} std ({limit:.4f}) of "
-                    f"the last {len(self._losses)} steps",
-                )
-        return SpikeVerdict(False)
+    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """Whether this step spikes, as a 0-d bool tensor (does not record the loss: call
+        :meth:`accept`)."""
+        loss = loss.detach().float().to(self._losses.device)
+        grad_norm = grad_norm.detach().float().to(self._losses.device)
+        bad = ~(loss.isfinite() & grad_norm.isfinite())
+        valid = self._slots < self._count
+        n = self._count.float()
+        mean = torch.where(valid, self._losses, 0.0).sum() / n.clamp(min=1.0)
+        var = torch.where(valid, (self._losses - mean) ** 2, 0.0).sum() / (n - 1).clamp(min=1.0)
+        high = (self._count >= self.min_history) & (loss > mean + self.k * var.sqrt())
+        return bad | high
 
-    def accept(self, loss: float) -> None:
-        """Add a kept step's loss to the window."""
-        self._losses.append(float(loss))
+    def limit(self) -> float:
+        """``mean + k * std`` of the window now (reads the device: for messages only)."""
+        n = int(self._count)
+        if n < 2:
+            return float("inf")
+        window = self._ordered()
+        return float(window.mean() + self.k * window.std())
+
+    def accept(self, loss: torch.Tensor, keep: torch.Tensor | bool = True) -> None:
+        """Add ``loss`` to the window where ``keep`` is true (a 0-d bool tensor or a bool)."""
+        keep_t = torch.as_tensor(keep, device=self._losses.device)
+        loss = loss.detach().float().to(self._losses.device)
+        write = keep_t & (self._slots == self._next)
+        self._losses.copy_(torch.where(write, loss, self._losses))
+        self._next.copy_(torch.where(keep_t, (self._next + 1) % self.window, self._next))
+        self._count.copy_(
+            torch.where(keep_t, (self._count + 1).clamp(max=self.window), self._count)
+        )
+
+    def _ordered(self) -> torch.Tensor:
+        """The accepted losses, oldest first."""
+        n = int(self._count)
+        start = (int(self._next) - n) % self.window
+        order = [(start + i) % self.window for i in range(n)]
+        return self._losses[order]
 
     def state_dict(self) -> dict[str, Any]:
-        """The window, for checkpoints."""
-        return {"losses": list(self._losses)}
+        """The window, oldest first, for checkpoints (reads the device)."""
+        return {"losses": self._ordered().cpu().tolist()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the window."""
-        self._losses = deque((float(x) for x in state["losses"]), maxlen=self.window)
+        losses = [float(x) for x in state["losses"]][-self.window :]
+        self._losses.zero_()
+        self._losses[: len(losses)] = torch.tensor(losses, dtype=torch.float32)
+        self._count.fill_(len(losses))
+        self._next.fill_(len(losses) % self.window)

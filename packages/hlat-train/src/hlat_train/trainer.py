@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hlat_train import neuron
 from hlat_train.config import TrainConfig
 from hlat_train.metrics import (
     MetricsWriter,
@@ -62,6 +63,27 @@ class TrainState:
             self.guard.load_state_dict(state["guard"])
 
 
+class _Window:
+    """What happened between two reads of the device: how many steps spiked and skipped
+    their update and the first that spiked (device counters), the micro-batches of each step
+    and the wall time (host)."""
+
+    def __init__(self, device: torch.device, step: int) -> None:
+        self.start_step = step
+        self.start_time = time.perf_counter()
+        self.spikes = torch.zeros((), dtype=torch.long, device=device)
+        self.skipped = torch.zeros((), dtype=torch.long, device=device)
+        self.first_spike = torch.zeros((), dtype=torch.long, device=device)  # 0: none
+        self.batches: dict[int, list[int]] = {}
+
+    def add(self, step: int, used: list[int], spike: torch.Tensor, skip: torch.Tensor) -> None:
+        """Record one step (no host read)."""
+        self.batches[step] = used
+        self.first_spike = torch.where(spike & (self.first_spike == 0), step, self.first_spike)
+        self.spikes += spike
+        self.skipped += skip
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -93,6 +115,7 @@ class Trainer:
         self._deadline = math.inf
         self._last_index = -1
         self._spike_injections = set(config.spike.inject_at)
+        self._pending: tuple[Any, torch.Tensor] | None = None
 
     # --- setup -----------------------------------------------------------------------------
 
@@ -100,8 +123,8 @@ class Trainer:
         from hlat_ckpt import Checkpointer
         from hlat_data import ArrowSource, PackedLoader, Tokenizer
         from hlat_model import Llama
-        from hlat_optim import AdamW, cosine_with_warmup
-        from hlat_parallel import init_parallel, parallelize, shard_optimizer
+        from hlat_optim import cosine_with_warmup
+        from hlat_parallel import init_parallel, parallelize, pins_memory
 
         c = self.config
         if c.parallel.backend == "neuron":
@@ -110,10 +133,27 @@ class Trainer:
         backend: Any = c.parallel.backend
         # Note: init_parallel creates the process group on a store namespace of this
         # torchrun attempt, so workers restarted by --max-restarts rendezvous afresh.
-        self.dims = dims = init_parallel(c.parallel.tp, c.parallel.sp, backend)
+        self.dims = dims = init_parallel(
+            c.parallel.tp,
+            c.parallel.sp,
+            backend,
+            device=c.train.device,
+            dist_backend=c.parallel.dist_backend,
+        )
         self.rank0 = dims.rank == 0
-        device = dims.device if c.train.device == "auto" else torch.device(c.train.device)
-        self.device = device
+        self.device = device = dims.device
+        self._log(
+            f"parallel backend {dims.backend} ({dims.backend_reason}); device {device}, "
+            f"process group {dims.dist_backend or 'none'}, {dims.world_size} process(es)"
+        )
+        self._pin = pins_memory(device)
+        self._control = None
+        if self.world_size > 1:
+            # Note: the stop flag travels on a host-side gloo group, so agreeing on it never
+            # waits for the accelerator; on CPU runs the default group is already gloo.
+            self._control = (
+                dist.group.WORLD if dims.dist_backend == "gloo" else dist.new_group(backend="gloo")
+            )
 
         torch.manual_seed(c.train.seed)
         dtype = torch.float32 if c.optim.precision == "fp32" else torch.bfloat16
@@ -126,7 +166,10 @@ class Trainer:
             # split first, then materialise and initialise only this rank's shards
             model = parallelize(model.to(dtype), dims, model.parallel_plan())
             model.to_empty(device=device)
-            model.init_weights()
+            if dims.backend == "neuron":
+                neuron.neuron_init_weights(model, dims, c.train.seed)
+            else:
+                model.init_weights()
         else:
             # Note: every rank builds the whole model from the same seed and keeps its
             # shard, so any parallel layout starts from the same weights (and TP/DP
@@ -134,21 +177,11 @@ class Trainer:
             model = Llama(self.llama_config).to(device, dtype)
             model = parallelize(model, dims, model.parallel_plan())
         self.model = model
-        self.optimizer = shard_optimizer(
-            AdamW,
-            self.model.parameters(),
-            dims,
-            lr=c.optim.lr,
-            betas=(c.optim.beta1, c.optim.beta2),
-            eps=c.optim.eps,
-            weight_decay=c.optim.weight_decay,
-            # bf16-kahan: Kahan-compensated parameters, states with stochastic rounding
-            stochastic_rounding=c.optim.precision in ("bf16-sr", "bf16-kahan"),
-            master_weights=c.optim.precision == "mixed",
-            kahan_sum=c.optim.precision == "bf16-kahan",
-            seed=c.train.seed,
-            impl=c.optim.impl,
-        )
+        if dims.backend == "neuron":
+            self._log(f"precision {neuron.describe_precision(c.optim.precision)}")
+            self.optimizer = neuron.neuron_optimizer(c, model, dims)
+        else:
+            self.optimizer = self._optimizer(model, dims)
         self.scheduler = cosine_with_warmup(
             self.optimizer,
             warmup_steps=c.optim.warmup_steps,
@@ -171,13 +204,17 @@ class Trainer:
         )
         self.grad_accum = c.grad_accum(dims.dp)
         self.state = TrainState()
-        self.state.guard = SpikeGuard(c.spike.window, c.spike.k, c.spike.min_history)
-        self.checkpointer = Checkpointer(
-            c.checkpoint_dir,
-            keep_last=c.checkpoint.keep_last,
-            async_save=c.checkpoint.async_save,
-            layout={"tp": dims.tp, "dp": dims.dp, "sp": dims.sp},
-            verify_checksums=c.checkpoint.verify_checksums,
+        self.state.guard = SpikeGuard(c.spike.window, c.spike.k, c.spike.min_history, device)
+        self.checkpointer: Any = (
+            neuron.neuron_checkpointer(c, dims)
+            if dims.backend == "neuron"
+            else Checkpointer(
+                c.checkpoint_dir,
+                keep_last=c.checkpoint.keep_last,
+                async_save=c.checkpoint.async_save,
+                layout={"tp": dims.tp, "dp": dims.dp, "sp": dims.sp},
+                verify_checksums=c.checkpoint.verify_checksums,
+            )
         )
         if self.rank0:
             from hlat_train.export import save_run_files
@@ -208,6 +245,28 @@ class Trainer:
 
         self.flops_per_token = flops_per_token(self.llama_config, c.data.seq_len)
 
+    def _optimizer(self, model: torch.nn.Module, dims: Any) -> torch.optim.Optimizer:
+        """hlat-optim's AdamW in the configured precision mode, its state sharded over DP."""
+        from hlat_optim import AdamW
+        from hlat_parallel import shard_optimizer
+
+        o = self.config.optim
+        return shard_optimizer(
+            AdamW,
+            model.parameters(),
+            dims,
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            # bf16-kahan: Kahan-compensated parameters, states with stochastic rounding
+            stochastic_rounding=o.precision in ("bf16-sr", "bf16-kahan"),
+            master_weights=o.precision == "mixed",
+            kahan_sum=o.precision == "bf16-kahan",
+            seed=self.config.train.seed,
+            impl=o.impl,
+        )
+
     def _log(self, text: str) -> None:
         if self.rank0:
             print(f"hlat-train: {text}", file=sys.stderr, flush=True)
@@ -219,6 +278,12 @@ class Trainer:
 
         Returns a summary: ``step`` reached, ``resumed_from``, ``preempted``, ``first_loss``
         and ``last_loss`` of this process's run, and the output paths.
+
+        Note: a step reads nothing from the device. Loss, gradient norm and the spike
+        verdict stay device tensors; the spike guard's verdict reaches the optimizer as a
+        device-side skip. They are read on the host only on logged steps (every
+        ``logging.every``), before a checkpoint and at the end. The ranks agree on stopping
+        (SIGTERM, time limit) through a host-side all-reduce that is one step behind.
         """
         c = self.config
         self._setup()
@@ -232,13 +297,14 @@ class Trainer:
         progress = Progress(c.train.steps, start, c.logging.progress and self.rank0)
         batches = self._batches()
         tokens_per_step = c.data.seq_len * c.data.micro_batch_size * self.grad_accum * self.dims.dp
-        first_loss = last_loss = math.nan
+        first_loss: torch.Tensor | None = None
+        last_loss: torch.Tensor | None = None
         if c.train.time_limit:
             self._deadline = time.monotonic() + c.train.time_limit
         last_saved = start if resumed is not None else -1
+        window = _Window(self.device, start)
         try:
             while self.state.step < c.train.steps:
-                t0 = time.perf_counter()
                 step = self.state.step + 1
 
                 # forward and backward over the micro-batches of one optimizer step
@@ -253,54 +319,52 @@ class Trainer:
                 loss_value = self._mean_over_dp(loss_sum)
                 if step in self._spike_injections:  # a drill: see SpikeConfig.inject_at
                     self._spike_injections.discard(step)
-                    loss_value *= 100.0
+                    loss_value = loss_value * 100.0
 
-                grad_norm = self._clip()
-                verdict = (
-                    self.state.guard.check(loss_value, grad_norm)
-                    if self.state.guard and c.spike.policy != "off"
-                    else None
-                )
-                action = "update"
-                if verdict is not None and verdict.spike:
-                    action = "warn" if c.spike.policy == "warn" else c.spike.policy
-                    self._log(
-                        f"loss spike at step {step}: {verdict.reason}; policy {c.spike.policy}"
-                    )
-                if action in ("update", "warn"):
-                    self.optimizer.step()
-                    if self.state.guard:
-                        self.state.guard.accept(loss_value)
+                grad_norm, spike, skip = self._update(loss_value)
+                if self.state.guard is not None:
+                    self.state.guard.accept(loss_value, ~spike)
                 self.optimizer.zero_grad(set_to_none=True)
-                if action == "rollback":
-                    batches = self._rollback(used, batches)
-                    continue
                 lr = float(self.scheduler.get_last_lr()[0])  # the rate this step used
                 self.scheduler.step()
                 mark_step()
                 self.state.step = step
                 self.state.tokens += tokens_per_step
-                seconds = time.perf_counter() - t0
-                if math.isnan(first_loss):
+                window.add(step, used, spike, skip)
+                if first_loss is None:
                     first_loss = loss_value
                 last_loss = loss_value
 
-                if step % c.logging.every == 0 or step == c.train.steps:
-                    record = self._metrics(
-                        step, loss_value, grad_norm, lr, seconds, tokens_per_step, action
-                    )
+                stop = self._stop_requested(step == c.train.steps)
+                save = step % c.checkpoint.every == 0 or step == c.train.steps or stop
+                log = step % c.logging.every == 0 or step == c.train.steps
+                if log or save:
+                    # The device is read here, once. The verdicts since the last read come
+                    # first, so a rollback never saves or logs a state past a spike.
+                    seen = self._read(window, loss_value, grad_norm, spike, skip, log)
+                    if seen["first_spike"] and c.spike.policy == "rollback":
+                        first = int(seen["first_spike"])
+                        batches = self._rollback(first, window.batches[first], batches)
+                        window = _Window(self.device, self.state.step)
+                        continue
+                if log:
+                    record = self._metrics(step, seen, lr, window, tokens_per_step)
                     if self.writer:
                         self.writer.write(record)
                     progress.update(
                         step,
-                        f"loss {loss_value:.3f} lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s",
+                        f"loss {record['loss']:.3f} lr {record['lr']:.2e} "
+                        f"{record['tokens_per_s']:.0f} tok/s",
                     )
-                    if action != "update":
-                        progress.write(f"step {step}: loss spike, {action}")
+                    if record["spikes"]:
+                        progress.write(
+                            f"step {step}: {record['spikes']} loss spike(s) since the last log, "
+                            f"{record['skipped']} update(s) skipped (policy {c.spike.policy})"
+                        )
+                    window = _Window(self.device, step)
                 if c.train.eval_every and step % c.train.eval_every == 0:
                     self._validate(step, progress)
-                stop = self._stop_requested()
-                if step % c.checkpoint.every == 0 or step == c.train.steps or stop:
+                if save:
                     if (
                         not c.train.eval_every
                         and c.data.valid_paths
@@ -319,6 +383,7 @@ class Trainer:
             self.checkpointer.wait()
             self._log_saves()
         finally:
+            self._finish_stop_flag()
             progress.close()
             signal.signal(signal.SIGTERM, previous_handler)
         summary = {
@@ -326,8 +391,8 @@ class Trainer:
             "resumed_from": resumed,
             "preempted": self.preempted,
             "out_of_time": self.out_of_time,
-            "first_loss": first_loss,
-            "last_loss": last_loss,
+            "first_loss": math.nan if first_loss is None else float(first_loss),
+            "last_loss": math.nan if last_loss is None else float(last_loss),
             "out_dir": c.train.out_dir,
             "checkpoint_dir": c.checkpoint_dir,
         }
@@ -351,25 +416,34 @@ class Trainer:
             self._last_index = index
             yield batch
 
+    def _to_device(self, array: Any) -> torch.Tensor:
+        """A batch array as a long tensor on the device, copied from page-locked memory
+        without blocking where the device supports it (see ``hlat_parallel.pins_memory``)."""
+        host = torch.from_numpy(array).to(torch.long)
+        if self._pin:
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host.to(self.device)
+
     def _forward_backward(self, batch: Any, sync: bool) -> torch.Tensor:
         from hlat_model import cross_entropy_loss
         from hlat_parallel import loss_parallel, no_grad_sync
-
-        def tensor(a: Any) -> torch.Tensor:
-            return torch.from_numpy(a).to(self.device, torch.long)
 
         # Note: gradients are only reduced across data-parallel ranks on the last micro-step
         no_sync = contextlib.nullcontext() if sync else no_grad_sync(self.model)
         with no_sync, loss_parallel(self.dims):
             if self.config.data.document_mask:
                 logits = self.model(
-                    tensor(batch.input_ids),
-                    position_ids=tensor(batch.position_ids),
-                    doc_lens=tensor(batch.doc_lens),
+                    self._to_device(batch.input_ids),
+                    position_ids=self._to_device(batch.position_ids),
+                    doc_lens=self._to_device(batch.doc_lens),
                 )
             else:
-                logits = self.model(tensor(batch.input_ids))
-            loss = cross_entropy_loss(logits, tensor(batch.labels)) / self.grad_accum
+                logits = self.model(self._to_device(batch.input_ids))
+            labels = self._to_device(batch.labels)
+            if self.dims.backend == "neuron":
+                loss = neuron.neuron_loss(logits, labels) / self.grad_accum
+            else:
+                loss = cross_entropy_loss(logits, labels) / self.grad_accum
             loss.backward()
         return _full(loss)
 
@@ -397,43 +471,94 @@ class Trainer:
                     }
                 )
 
-    def _mean_over_dp(self, value: torch.Tensor) -> float:
+    def _mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
         if self.dims.dp > 1:
             value = value.clone()
             dist.all_reduce(value, group=self.dims.dp_group)
             value /= self.dims.dp
-        return float(value)
+        return value
 
-    def _clip(self) -> float:
+    def _update(self, loss: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
+        """Clip, judge and step the optimizer: (grad norm, spike, skip) as device tensors.
+
+        Note: NxD's ZeRO-1 (trn1) computes and clips the gradient norm inside ``step()`` and
+        takes no skip flag, so there the guard judges the loss alone, and ``skip`` and
+        ``rollback`` read its verdict on the host before the step (one XLA graph execution
+        per step, the price of those policies on trn1).
+        """
         from hlat_parallel import clip_grad_norm_
 
+        if self.dims.backend == "neuron":
+            spike, skip = self._judge(loss, torch.zeros_like(loss))
+            skipped = self.config.spike.policy in ("skip", "rollback") and bool(skip)
+            if not skipped:
+                self.optimizer.step()
+            norm = neuron.neuron_grad_norm(self.optimizer)
+            grad_norm = norm if norm is not None else torch.full_like(loss, math.nan)
+            return grad_norm, spike, torch.full_like(spike, skipped)
         max_norm = self.config.optim.clip or math.inf
-        return float(clip_grad_norm_(self.model.parameters(), max_norm, self.dims))
+        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, self.dims)
+        spike, skip = self._judge(loss, grad_norm)
+        self.optimizer.step(skip=skip)  # type: ignore[call-arg]
+        return grad_norm, spike, skip
 
-    def _param_norm(self) -> float:
-        total = torch.zeros((), dtype=torch.float64)
-        for p in self.model.parameters():
-            total += _full(p.detach().float().pow(2).sum()).double().cpu()
-        return float(total.sqrt())
+    def _judge(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[Any, Any]:
+        """(spike, skip) of this step as device booleans.
 
-    def _metrics(
+        A non-finite loss or gradient norm always skips the update, whatever the policy;
+        ``skip`` and ``rollback`` also skip the update of a loss spike (``rollback`` then
+        goes back to the last checkpoint when the verdict is read, see
+        :class:`~hlat_train.config.SpikeConfig`).
+        """
+        policy = self.config.spike.policy
+        bad = ~(loss.isfinite() & grad_norm.isfinite())
+        if policy == "off" or self.state.guard is None:
+            return bad, bad
+        spike = self.state.guard.check(loss, grad_norm)
+        return spike, spike if policy in ("skip", "rollback") else bad
+
+    def _read(
         self,
-        step: int,
-        loss: float,
-        grad_norm: float,
-        lr: float,
-        seconds: float,
-        tokens: int,
-        action: str,
-    ) -> dict[str, Any]:
-        tokens_per_s = tokens / seconds
-        achieved = self.flops_per_token * tokens_per_s / self.world_size
-        return {
-            "kind": "train",
-            "step": step,
+        window: _Window,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        spike: torch.Tensor,
+        skip: torch.Tensor,
+        log: bool,
+    ) -> dict[str, float]:
+        """Everything the host needs from the device at a logged or checkpoint step, in one
+        transfer."""
+        from hlat_parallel import param_norm
+
+        values = {
+            "first_spike": window.first_spike,
             "loss": loss,
             "grad_norm": grad_norm,
-            "param_norm": self._param_norm(),
+            "spike": spike,
+            "skip": skip,
+            "spikes": window.spikes,
+            "skipped": window.skipped,
+        }
+        if log and self.config.logging.param_norm:
+            values["param_norm"] = param_norm(self.model.parameters(), self.dims)
+        stacked = torch.stack([v.detach().to(self.device, torch.float64) for v in values.values()])
+        return dict(zip(values, stacked.cpu().tolist(), strict=True))
+
+    def _metrics(
+        self, step: int, seen: dict[str, float], lr: float, window: _Window, tokens: int
+    ) -> dict[str, Any]:
+        """The ``"train"`` record of a logged step; throughput over the steps since the last
+        logged one (the device was just read, so their work is done)."""
+        steps = max(step - window.start_step, 1)
+        seconds = (time.perf_counter() - window.start_time) / steps
+        tokens_per_s = tokens / seconds
+        achieved = self.flops_per_token * tokens_per_s / self.world_size
+        action = "skip" if seen["skip"] else "warn" if seen["spike"] else "update"
+        record = {
+            "kind": "train",
+            "step": step,
+            "loss": seen["loss"],
+            "grad_norm": seen["grad_norm"],
             "lr": lr,
             "tokens": self.state.tokens,
             "tokens_per_s": tokens_per_s,
@@ -441,7 +566,12 @@ class Trainer:
             "memory_gib": memory_gib(self.device),
             "step_s": seconds,
             "action": action,
+            "spikes": int(seen["spikes"]),
+            "skipped": int(seen["skipped"]),
         }
+        if "param_norm" in seen:
+            record["param_norm"] = seen["param_norm"]
+        return record
 
     @torch.no_grad()
     def _validate(self, step: int, progress: Progress) -> float | None:
@@ -466,24 +596,20 @@ class Trainer:
             shuffle=False,
             block_size=1,
         )
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
         count = 0
         for batch in loader:
             with loss_parallel(self.dims):
-                ids = torch.from_numpy(batch.input_ids).to(self.device, torch.long)
-                labels = torch.from_numpy(batch.labels).to(self.device, torch.long)
-                doc_lens = (
-                    torch.from_numpy(batch.doc_lens).to(self.device, torch.long)
-                    if c.data.document_mask
-                    else None
-                )
+                ids = self._to_device(batch.input_ids)
+                labels = self._to_device(batch.labels)
+                doc_lens = self._to_device(batch.doc_lens) if c.data.document_mask else None
                 loss = cross_entropy_loss(self.model(ids, doc_lens=doc_lens), labels)
-            total += _full(loss).float().cpu()
+            total += _full(loss).float()
             count += 1
             if count == c.train.eval_batches:
                 break
         self._reshard()
-        value = self._mean_over_dp(total / max(count, 1))
+        value = float(self._mean_over_dp(total / max(count, 1)))
         if self.writer:
             self.writer.write({"kind": "valid", "step": step, "loss": value})
         progress.write(f"step {step}: validation loss {value:.4f}")
@@ -502,12 +628,12 @@ class Trainer:
             if isinstance(module, FSDPModule):
                 module.reshard()
 
-    def _rollback(self, bad: list[int], batches: Iterator[Any]) -> Iterator[Any]:
+    def _rollback(self, spike_step: int, bad: list[int], batches: Iterator[Any]) -> Iterator[Any]:
         """Reload the newest checkpoint and mark the micro-batches of the spike as bad."""
         c = self.config
         if self.state.rollbacks >= c.spike.max_rollbacks:
             raise RuntimeError(
-                f"loss spike at step {self.state.step + 1} after {self.state.rollbacks} "
+                f"loss spike at step {spike_step} after {self.state.rollbacks} "
                 "rollbacks (spike.max_rollbacks); inspect the data around it or lower the LR"
             )
         self.checkpointer.wait()
@@ -518,13 +644,16 @@ class Trainer:
         if restored is None:
             # nothing saved yet: start over from the initial weights is not possible here
             raise RuntimeError(
-                f"loss spike at step {self.state.step + 1} with policy 'rollback' but no "
+                f"loss spike at step {spike_step} with policy 'rollback' but no "
                 f"checkpoint exists yet under {c.checkpoint_dir}; use spike.policy = 'skip' "
                 "or checkpoint more often (checkpoint.every)"
             )
         self.state.bad_micro_batches = bad_all
         self.state.rollbacks = rollbacks
-        self._log(f"rolled back to step {restored}; skipping micro-batches {bad} from now on")
+        self._log(
+            f"loss spike at step {spike_step}: rolled back to step {restored}; skipping "
+            f"micro-batches {bad} from now on"
+        )
         return self._batches()
 
     # --- preemption ------------------------------------------------------------------------
@@ -532,17 +661,38 @@ class Trainer:
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self.preempted = True
 
-    def _stop_requested(self) -> bool:
-        """Whether any rank got SIGTERM (1) or ran out of time (2); all ranks agree, so they
-        stop at the same step."""
+    def _stop_requested(self, final: bool) -> bool:
+        """Whether to stop after this step because a rank got SIGTERM (1) or ran out of time
+        (2).
+
+        Note: with several processes the ranks agree through an all-reduce (MAX) of a host
+        tensor on a gloo group, started without waiting and read one step later, so every
+        rank stops at the same step and no step waits for the device. A rank's SIGTERM
+        therefore stops the job one step after it arrives.
+        """
         code = 1 if self.preempted else 2 if time.monotonic() > self._deadline else 0
-        if self.world_size > 1:
-            flag = torch.tensor([code], dtype=torch.int32, device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            code = int(flag.item())
-        self.preempted = code == 1
-        self.out_of_time = code == 2
-        return code > 0
+        if self._control is None:
+            agreed = code
+        else:
+            agreed = 0
+            if self._pending is not None:
+                work, flag = self._pending
+                work.wait()
+                agreed = int(flag.tolist()[0])  # host memory: no device synchronisation
+                self._pending = None
+            if not final and not agreed:
+                flag = torch.tensor([code], dtype=torch.int32)
+                work = dist.all_reduce(flag, dist.ReduceOp.MAX, self._control, async_op=True)
+                self._pending = (work, flag)
+        self.preempted = agreed == 1
+        self.out_of_time = agreed == 2
+        return agreed > 0
+
+    def _finish_stop_flag(self) -> None:
+        """Complete a stop-flag all-reduce still under way (before the group goes away)."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
 
     @torch.no_grad()
     def generate(self, prompt: str, max_new_tokens: int = 48) -> str:

@@ -42,7 +42,7 @@ def validate(
     vocabulary size (a few KB).
     """
     from hlat_model import ConfigError as ModelConfigError
-    from hlat_parallel import ParallelConfigError, check_parallel_config
+    from hlat_parallel import DeviceError, ParallelConfigError, check_device, check_parallel_config
 
     run, data, optim, par = config.train, config.data, config.optim, config.parallel
     for key, value, low in (
@@ -63,8 +63,10 @@ def validate(
             raise ConfigError(f"{key} must be at least {low}, got {value}")
     if run.init not in ("auto", "full", "sharded"):
         raise ConfigError(f"train.init must be 'auto', 'full' or 'sharded', got {run.init!r}")
-    if run.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"train.device must be 'auto', 'cpu' or 'cuda', got {run.device!r}")
+    try:
+        check_device(run.device)
+    except DeviceError as e:
+        raise ConfigError(f"train.device: {e}") from None
     if optim.precision not in PRECISIONS:
         raise ConfigError(
             f"optim.precision must be one of {', '.join(PRECISIONS)}, got {optim.precision!r}"
@@ -95,6 +97,18 @@ def validate(
         )
     if par.backend not in ("auto", "torch", "neuron"):
         raise ConfigError(f"parallel.backend must be auto, torch or neuron, got {par.backend!r}")
+    if par.backend == "neuron":
+        from hlat_parallel.neuron_backend import zero1_precision
+
+        try:
+            zero1_precision(optim.precision)
+        except (ParallelConfigError, ValueError) as e:
+            raise ConfigError(f"optim.precision on parallel.backend = 'neuron': {e}") from None
+    if par.backend == "neuron" and run.device not in ("auto", "xla"):
+        raise ConfigError(
+            f"parallel.backend = 'neuron' (NeuronX Distributed, trn1) computes on the XLA device "
+            f"it creates; train.device = {run.device!r} does not apply: leave it at 'auto'"
+        )
 
     tokenizer_vocab = None
     if check_files:

@@ -193,5 +193,5 @@ def test_a_precision_nxd_cannot_honour_is_refused_before_any_work():
     config = TrainConfig.preset("hlat-7b", ["--parallel.backend=neuron"])
     validate(config, check_files=False)  # bf16-sr: HLAT's mode on NxD
     config.set("optim.precision", "bf16-kahan")
-    with pytest.raises(ConfigError, match="optim.precision on parallel.backend = 'neuron'"):
+    with pytest.raises(ConfigError, match=r"optim\.precision on parallel\.backend = 'neuron'"):
         validate(config, check_files=False)

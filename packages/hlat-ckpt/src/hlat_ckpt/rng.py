@@ -36,10 +36,10 @@ class RNGState:
             pass
         else:
             state["numpy"] = np.random.get_state()
-        module = _accelerator_module()
-        if module is not None and getattr(module, "is_initialized", lambda: True)():
+        found = _accelerator_module()
+        if found is not None and getattr(found[1], "is_initialized", lambda: True)():
             # keyed by device type ("cuda", "neuron"...), as hlat-ckpt 0.2 keyed CUDA's
-            state[torch.accelerator.current_accelerator().type] = module.get_rng_state_all()
+            state[found[0]] = found[1].get_rng_state_all()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -57,18 +57,19 @@ class RNGState:
             import numpy as np
 
             np.random.set_state(state["numpy"])
-        module = _accelerator_module()
-        device_type = torch.accelerator.current_accelerator().type if module else None
-        if module is not None and device_type in state:
-            module.set_rng_state_all(list(state[device_type]))
+        found = _accelerator_module()
+        if found is not None and found[0] in state:
+            found[1].set_rng_state_all(list(state[found[0]]))
 
 
-def _accelerator_module() -> Any:
-    """The torch module of the accelerator (``torch.cuda``, ``torch.xpu``, TorchNeuron's...)
-    when there is one and it keeps per-device generator states, else None."""
-    if not torch.accelerator.is_available():
+def _accelerator_module() -> tuple[str, Any] | None:
+    """(device type, torch module) of the accelerator (``torch.cuda``, ``torch.xpu``,
+    TorchNeuron's...) when there is one and it keeps per-device generator states, else
+    None."""
+    device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if device is None:
         return None
-    module = torch.get_device_module(torch.accelerator.current_accelerator())
+    module = torch.get_device_module(device)
     if not callable(getattr(module, "get_rng_state_all", None)):
         return None
-    return module
+    return device.type, module

@@ -7,7 +7,7 @@
 from hlat_model.config import PRESETS, ConfigError, LlamaConfig
 from hlat_model.model import Llama, cross_entropy_loss, flops_per_token
 
-__version__ = "0.1.0"
+__version__ = "0.1.1"
 
 __all__ = [
     "PRESETS",

@@ -261,7 +261,7 @@ def _host_float(x: float | torch.Tensor) -> float:
     for the device, so a tensor ``lr`` belongs on the CPU.
     """
     if isinstance(x, torch.Tensor) and x.device.type == "cpu":
-        return float(x.detach().reshape(()).tolist())
+        return float(x.detach().reshape(1).tolist()[0])
     return float(x)
 
 
@@ -489,7 +489,7 @@ class AdamW(torch.optim.Optimizer):
             _adamw_update_group(*args)
 
     @torch.no_grad()
-    def step(
+    def step(  # type: ignore[override]
         self, closure: Callable[[], float] | None = None, *, skip: torch.Tensor | None = None
     ) -> float | None:
         """One optimizer step over every parameter that has a gradient.

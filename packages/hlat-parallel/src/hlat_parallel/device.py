@@ -197,7 +197,7 @@ def choose_backend(
                 f"this is a {instance} instance, whose path is the legacy one (PyTorch/XLA with "
                 "NeuronX Distributed), but neuronx_distributed or torch_xla does not import; "
                 "install them from the Neuron package repository (pip install "
-                "'hlat-parallel[neuron]' --extra-index-url "
+                "neuronx-distributed torch-neuronx --extra-index-url "
                 "https://pip.repos.neuron.amazonaws.com)"
             )
         return BackendChoice("neuron", f"{instance}: legacy NeuronX Distributed path for trn1")

@@ -36,7 +36,7 @@ import datetime
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -270,7 +270,7 @@ def _import_nxd() -> Any:
     except Exception as error:  # the placeholder packages raise on import
         raise RuntimeError(
             "the neuron backend needs NeuronX Distributed from the Neuron repository "
-            "(pip install hlat-parallel[neuron] --extra-index-url "
+            "(pip install neuronx-distributed torch-neuronx --extra-index-url "
             "https://pip.repos.neuron.amazonaws.com) on a Trainium instance; "
             f"importing it failed: {error}"
         ) from error
@@ -403,7 +403,7 @@ def _sum_grad_over_tp(module: nn.Module, args: tuple) -> None:
     each forward, not once: ``model.to_empty`` replaces a meta norm weight by a new
     Parameter, which carries neither the attribute nor the hook.
     """
-    weight = module.weight
+    weight: Any = module.weight
     if getattr(weight, "_hlat_tp_grad_sum", False):
         return
     import torch_xla.core.xla_model as xm
@@ -473,7 +473,7 @@ def init_sharded_weights(
     import torch.distributed as dist
 
     check_nxd_attributes(model)
-    run = init if init is not None else model.init_weights
+    run: Any = init if init is not None else model.init_weights
     _seed_all(tp_seed(seed, dims.tp_rank), dims.device)
     try:
         run()
@@ -699,4 +699,4 @@ def zero1_grad_norm(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
             "optimizer with shard_optimizer (NxD's NeuronZero1Optimizer), which computes the "
             "gradient norm while clipping"
         )
-    return optimizer.grad_norm
+    return cast(Any, optimizer).grad_norm

@@ -499,7 +499,7 @@ class Trainer:
         max_norm = self.config.optim.clip or math.inf
         grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, self.dims)
         spike, skip = self._judge(loss, grad_norm)
-        self.optimizer.step(skip=skip)  # type: ignore[call-arg]
+        self.optimizer.step(skip=skip)  # type: ignore[call-overload]
         return grad_norm, spike, skip
 
     def _judge(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[Any, Any]:

@@ -1,4 +1,4 @@
-"""hlat-parallel: tensor, sequence and data parallelism (ZeRO) from one plain-data plan.
+"""hlat-parallel: tensor, sequence, data (ZeRO) and pipeline parallelism from plain data.
 
 >>> from hlat_parallel import init_parallel, parallelize
 """
@@ -19,6 +19,18 @@ from hlat_parallel.dims import (
     check_parallel_config,
     init_parallel,
 )
+from hlat_parallel.pipeline import (
+    SCHEDULES,
+    Pipeline,
+    StageModule,
+    StageSplit,
+    bubble_fraction,
+    build_pipeline,
+    build_schedule,
+    split_layers,
+    stage_ids,
+    stage_modules,
+)
 from hlat_parallel.plan import PlanEntry, match_plan, parse_plan
 from hlat_parallel.torch_backend import loss_parallel
 from hlat_parallel.zero import no_grad_sync, shard_optimizer
@@ -29,7 +41,14 @@ __all__ = [
     "DeviceError",
     "ParallelConfigError",
     "ParallelDims",
+    "Pipeline",
     "PlanEntry",
+    "SCHEDULES",
+    "StageModule",
+    "StageSplit",
+    "bubble_fraction",
+    "build_pipeline",
+    "build_schedule",
     "check_device",
     "check_parallel_config",
     "clip_grad_norm_",
@@ -46,4 +65,7 @@ __all__ = [
     "pins_memory",
     "resolve_device",
     "shard_optimizer",
+    "split_layers",
+    "stage_ids",
+    "stage_modules",
 ]

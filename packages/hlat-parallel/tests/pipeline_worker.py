@@ -1,7 +1,8 @@
 """One rank of a pipeline run, launched by tests/test_pipeline.py with torchrun's environment.
 
 Usage: pipeline_worker.py WORKDIR. Reads WORKDIR/input.pt (model config, initial weights,
-batch, document lengths, schedules to run), trains each schedule for a few SGD steps on a
+batch, document lengths, the schedules to run with their
+block splits), trains each schedule for a few SGD steps on a
 pipeline over all processes, and writes WORKDIR/<schedule>-rank<r>.pt: the losses of every
 step (on the rank holding the last stage), the named gradients of the first step and the
 named parameters after the last step, for the stages this rank holds.
@@ -38,7 +39,7 @@ def llama_block_args(config: LlamaConfig):
     return block_args
 
 
-def run(data: dict, schedule: str) -> dict:
+def run(data: dict, schedule: str, split: list[int] | None) -> dict:
     config = LlamaConfig(**data["config"])
     model = Llama(config)
     model.load_state_dict(data["state"])
@@ -46,6 +47,7 @@ def run(data: dict, schedule: str) -> dict:
         model,
         schedule=schedule,
         n_microbatches=data["n_microbatches"],
+        split=split,
         loss_fn=cross_entropy_loss,
         block_args=llama_block_args(config),
     )
@@ -82,9 +84,9 @@ def main() -> None:
     init_parallel(device="cpu")
     rank = dist.get_rank()
     data = torch.load(workdir / "input.pt", weights_only=False)
-    for schedule in data["schedules"]:
+    for schedule, split in data["schedules"]:
         try:
-            result: dict = run(data, schedule)
+            result: dict = run(data, schedule, split)
         except Exception as error:  # reported to the test, which says which schedule failed
             result = {"error": f"{type(error).__name__}: {error}"}
             torch.save(result, workdir / f"{schedule}-rank{rank}.pt")

@@ -350,7 +350,12 @@ def _pp_group(group: Any) -> dist.ProcessGroup:
     return group  # type: ignore[no-any-return]
 
 
-def _check_schedule(name: str, pp: int, virtual: int, n_microbatches: int) -> None:
+def check_schedule(name: str, pp: int, virtual: int, n_microbatches: int) -> None:
+    """Raise :class:`ParallelConfigError` if schedule ``name`` cannot run ``virtual``
+    stages per rank on ``pp`` ranks with ``n_microbatches``; pure, so it runs before any
+    process group exists."""
+    pp = _positive_int("pp", pp)
+    virtual = _positive_int("virtual", virtual)
     if name not in SCHEDULES:
         raise ParallelConfigError(f"unknown pipeline schedule {name!r}; pick one of {SCHEDULES}")
     n_microbatches = _positive_int("n_microbatches", n_microbatches)
@@ -401,8 +406,7 @@ def build_schedule(
     stages = list(stages)
     if not stages:
         raise ParallelConfigError("build_schedule needs this rank's stages, got none")
-    pp = stages[0].group_size
-    _check_schedule(name, pp, len(stages), n_microbatches)
+    check_schedule(name, stages[0].group_size, len(stages), n_microbatches)
     cls = getattr(pipelining, f"Schedule{name}")
     first = stages[0] if name in _SINGLE_STAGE else stages
     return cls(first, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
@@ -467,7 +471,7 @@ def build_pipeline(
         virtual = 1 if schedule in _SINGLE_STAGE else 2
     pg = _pp_group(group)
     pp, pp_rank = dist.get_world_size(pg), dist.get_rank(pg)
-    _check_schedule(schedule, pp, virtual, n_microbatches)
+    check_schedule(schedule, pp, virtual, n_microbatches)
     blocks = _get(model, layers, "layers")
     splits = split_layers(
         len(blocks), pp * virtual, split=split, pre_cost=pre_cost, post_cost=post_cost

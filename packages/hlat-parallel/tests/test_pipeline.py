@@ -32,7 +32,7 @@ from hlat_parallel import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pipeline_worker import llama_block_args  # noqa: E402
+from pipeline_worker import llama_block_args
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")
 TOL = 1e-5
@@ -138,7 +138,7 @@ def test_looped_placement_and_v_placement():
     assert stage_ids(3, 4, 2, style="v") == [3, 4]
     with pytest.raises(ParallelConfigError, match="exactly 2 stages per rank"):
         stage_ids(0, 4, 3, style="v")
-    with pytest.raises(ParallelConfigError, match="pp_rank 4 is outside 0..3"):
+    with pytest.raises(ParallelConfigError, match=r"pp_rank 4 is outside 0\.\.3"):
         stage_ids(4, 4)
 
 
@@ -252,7 +252,7 @@ def test_tied_embeddings_on_two_stages_are_refused():
 def test_models_outside_the_contract_are_refused(model):
     with pytest.raises(ParallelConfigError, match="has no module 'blocks'"):
         stage_modules(model, split_layers(4, 2), [0], layers="blocks")
-    with pytest.raises(ParallelConfigError, match="covers 6 blocks but Llama.layers holds 4"):
+    with pytest.raises(ParallelConfigError, match=r"covers 6 blocks but Llama\.layers holds 4"):
         stage_modules(model, split_layers(6, 2), [0])
     with pytest.raises(ParallelConfigError, match=r"\['norm.weight'\] of Llama belong to no"):
         stage_modules(model, split_layers(4, 2), [0], post=("lm_head",))
@@ -264,7 +264,7 @@ def test_models_outside_the_contract_are_refused(model):
             super().__init__()
             self.layers = nn.Sequential(nn.Linear(2, 2))
 
-    with pytest.raises(ParallelConfigError, match="is a Sequential, not an nn.ModuleList"):
+    with pytest.raises(ParallelConfigError, match=r"is a Sequential, not an nn\.ModuleList"):
         stage_modules(Flat(), split_layers(1, 1), [0], pre=(), post=())
 
 

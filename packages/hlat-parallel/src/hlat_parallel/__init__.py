@@ -39,12 +39,12 @@ from hlat_parallel.zero import no_grad_sync, shard_optimizer
 __version__ = "0.3.0"
 
 __all__ = [
+    "SCHEDULES",
     "DeviceError",
     "ParallelConfigError",
     "ParallelDims",
     "Pipeline",
     "PlanEntry",
-    "SCHEDULES",
     "StageModule",
     "StageSplit",
     "bubble_fraction",

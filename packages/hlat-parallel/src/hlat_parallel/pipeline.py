@@ -144,8 +144,7 @@ def _check_split(split: list[Any], n_layers: int, n_stages: int) -> list[int]:
     for index, count in enumerate(split):
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise ParallelConfigError(
-                f"pipeline split {split}: entry {index} must be a block count >= 0, "
-                f"got {count!r}"
+                f"pipeline split {split}: entry {index} must be a block count >= 0, got {count!r}"
             )
         if count == 0 and 0 < index < n_stages - 1:
             raise ParallelConfigError(
@@ -205,6 +204,16 @@ def _get(model: nn.Module, dotted: str, role: str) -> nn.Module:
         ) from None
 
 
+def _blocks(model: nn.Module, layers: str) -> nn.ModuleList:
+    blocks = _get(model, layers, "layers")
+    if not isinstance(blocks, nn.ModuleList):
+        raise ParallelConfigError(
+            f"{type(model).__name__}.{layers} is a {type(blocks).__name__}, not an "
+            "nn.ModuleList of blocks; pass the name of the block list as layers="
+        )
+    return blocks
+
+
 class StageModule(nn.Module):
     """The part of a model one pipeline stage runs, with the model's parameter names.
 
@@ -238,7 +247,7 @@ class StageModule(nn.Module):
         self.layers_name = layers
         self.block_args = block_args
         self.checkpoint_blocks = checkpoint_blocks
-        blocks = _get(model, layers, "layers")
+        blocks = _blocks(model, layers)
         for name in self.pre_names:
             _attach(self, name, _get(model, name, "pre"))
         _attach(self, layers, nn.ModuleDict({str(i): blocks[i] for i in split.layers}))
@@ -286,12 +295,7 @@ def stage_modules(
     materialise the stages (``to_empty``, then load a checkpoint) for models that do not
     fit one rank.
     """
-    blocks = _get(model, layers, "layers")
-    if not isinstance(blocks, nn.ModuleList):
-        raise ParallelConfigError(
-            f"{type(model).__name__}.{layers} is a {type(blocks).__name__}, not an "
-            "nn.ModuleList of blocks; pass the name of the block list as layers="
-        )
+    blocks = _blocks(model, layers)
     covered = sum(len(s.layers) for s in splits)
     if covered != len(blocks):
         raise ParallelConfigError(
@@ -347,7 +351,7 @@ def _pp_group(group: Any) -> dist.ProcessGroup:
         return dist.group.WORLD  # type: ignore[return-value]
     if hasattr(group, "get_group"):  # a 1-D DeviceMesh, e.g. mesh["pp"]
         return group.get_group()
-    return group  # type: ignore[no-any-return]
+    return group
 
 
 def check_schedule(name: str, pp: int, virtual: int, n_microbatches: int) -> None:
@@ -472,7 +476,7 @@ def build_pipeline(
     pg = _pp_group(group)
     pp, pp_rank = dist.get_world_size(pg), dist.get_rank(pg)
     check_schedule(schedule, pp, virtual, n_microbatches)
-    blocks = _get(model, layers, "layers")
+    blocks = _blocks(model, layers)
     splits = split_layers(
         len(blocks), pp * virtual, split=split, pre_cost=pre_cost, post_cost=post_cost
     )

@@ -258,8 +258,10 @@ class StageModule(nn.Module):
         h = x
         for name in self.pre_names:
             h = self.get_submodule(name)(h)
-        extra = self.block_args(h, **kwargs) if self.block_args is not None else ()
         blocks = self.get_submodule(self.layers_name)
+        extra: tuple[Any, ...] = ()
+        if self.block_args is not None and len(blocks):  # type: ignore[arg-type]
+            extra = self.block_args(h, **kwargs)
         for block in blocks.values():  # type: ignore[operator]
             if self.checkpoint_blocks and torch.is_grad_enabled():
                 h = checkpoint(block, h, *extra, use_reentrant=False)

@@ -183,7 +183,7 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         finally:
             self._executor.shutdown(wait=True)
 
-    # --- engine hooks: the background write, reading back, checksum shares ----------------
+    # --- engine hooks: the background write, reading back, checksum shares -----------------
 
     def _finish(self, pending: Future[None]) -> None:
         try:

@@ -40,6 +40,8 @@ from torch import nn
 from . import state_json
 from .manifest import MANIFEST_NAME, Manifest
 from .policy import CheckpointError, CheckpointPolicy, Written
+from .policy import CheckpointInfo as CheckpointInfo  # importable from here, as before
+from .policy import SaveStats as SaveStats
 from .rng import RNGState
 from .storage import step_dirname
 
@@ -353,7 +355,7 @@ class NeuronCheckpointer(CheckpointPolicy[Written]):
         else:
             self._commit(dirname, written)
 
-    # --- engine hooks: NxD's finalize, reading back, checksum shares -------------------------
+    # --- engine hooks: NxD's finalize, reading back, checksum shares -----------------------
 
     def _finish(self, pending: Written) -> None:
         """Finish the pending asynchronous save (NxD's ``finalize_checkpoint``) and commit it

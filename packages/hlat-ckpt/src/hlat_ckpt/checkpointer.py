@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import atexit
 import builtins
 import os
 import re
-import sys
-import threading
 import time
-import traceback
 import warnings
-import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,24 +16,17 @@ import torch.distributed as dist
 from torch import nn
 
 from . import state_json
-from .manifest import (
-    MANIFEST_NAME,
-    DamagedCheckpointError,
-    IncompleteCheckpointError,
-    Manifest,
-    checksum_files,
-    package_versions,
-    read_manifest,
-    validate,
-    verify_checksums,
-    write_manifest,
-)
-from .retention import incomplete_to_delete, steps_to_delete
+from .manifest import Manifest
+from .policy import CheckpointError as CheckpointError
+from .policy import CheckpointInfo as CheckpointInfo
+from .policy import CheckpointPolicy, Written
+from .policy import SaveStats as SaveStats
 from .rng import RNGState
-from .storage import Storage, step_dirname
+from .storage import step_dirname
 
 if TYPE_CHECKING:
     import torch.distributed.checkpoint as dcp
+
 
 # Note: torch.distributed.checkpoint and torch.distributed.tensor (about a second of imports
 # with sympy) are imported by the methods that save and load, not with this module, so that
@@ -56,43 +43,6 @@ warnings.filterwarnings(
     category=UserWarning,
 )
 _GLOBAL_JSON = "_global/_json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be saved or loaded; the message says which step, where and why."""
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """One committed checkpoint, as listed by :meth:`Checkpointer.list`."""
-
-    step: int
-    url: str
-    time: float
-    world_size: int
-
-
-@dataclass(frozen=True)
-class SaveStats:
-    """What one committed save cost, as seen by the calling process (seconds, bytes).
-
-    ``stall_s`` is how long :meth:`Checkpointer.save` blocked the caller: for an async save
-    the wait for the previous save (``wait_s``), gathering the state dicts and the copy to
-    host memory; for a synchronous save everything. ``write_s`` is the writing, checksumming
-    (``checksum_s``) and commit, in the background thread for an async save; ``save_s`` runs
-    from the call of ``save`` to the commit. ``bytes`` and ``files`` count every file of the
-    checkpoint, all ranks' together.
-    """
-
-    step: int
-    async_save: bool
-    stall_s: float
-    wait_s: float
-    write_s: float
-    checksum_s: float
-    save_s: float
-    bytes: int
-    files: int
 
 
 def _rank_prefix(rank: int) -> str:
@@ -114,7 +64,7 @@ def _owner(name: str, world_size: int) -> int:
     return int(m.group(1)) % world_size if m else 0
 
 
-class Checkpointer:
+class Checkpointer(CheckpointPolicy[Future[None]]):
     """Save and resume the training state of any trainer, sharded across ranks.
 
     Args:
@@ -164,45 +114,24 @@ class Checkpointer:
         io_threads: int = 1,
         verify_checksums: bool = True,
     ):
-        if not isinstance(root_url, str | os.PathLike) or not os.fspath(root_url):
-            raise TypeError(f"root_url must be a non-empty path or URL, got {root_url!r}")
-        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-            raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
-        if keep_every is not None and (not isinstance(keep_every, int) or keep_every < 1):
-            raise ValueError(f"keep_every must be an int >= 1 or None, got {keep_every!r}")
+        super().__init__(
+            root_url,
+            keep_last,
+            keep_every,
+            async_save,
+            storage_options=storage_options,
+            save_rng=save_rng,
+            process_group=process_group,
+            layout=dict(layout or {}),
+            verify_checksums=verify_checksums,
+        )
         if io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
-        self.keep_last = keep_last
-        self.keep_every = keep_every
-        self.async_save = async_save
-        self.save_rng = save_rng
-        self.layout = dict(layout or {})
         self.io_threads = io_threads
-        self.verify_checksums = verify_checksums
-        self._storage = Storage(root_url, storage_options)
-        self.url = self._storage.url
-        if dist.is_available() and dist.is_initialized():
-            # Note: a group of our own keeps background checkpoint collectives from
-            # interleaving with the training loop's collectives on the default group.
-            self._group: dist.ProcessGroup | None = process_group or dist.new_group(backend="gloo")
-            self.rank = dist.get_rank(self._group)
-            self.world_size = dist.get_world_size(self._group)
-            self._src = dist.get_global_rank(self._group, 0)
-        else:
-            self._group = None
-            self.rank, self.world_size, self._src = 0, 1, 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hlat-ckpt")
-        self._pending: Future[None] | None = None
         self._pending_step = -1
-        self._saved_steps: set[int] = set()  # committed by this object (storage is checked too)
         self._buffers: dict[str, torch.Tensor] = {}
         self._rng = RNGState()
-        self._damaged: set[int] = set()  # steps load_latest skipped for a checksum mismatch
-        self._stats_lock = threading.Lock()
-        self._finished: builtins.list[SaveStats] = []
-        self.last_save: SaveStats | None = None
-        """What the newest committed save cost (:class:`SaveStats`)."""
-        atexit.register(_wait_at_exit, weakref.ref(self))
 
     # --- public API ------------------------------------------------------------------------
 
@@ -221,11 +150,8 @@ class Checkpointer:
         wait_s = time.perf_counter() - started
         if not self.async_save:
             self._prepare(step)
-        elif step in self._saved_steps:
-            raise CheckpointError(
-                f"a checkpoint of step {step} already exists at "
-                f"{self._storage.url_of(step_dirname(step))}; save each step once"
-            )
+        else:
+            self._refuse_saved(step)
         flat = self._collect(state, entries)
         layout = self._layout(flat)
         kinds = {name: kind for name, (kind, _) in entries.items()}
@@ -250,19 +176,16 @@ class Checkpointer:
         self._prepare(step)
         self._write(step, *args)
 
-    def pop_save_stats(self) -> builtins.list[SaveStats]:
-        """The :class:`SaveStats` of the saves committed since the last call, oldest first
-        (an async save appears once its background write has committed)."""
-        with self._stats_lock:
-            finished, self._finished = self._finished, []
-        return finished
+    def close(self) -> None:
+        """Wait for the last save and stop the background writer."""
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
 
-    def wait(self) -> None:
-        """Block until the background save (if any) has committed; raise its error if it
-        failed."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
+    # --- engine hooks: the background write, reading back, checksum shares -----------------
+
+    def _finish(self, pending: Future[None]) -> None:
         try:
             pending.result()
         except CheckpointError:
@@ -273,110 +196,20 @@ class Checkpointer:
                 f"{type(e).__name__}: {e}"
             ) from e
 
-    def load_latest(self, state: Mapping[str, Any]) -> int | None:
-        """Load the newest complete checkpoint into ``state``; return its step, or ``None``
-        when there is none (a fresh start).
+    def _resolve(self, state: Mapping[str, Any]) -> dict[str, tuple[str, Any]]:
+        return self._classify(state)
 
-        Incomplete checkpoints (no manifest, missing or truncated files) and, with
-        ``verify_checksums``, damaged ones (a file whose checksum differs from the manifest's)
-        are skipped with a warning. Rank 0 chooses and every rank loads the same step.
-        """
-        entries = self._classify(state)
-        self.wait()
-        rejected: set[int] = set()
-        while True:
-            step = -1
-            if self.rank == 0:
-                final, _ = self._storage.list_steps()
-                for candidate in sorted(final, reverse=True):
-                    if candidate in rejected:
-                        continue
-                    try:
-                        validate(self._storage, final[candidate], candidate)
-                    except IncompleteCheckpointError as e:
-                        warnings.warn(f"skipping incomplete checkpoint: {e}", stacklevel=2)
-                        rejected.add(candidate)
-                        continue
-                    step = candidate
-                    break
-            if self._group is not None:
-                chosen = torch.tensor([step], dtype=torch.int64)
-                dist.broadcast(chosen, src=self._src, group=self._group)
-                step = int(chosen.item())
-            if step < 0:
-                return None
-            manifest, problem = self._check(step)
-            if manifest is not None and problem is None:
-                self._read(step, manifest, entries)
-                return step
-            if self.rank == 0:
-                warnings.warn(f"skipping damaged checkpoint: {problem}", stacklevel=2)
-            self._damaged.add(step)
-            rejected.add(step)
-
-    def load(self, step: int, state: Mapping[str, Any]) -> None:
-        """Load checkpoint ``step`` into ``state`` (collective).
-
-        Entries of the checkpoint that ``state`` does not name are ignored, so a model alone
-        can be loaded from a full training checkpoint. Per-rank entries need a rank of the
-        same number in the saving job.
-        """
-        entries = self._classify(state)
-        self.wait()
-        manifest, problem = self._check(step)
-        if manifest is None or problem is not None:
-            raise CheckpointError(f"cannot load step {step}: {problem}")
-        self._read(step, manifest, entries)
-
-    def _check(self, step: int) -> tuple[Manifest | None, str | None]:
-        """``(manifest, None)`` when checkpoint ``step`` is complete and, with
-        ``verify_checksums``, undamaged; ``(manifest or None, what is wrong)`` otherwise.
-
-        Collective: every rank checks the sizes and reads back the files it owns (see
-        :func:`_owner`), and all ranks get the same answer. A read error other than a
-        mismatch raises :class:`CheckpointError` on every rank (the checkpoint may be fine).
-        """
-        dirname = step_dirname(step)
-        manifest: Manifest | None = None
-        outcome: tuple[str, str] | None = None
-        try:
-            manifest = validate(self._storage, dirname, step)
-            if self.verify_checksums:
-                mine = [n for n in manifest.checksums if _owner(n, self.world_size) == self.rank]
-                verify_checksums(self._storage, dirname, manifest, mine)
-        except IncompleteCheckpointError as e:
-            outcome = ("damaged", str(e))
-        except Exception as e:
-            outcome = ("error", f"rank {self.rank}: {type(e).__name__}: {e}")
-        outcomes = [outcome]
-        if self._group is not None:
-            outcomes = [None] * self.world_size
-            dist.all_gather_object(outcomes, outcome, group=self._group)
-        errors = [o[1] for o in outcomes if o is not None and o[0] == "error"]
-        if errors:
-            raise CheckpointError(
-                f"checking {self._storage.url_of(dirname)} failed: {'; '.join(errors)}"
-            )
-        problems = [o[1] for o in outcomes if o is not None]
-        return manifest, problems[0] if problems else None
+    def _checksum_share(self, names: builtins.list[str]) -> builtins.list[str]:
+        return [n for n in names if _owner(n, self.world_size) == self.rank]
 
     def _read(self, step: int, manifest: Manifest, entries: dict[str, tuple[str, Any]]) -> None:
         import torch.distributed.checkpoint as dcp
 
         dirname = step_dirname(step)
         where = self._storage.url_of(dirname)
-        for name, (kind, _) in list(entries.items()):
-            saved = manifest.entries.get(name)
-            if saved is None:
-                if name == RNG_ENTRY and kind == "rank":
-                    del entries[name]
-                    continue
-                raise CheckpointError(
-                    f"{where} has no entry {name!r} (it has {sorted(manifest.entries)}); "
-                    "remove it from the state to load the others"
-                )
-            if saved != kind:
-                raise CheckpointError(f"{where}: entry {name!r} was saved as {saved}, not {kind}")
+        if RNG_ENTRY not in manifest.entries and entries.get(RNG_ENTRY, ("",))[0] == "rank":
+            del entries[RNG_ENTRY]  # saved with save_rng=False: keep this rank's RNG as it is
+        self._check_entries(where, manifest, {name: kind for name, (kind, _) in entries.items()})
 
         reader = self._reader(dirname)
         metadata = reader.read_metadata().state_dict_metadata
@@ -432,36 +265,6 @@ class Checkpointer:
                     obj.update(value)
                 else:
                     obj.load_state_dict(value)
-
-    def list(self) -> builtins.list[CheckpointInfo]:
-        """The committed checkpoints under the root, oldest first (manifests are read; shard
-        files are not checked, see :meth:`load_latest`)."""
-        final, _ = self._storage.list_steps()
-        found = []
-        for step in sorted(final):
-            try:
-                manifest = read_manifest(self._storage, final[step])
-            except IncompleteCheckpointError:
-                continue
-            found.append(
-                CheckpointInfo(
-                    step, self._storage.url_of(final[step]), manifest.time, manifest.world_size
-                )
-            )
-        return found
-
-    def close(self) -> None:
-        """Wait for the last save and stop the background writer."""
-        try:
-            self.wait()
-        finally:
-            self._executor.shutdown(wait=True)
-
-    def __enter__(self) -> Checkpointer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # --- save internals --------------------------------------------------------------------
 
@@ -532,40 +335,6 @@ class Checkpointer:
         else:
             model, optimizer = obj
             set_optimizer_state_dict(model, optimizer, value)
-
-    def _prepare(self, step: int) -> None:
-        # Rank 0 clears leftovers of an interrupted save of this step before anyone writes.
-        exists = 0
-        if self.rank == 0:
-            final, tmp = self._storage.list_steps()
-            if step in final:
-                try:
-                    # Note: a damaged checkpoint (a shard cut short, or one whose checksum
-                    # no longer matches) was skipped by load_latest, so the resumed run
-                    # reaches this step again: replace it.
-                    if step in self._damaged:
-                        raise DamagedCheckpointError(f"step {step} failed its checksums")
-                    validate(self._storage, final[step], step)
-                    exists = 1
-                except IncompleteCheckpointError:
-                    self._storage.remove_dir(final[step])
-            if step in tmp:
-                self._storage.remove_dir(tmp[step])
-        steps = [step]
-        if self._group is not None:
-            mine = torch.tensor([step, exists], dtype=torch.int64)
-            gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
-            dist.all_gather(gathered, mine, group=self._group)
-            steps = [int(t[0]) for t in gathered]
-            exists = int(gathered[0][1])
-        if len(set(steps)) != 1:
-            raise CheckpointError(f"ranks called save() with different steps: {steps}")
-        if exists:
-            raise CheckpointError(
-                f"a checkpoint of step {step} already exists at "
-                f"{self._storage.url_of(step_dirname(step))}; save each step once (delete it "
-                "to save it again)"
-            )
 
     def _collect(
         self, state: Mapping[str, Any], entries: dict[str, tuple[str, Any]]
@@ -669,8 +438,8 @@ class Checkpointer:
         stall_s: float | None,
         wait_s: float,
     ) -> None:
-        """Write, checksum and commit ``step`` (collective; in the background thread for an
-        async save), then record its :class:`SaveStats`."""
+        """Write ``step`` through DCP and commit it (collective; in the background thread for
+        an async save)."""
         import torch.distributed.checkpoint as dcp
 
         write_start = time.perf_counter()
@@ -693,128 +462,17 @@ class Checkpointer:
                 "checkpoints are untouched"
             ) from e
         # DCP's final collective returns only after every rank's files and the metadata are
-        # written, so rank 0 can now list the files; each rank checksums its own.
-        checksum_start = time.perf_counter()
-        error: BaseException | None = None
-        sizes: dict[str, int] = {}
-        if self.rank == 0:
-            try:
-                sizes = self._storage.file_sizes(dirname)
-            except BaseException as e:
-                error = e
-        names: builtins.list[Any] = [sorted(sizes) if error is None else None]
-        if self._group is not None:
-            dist.broadcast_object_list(names, src=self._src, group=self._group)
-        sums: dict[str, str] = {}
-        problem: str | None = None
-        if names[0] is not None:
-            mine = [n for n in names[0] if _owner(n, self.world_size) == self.rank]
-            try:
-                sums = checksum_files(self._storage, dirname, mine)
-            except Exception as e:
-                problem = f"rank {self.rank} could not checksum its files: {type(e).__name__}: {e}"
-        gathered: builtins.list[Any] = [(sums, problem)]
-        if self._group is not None:
-            gathered = [None] * self.world_size if self.rank == 0 else []
-            dist.gather_object(
-                (sums, problem),
-                gathered if self.rank == 0 else None,
-                dst=self._src,
-                group=self._group,
-            )
-        checksum_s = time.perf_counter() - checksum_start
-        total = [0, 0]
-        if self.rank == 0 and error is None:
-            try:
-                problems = [p for _, p in gathered if p]
-                if problems:
-                    raise CheckpointError("; ".join(problems))
-                checksums = {name: value for part, _ in gathered for name, value in part.items()}
-                missing = sorted(set(sizes) - set(checksums))
-                if missing:
-                    raise CheckpointError(f"no checksum for {missing}")
-                manifest = Manifest(
-                    step=step,
-                    world_size=self.world_size,
-                    entries=kinds,
-                    files=sizes,
-                    layout=layout,
-                    versions=package_versions(),
-                    checksums=checksums,
-                )
-                write_manifest(self._storage, dirname, manifest)
-                self._storage.commit_dir(dirname, final)
-                total = [manifest.total_bytes, len(manifest.files)]
-            except BaseException as e:
-                error = e
-        if error is not None:
-            self._discard(dirname)
-        failed = error is not None
-        if self._group is not None:
-            flag = torch.tensor([int(failed), *total], dtype=torch.int64)
-            dist.broadcast(flag, src=self._src, group=self._group)
-            failed = bool(flag[0].item())
-            total = [int(flag[1].item()), int(flag[2].item())]
-        if failed:
-            detail = f"{type(error).__name__}: {error}" if error is not None else "see rank 0"
-            raise CheckpointError(
-                f"committing step {step} to {where} failed: {detail}; earlier checkpoints are "
-                "untouched"
-            ) from error
-        if self.rank == 0:
-            self._damaged.discard(step)
-            self._retain(step)
-        end = time.perf_counter()
-        stats = SaveStats(
-            step=step,
-            async_save=stall_s is not None,
-            stall_s=end - started if stall_s is None else stall_s,
-            wait_s=wait_s,
-            write_s=end - write_start,
-            checksum_s=checksum_s,
-            save_s=end - started,
-            bytes=total[0],
-            files=total[1],
-        )
-        with self._stats_lock:
-            self._finished.append(stats)
-            self.last_save = stats
-            self._saved_steps.add(step)
+        # written, so the commit can list and checksum them.
+        self._commit(dirname, Written(step, kinds, layout, started, stall_s, wait_s, write_start))
+
+    def _abandon(self, dirname: str) -> None:
+        self._discard(dirname)
 
     def _discard(self, dirname: str) -> None:
         try:
             self._storage.remove_dir(dirname)
         except Exception as e:  # the original error matters more than the cleanup's
             warnings.warn(f"could not remove {self._storage.url_of(dirname)}: {e}", stacklevel=2)
-
-    def _retain(self, committed: int) -> None:
-        final, tmp = self._storage.list_steps()
-        complete: dict[int, str] = {}
-        leftovers: dict[int, str] = {s: d for s, d in tmp.items() if s != committed}
-        for s, d in final.items():
-            try:
-                read_manifest(self._storage, d)
-                if s in self._damaged:  # skipped by load_latest: not one to keep
-                    raise DamagedCheckpointError(f"step {s} failed its checksums")
-                complete[s] = d
-            except IncompleteCheckpointError:
-                leftovers.setdefault(s, d)
-        doomed = [
-            complete[s]
-            for s in steps_to_delete(complete, committed, self.keep_last, self.keep_every)
-        ]
-        doomed += [leftovers[s] for s in incomplete_to_delete(leftovers, committed)]
-        for dirname in doomed:
-            try:
-                # Manifest first: a deletion cut short leaves an incomplete checkpoint that
-                # resume skips, never one that looks complete but lacks files.
-                self._storage.remove_file(dirname, MANIFEST_NAME)
-                self._storage.remove_dir(dirname)
-            except Exception as e:
-                warnings.warn(
-                    f"retention could not delete {self._storage.url_of(dirname)}: {e}",
-                    stacklevel=2,
-                )
 
 
 def _placeholder(metadata: Mapping[str, Any], key: str) -> torch.Tensor:
@@ -824,17 +482,6 @@ def _placeholder(metadata: Mapping[str, Any], key: str) -> torch.Tensor:
     if not isinstance(item, TensorStorageMetadata):
         raise CheckpointError(f"checkpoint has no tensor {key!r}; it was not written by hlat-ckpt")
     return torch.empty(item.size, dtype=item.properties.dtype)
-
-
-def _wait_at_exit(ref: weakref.ref[Checkpointer]) -> None:
-    checkpointer = ref()
-    if checkpointer is None:
-        return
-    try:
-        checkpointer.wait()
-    except Exception:
-        traceback.print_exc()
-        print("hlat-ckpt: the last checkpoint was not saved (see above)", file=sys.stderr)
 
 
 def _host_buffer(like: torch.Tensor, pinned: bool) -> torch.Tensor:

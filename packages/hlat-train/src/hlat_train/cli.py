@@ -80,7 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--config", required=True, help=config_help)
     plan.add_argument("--nodes", type=int, default=None, help="nodes (default: the config's)")
     plan.add_argument(
-        "--procs-per-node", type=int, default=None, help="processes per node (default: the device's)"
+        "--procs-per-node",
+        type=int,
+        default=None,
+        help="processes per node (default: the device's)",
     )
     where = plan.add_mutually_exclusive_group()
     where.add_argument(

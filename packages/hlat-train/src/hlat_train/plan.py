@@ -171,6 +171,7 @@ OPTIMIZER_STEP_BYTES = 4
 
 def _meta_model(llama: Any, precision: str) -> Any:
     import torch
+
     from hlat_model import Llama
 
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
@@ -185,9 +186,10 @@ def real_shards(llama: Any, layout: Layout, dp_rank: int) -> list[Shard]:
     (neuron backend: TP shards only; ZeRO-1 shards the optimizer state analytically).
     """
     import torch.distributed as dist
-    from hlat_parallel import init_parallel, parallelize
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hlat_parallel import init_parallel, parallelize
 
     if dist.is_initialized():
         raise ConfigError(
@@ -265,7 +267,12 @@ def tp_shapes(llama: Any, tp: int) -> list[tuple[str, tuple[int, ...]]]:
     for name, p in model.named_parameters():
         shape = list(p.shape)
         entry = matched.get(name.rsplit(".", 1)[0])
-        if entry is not None and entry.style in ("embedding", "colwise", "fused_colwise", "lm_head"):
+        if entry is not None and entry.style in (
+            "embedding",
+            "colwise",
+            "fused_colwise",
+            "lm_head",
+        ):
             shape[0] //= tp
         elif entry is not None and entry.style == "rowwise":
             shape[1] //= tp
@@ -481,6 +488,8 @@ class Role:
     memory: list[tuple[str, float]] = field(default_factory=list)
     comm: list[Comm] = field(default_factory=list)
     checkpoint_bytes: float = 0.0
+    held: dict[str, float] = field(default_factory=dict)
+    """Parameter, gradient and optimizer-state bytes (see :func:`holdings`)."""
 
     @property
     def count(self) -> int:
@@ -498,7 +507,8 @@ class Role:
         dp = f"dp rank {first}" if first == last else f"dp ranks {first}-{last}"
         if len(self.dp_ranks) > 1 and last - first + 1 != len(self.dp_ranks):
             dp = f"{len(self.dp_ranks)} dp ranks from {first} to {last}"
-        return f"{dp} x tp ranks 0-{self.tp - 1}: {self.count} rank(s)"
+        tp = f" x tp ranks 0-{self.tp - 1}" if self.tp > 1 else ""
+        return f"{dp}{tp}: {self.count} rank{'s' if self.count > 1 else ''}"
 
 
 def holdings(shards: list[Shard], layout: Layout) -> dict[str, float]:
@@ -519,7 +529,7 @@ def role_report(llama: Any, layout: Layout, dp_ranks: list[int], shards: list[Sh
     """Memory, communication and checkpoint bytes of the ranks ``dp_ranks`` (x every TP rank)."""
     lay = layout
     held = holdings(shards, lay)
-    role = Role(dp_ranks, lay.tp)
+    role = Role(dp_ranks, lay.tp, held=held)
     pname, gname = _dtype_name(param_bytes(lay.precision)), _dtype_name(grad_bytes(lay))
     split = "1/dp over FSDP2" if lay.backend == "torch" and lay.dp > 1 else "whole TP shard"
     role.memory.append((f"parameters ({pname}, {split})", held["parameters"]))
@@ -653,7 +663,9 @@ def _layouts_near(layout: Layout, llama: Any) -> Iterable[Layout]:
                 cand = dataclasses.replace(layout, tp=t, checkpointing=mode, micro_batch=m)
                 if layout.global_batch % (m * cand.dp):
                     continue
-                changed = (t != layout.tp) + (mode != layout.checkpointing) + (m != layout.micro_batch)
+                changed = (
+                    (t != layout.tp) + (mode != layout.checkpointing) + (m != layout.micro_batch)
+                )
                 out.append((changed, CHECKPOINTING.index(mode), -m, t, cand))
     return [c[-1] for c in sorted(out, key=lambda c: c[:4])]
 

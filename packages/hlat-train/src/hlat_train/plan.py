@@ -561,7 +561,7 @@ def role_report(llama: Any, layout: Layout, dp_ranks: list[int], shards: list[Sh
             )
     role.memory.append(
         (
-            f"activations, one micro-batch ({lay.checkpointing} checkpointing"
+            f"activations, one micro-batch (checkpointing {lay.checkpointing}"
             + (", SP" if lay.sequence_parallel else "")
             + ")",
             activation_bytes(llama, lay),

@@ -8,6 +8,7 @@
     torchrun --nproc-per-node 8 -m hlat_train train --config hlat-7b --data.paths=...
     hlat-train export-hf runs/hlat/checkpoints hf-out
     hlat-train preflight --checkpoint-url /fsx/ckpt   # health checks (also under torchrun)
+    hlat-train plan --config llama2-7b-trn1-128       # memory, traffic, fit: a dry run
 
 Only what a command needs is imported: ``presets`` and ``print-config`` start without
 torch, and ``train`` imports the trainer once the config is read.
@@ -71,6 +72,29 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("presets", help="list the shipped presets")
 
+    plan = sub.add_parser(
+        "plan",
+        help="dry run of the layout at full size: memory, communication and checkpoint "
+        "bytes per rank, and whether it fits the device (exit 1 when it does not)",
+    )
+    plan.add_argument("--config", required=True, help=config_help)
+    plan.add_argument("--nodes", type=int, default=None, help="nodes (default: the config's)")
+    plan.add_argument(
+        "--procs-per-node",
+        type=int,
+        default=None,
+        help="processes per node (default: the device's)",
+    )
+    where = plan.add_mutually_exclusive_group()
+    where.add_argument(
+        "--device",
+        default=None,
+        help="trn1, trn2, h100, h200 or a100 (default trn1 for parallel.backend auto or neuron)",
+    )
+    where.add_argument(
+        "--device-memory-gib", type=float, default=None, help="memory per process, GiB"
+    )
+
     demo = sub.add_parser("demo", help="train the tiny-demo Llama on the Python standard library")
     demo.add_argument("--out", default="runs/demo", help="run directory (default runs/demo)")
     demo.add_argument("--cache-dir", default=None, help="corpus/tokenizer cache (~/.cache/hlat)")
@@ -112,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             print(config.to_toml())
             validate(config, check_files=not args.no_check_files)
             return 0
+        if args.command == "plan":
+            return _plan(args, extra)
         if args.command == "export-hf":
             if extra:
                 raise ConfigError(f"export-hf takes no overrides, got {' '.join(extra)}")
@@ -153,6 +179,28 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"hlat-train: data error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+
+
+EXIT_DOES_NOT_FIT = 1
+
+
+def _plan(args: argparse.Namespace, extra: list[str]) -> int:
+    from hlat_train.plan import failure_text, make_plan, print_progress, resolve_layout
+
+    config = _load(args, extra)
+    options = {
+        "device": args.device,
+        "nodes": args.nodes,
+        "procs_per_node": args.procs_per_node,
+        "device_memory_gib": args.device_memory_gib,
+    }
+    resolve_layout(config, **options)  # bad options fail here, before any import of torch
+    plan = make_plan(config, args.config, progress=print_progress, **options)
+    print(plan.render())
+    if plan.fits:
+        return 0
+    print(f"hlat-train plan: {failure_text(plan)}", file=sys.stderr)
+    return EXIT_DOES_NOT_FIT
 
 
 def _report(summary: dict) -> None:

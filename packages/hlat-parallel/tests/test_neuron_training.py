@@ -9,15 +9,12 @@ imported, and the rest is plain torch.
 from __future__ import annotations
 
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from spawn import run_ranks
 
 from hlat_model import Llama, LlamaConfig
 from hlat_parallel import ParallelConfigError, ParallelDims, parallelize, shard_optimizer
@@ -300,33 +297,9 @@ def test_one_rank_initialises_from_its_tp_seed_and_reseeds_after():
         assert torch.equal(p, q), name
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_tp_ranks_draw_different_shards_and_agree_on_replicated_weights(tmp_path):
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": "2",
-        "OMP_NUM_THREADS": "1",
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(tmp_path)],
-            env={**env, "RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for rank in range(2)
-    ]
-    for proc in procs:
-        out, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, out.decode()
+    run_ranks(WORKER, [str(tmp_path)], 2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for name, value in ranks[0]["params"].items():
         other = ranks[1]["params"][name]

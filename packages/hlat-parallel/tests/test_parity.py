@@ -11,14 +11,11 @@ relative (Frobenius norm of the difference).
 from __future__ import annotations
 
 import functools
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from spawn import run_ranks
 
 from hlat_model import Llama, LlamaConfig, cross_entropy_loss
 
@@ -130,41 +127,9 @@ def reference(inputs) -> dict:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(workdir: Path, world: int, tp: int, sp_flags: str) -> None:
     """Start ``world`` worker processes with torchrun's environment and wait for them."""
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        cmd = [sys.executable, str(WORKER), str(workdir), str(tp), sp_flags]
-        procs.append(
-            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        )
-    failures = []
-    for rank, proc in enumerate(procs):
-        try:
-            output, _ = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-        if proc.returncode:
-            failures.append(f"rank {rank} exited {proc.returncode}:\n{output.decode()[-3000:]}")
-    assert not failures, "\n".join(failures)
+    run_ranks(WORKER, [str(workdir), str(tp), sp_flags], world)
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,12 @@ documents for two SGD steps, compared with one process on the same batch: fp32, 
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from pipeline_worker import llama_block_args
+from spawn import run_ranks
 from torch import nn
 
 from hlat_model import Llama, LlamaConfig, cross_entropy_loss
@@ -30,9 +28,6 @@ from hlat_parallel import (
     stage_ids,
     stage_modules,
 )
-
-sys.path.insert(0, str(Path(__file__).parent))
-from pipeline_worker import llama_block_args
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")
 TOL = 1e-5
@@ -275,12 +270,6 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def case(tmp_path_factory) -> dict:
     torch.manual_seed(1)
@@ -323,32 +312,8 @@ def reference(case) -> dict:
 @pytest.fixture(scope="module")
 def pp2(case) -> dict:
     """Per-schedule, per-rank results of two processes running every schedule in turn."""
-    workdir, port, procs = case["workdir"], _free_port(), []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        cmd = [sys.executable, str(WORKER), str(workdir)]
-        procs.append(
-            subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        )
-    failures = []
-    for rank, proc in enumerate(procs):
-        try:
-            output, _ = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-        if proc.returncode:
-            failures.append(f"rank {rank} exited {proc.returncode}:\n{output.decode()[-3000:]}")
-    assert not failures, "\n".join(failures)
+    workdir = case["workdir"]
+    run_ranks(WORKER, [str(workdir)], 2)
     return {
         name: [torch.load(workdir / f"{name}-rank{r}.pt", weights_only=False) for r in range(2)]
         for name, _ in RUNS

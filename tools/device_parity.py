@@ -51,22 +51,12 @@ SCRIPT = Path(__file__).resolve()
 AGREE, DISAGREE, USAGE, REFERENCE_FAILED = 0, 1, 2, 3
 MARKER = ".device-parity"  # a side folder the tool made, and may delete to run again
 
-# The tiny-demo preset shrunk to a model that trains a step in a few milliseconds on a CPU.
-# The reference AdamW is plain eager tensor code, the same on every device, so a difference
+# The tiny-check preset (a 2-layer, 64-wide Llama whose step takes milliseconds on a CPU)
+# with the reference AdamW: plain eager tensor code, the same on every device, so a difference
 # comes from the device and its collectives, not from an optimizer kernel chosen per device.
 TINY_OVERRIDES = [
-    "--model.dim=64",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.ffn_dim=128",
-    "--model.max_seq_len=64",
-    "--data.seq_len=64",
-    "--data.micro_batch_size=2",
-    "--data.block_size=8",
     "--data.valid_paths=[]",
     "--train.eval_every=0",
-    "--optim.warmup_steps=2",
-    "--optim.lr=3e-3",
     "--optim.impl=reference",
 ]
 TINY_CORPUS_FILES = 150  # standard-library modules: about 4 MB of text
@@ -313,7 +303,7 @@ def base_config(args: argparse.Namespace, overrides: list[str]) -> Any:
 
     try:
         if args.config == "tiny":
-            config = TrainConfig.preset("tiny-demo", TINY_OVERRIDES)
+            config = TrainConfig.preset("tiny-check", TINY_OVERRIDES)
         else:
             config = TrainConfig.from_toml(args.config)
         for item in [*DEFAULT_SETTINGS, f"--checkpoint.every={args.steps}", *overrides]:

@@ -14,7 +14,8 @@ from hlat_train.cli import main
 
 
 @pytest.mark.parametrize(
-    "name", ["tiny-demo", "hlat-7b", "hlat-7b-trn2", "llama2-7b-trn1-128", "llama3-8b"]
+    "name",
+    ["tiny-demo", "tiny-check", "hlat-7b", "hlat-7b-trn2", "llama2-7b-trn1-128", "llama3-8b"],
 )
 def test_every_preset_parses_and_validates(name):
     assert name in preset_names()

@@ -37,7 +37,7 @@ def test_training_lowers_loss_writes_metrics_and_checkpoints(corpus, tmp_path):
     assert [r["step"] for r in records if r["kind"] == "valid"] == [2, 4, 6, 8, 10, 12]
     assert (tmp_path / "training.png").stat().st_size > 1000
     kept = [c.step for c in Checkpointer(str(tmp_path / "checkpoints"), async_save=False).list()]
-    assert kept == [10, 12]  # keep_last = 2 of the tiny-demo preset
+    assert kept == [10, 12]  # keep_last = 2 of the tiny-check preset
     # every save is recorded: what it blocked the loop for, its write time and its size
     saves = [r for r in records if r["kind"] == "checkpoint"]
     assert [r["step"] for r in saves] == [2, 4, 6, 8, 10, 12]

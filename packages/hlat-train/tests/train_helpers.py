@@ -23,16 +23,6 @@ def tiny_overrides(corpus: dict[str, str], out_dir: str | Path, steps: int = 6) 
         "--train.eval_batches=2",
         "--train.eval_every=0",
         "--train.sample_prompt=''",
-        "--model.dim=64",
-        "--model.n_layers=2",
-        "--model.n_heads=4",
-        "--model.ffn_dim=128",
-        "--model.max_seq_len=64",
-        "--data.seq_len=64",
-        "--data.micro_batch_size=2",
-        "--data.block_size=8",
-        "--optim.warmup_steps=2",
-        "--optim.lr=3e-3",
         "--optim.impl=reference",
         "--checkpoint.every=2",
         "--checkpoint.async_save=false",
@@ -44,8 +34,8 @@ def tiny_overrides(corpus: dict[str, str], out_dir: str | Path, steps: int = 6) 
 def tiny_config(
     corpus: dict[str, str], out_dir: str | Path, *extra: str, steps: int = 6
 ) -> TrainConfig:
-    """The tiny-demo preset shrunk for tests (see :func:`tiny_overrides`)."""
-    return TrainConfig.preset("tiny-demo", [*tiny_overrides(corpus, out_dir, steps), *extra])
+    """The tiny-check preset for tests (see :func:`tiny_overrides`)."""
+    return TrainConfig.preset("tiny-check", [*tiny_overrides(corpus, out_dir, steps), *extra])
 
 
 def write_config(config: TrainConfig, path: Path) -> str:

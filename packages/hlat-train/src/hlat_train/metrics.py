@@ -37,8 +37,8 @@ unit one TorchNeuron process drives; 2 is the Neuron runtime's default there."""
 
 
 def device_name(device: torch.device) -> str:
-    """The device's model name from its torch module (``torch.cuda.get_device_name``,
-    ``torch.xpu``...); the device type where the module has none."""
+    """The device's model name from the ``get_device_name`` of its torch module (that of
+    CUDA, XPU, TorchNeuron...); the device type where the module has none."""
     import torch
 
     module = getattr(torch, device.type, None)

@@ -357,9 +357,15 @@ class Trainer:
                         f"{record['tokens_per_s']:.0f} tok/s",
                     )
                     if record["spikes"]:
+                        band = (
+                            f"; the band is now loss <= {self.state.guard.limit():.4f}"
+                            if self.state.guard is not None
+                            else ""
+                        )
                         progress.write(
                             f"step {step}: {record['spikes']} loss spike(s) since the last log, "
                             f"{record['skipped']} update(s) skipped (policy {c.spike.policy})"
+                            f"{band}"
                         )
                     window = _Window(self.device, step)
                 if c.train.eval_every and step % c.train.eval_every == 0:

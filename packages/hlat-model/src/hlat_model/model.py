@@ -201,8 +201,7 @@ class Llama(nn.Module):
                 position_ids = document_positions(doc_lens.to(device), seq_len)
             else:
                 position_ids = torch.arange(seq_len, device=device).expand(batch, seq_len)
-        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
-        mask = AttentionMask.build(doc_lens, seq_len, self.config.attention, device)
+        cos, sin, mask = self.block_inputs(position_ids, doc_lens)
 
         h = self.embed_tokens(input_ids)
         if self.config.sequence_first:
@@ -214,6 +213,20 @@ class Llama(nn.Module):
                 h = block(h, cos, sin, mask)
         logits = self.lm_head(self.norm(h))
         return logits.transpose(0, 1) if self.config.sequence_first else logits
+
+    def block_inputs(
+        self, position_ids: torch.Tensor, doc_lens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMask]:
+        """What every block takes besides the hidden state, ``(cos, sin, mask)``, for tokens
+        at ``position_ids`` [B, S] (the whole sequence) with document lengths ``doc_lens``.
+
+        ``forward`` computes it once before its blocks; code that runs the blocks itself
+        (a pipeline stage holding a few of them) calls it with the same arguments.
+        """
+        seq_len = position_ids.shape[-1]
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        mask = AttentionMask.build(doc_lens, seq_len, self.config.attention, position_ids.device)
+        return cos, sin, mask
 
     def parallel_plan(self) -> dict[str, Any]:
         """How to split this model for tensor (and sequence) parallelism, as plain data.

@@ -16,8 +16,10 @@ M = TypeVar("M", bound=nn.Module)
 def parallelize(model: M, dims: ParallelDims, plan: Mapping[str, Any]) -> M:
     """Apply tensor (and sequence) parallelism from ``plan``, then data parallelism; in place.
 
-    Order, as in torchtitan: TP/SP first, then FSDP2's ``fully_shard`` over "dp" (each child
-    of every ``nn.ModuleList`` — the transformer blocks — then the root) when dp > 1. The
+    Order, as in torchtitan: TP/SP first, then FSDP2's ``fully_shard`` over "dp" (with "cp"
+    when cp > 1; each child of every ``nn.ModuleList`` — the transformer blocks — then the
+    root) when dp x cp > 1. A pipeline stage (:class:`~hlat_parallel.StageModule`) is
+    parallelized like a whole model: the plan's patterns match its original names. The
     model's own activation checkpointing keeps working: recomputation replays the same
     collectives. On the neuron backend, modules are swapped for NeuronX Distributed layers
     and data parallelism is left to :func:`shard_optimizer`.
@@ -36,7 +38,7 @@ def parallelize(model: M, dims: ParallelDims, plan: Mapping[str, Any]) -> M:
         from hlat_parallel.torch_backend import apply_tensor_parallel
 
         apply_tensor_parallel(model, dims, matched)
-    if dims.dp > 1:
+    if dims.dp_cp > 1:
         from hlat_parallel.zero import apply_data_parallel
 
         apply_data_parallel(model, dims)

@@ -1,5 +1,5 @@
-"""`init_parallel` and `ParallelDims`: the process group, the ("dp", "tp") mesh, and the
-checks that must pass before either exists."""
+"""`init_parallel` and `ParallelDims`: the process group, the ("pp", "dp", "cp", "tp")
+mesh, and the checks that must pass before either exists."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ def check_parallel_config(
     tp: int,
     sp: bool = False,
     *,
+    pp: int = 1,
+    cp: int = 1,
     n_heads: int | None = None,
     n_kv_heads: int | None = None,
     seq_len: int | None = None,
@@ -46,13 +48,20 @@ def check_parallel_config(
     Pure arithmetic, so it runs before any process group or tensor is created. Head counts
     and ``seq_len`` are checked only when given.
     """
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ParallelConfigError(f"tp must be a positive integer, got {tp!r}")
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ParallelConfigError(f"{name} must be a positive integer, got {value!r}")
     if world_size % tp:
         raise ParallelConfigError(
             f"world size {world_size} is not divisible by tp {tp}: every tensor-parallel group "
             f"needs {tp} processes; launch a multiple of {tp} processes "
             f"(torchrun --nproc-per-node) or pick tp among {_divisors(world_size)}"
+        )
+    if world_size % (tp * pp * cp):
+        raise ParallelConfigError(
+            f"world size {world_size} is not divisible by pp x cp x tp = {pp} x {cp} x {tp} = "
+            f"{pp * cp * tp}: each data-parallel replica needs that many processes; launch a "
+            f"multiple of {pp * cp * tp} processes or change pp, cp or tp"
         )
     if n_heads is not None and n_heads % tp:
         raise ParallelConfigError(
@@ -74,20 +83,30 @@ def check_parallel_config(
             f"tp {tp} does not divide the {n_kv_heads} key/value heads: each rank must hold "
             f"whole KV heads; pick tp among {_divisors(n_kv_heads)}{replicate}"
         )
-    if sp and tp > 1 and seq_len is not None and seq_len % tp:
+    if sp and tp > 1 and seq_len is not None and seq_len % (tp * cp):
         raise ParallelConfigError(
-            f"sequence parallelism splits the sequence over tp {tp} ranks, but seq_len "
-            f"{seq_len} is not divisible by {tp}; use a seq_len that is a multiple of {tp} or "
-            "set sp=False"
+            f"sequence parallelism splits the sequence over tp {tp} ranks"
+            + (f" (of each of the {cp} context-parallel shards)" if cp > 1 else "")
+            + f", but seq_len {seq_len} is not divisible by {tp * cp}; use a seq_len that is "
+            f"a multiple of {tp * cp} or set sp=False"
+        )
+    if cp > 1 and seq_len is not None and seq_len % (2 * cp):
+        raise ParallelConfigError(
+            f"context parallelism cuts the sequence into 2 x cp = {2 * cp} equal chunks (two "
+            f"per rank, for balanced causal work), but seq_len {seq_len} is not divisible by "
+            f"{2 * cp}; use a seq_len that is a multiple of {2 * cp}"
         )
 
 
 @dataclass
 class ParallelDims:
-    """Where this process sits in the ("dp", "tp") layout, and the groups to talk over.
+    """Where this process sits in the ("pp", "dp", "cp", "tp") layout, and the groups to
+    talk over.
 
     Ranks are laid out with tensor-parallel ranks contiguous (ranks 0..tp-1 form the first TP
-    group), as NeuronX Distributed does, so a TP group stays inside one node.
+    group), as NeuronX Distributed does, so a TP group stays inside one node; then context-
+    parallel, data-parallel and, outermost, pipeline ranks (pipeline stages exchange one
+    activation per micro-batch, the least traffic, so they may cross nodes).
     """
 
     world_size: int
@@ -97,7 +116,7 @@ class ParallelDims:
     tp: int
     """Tensor-parallel degree."""
     dp: int
-    """Data-parallel degree (``world_size // tp``)."""
+    """Data-parallel degree (``world_size // (pp * cp * tp)``)."""
     sp: bool
     """Sequence parallelism requested (effective when tp > 1, see :attr:`sequence_parallel`)."""
     backend: Literal["torch", "neuron"]
@@ -113,11 +132,28 @@ class ParallelDims:
     dp_group: Any = None
     """The process group of this rank's data-parallel replicas (same TP rank)."""
     mesh: Any = None
-    """The 2-D ``DeviceMesh`` with dimensions ("dp", "tp"); ``None`` on the neuron backend."""
+    """The 4-D ``DeviceMesh`` with dimensions ("pp", "dp", "cp", "tp"); ``None`` on the
+    neuron backend."""
     dist_backend: str = ""
     """The process-group backend (``gloo``, ``nccl``, ``neuron``, ``xla``...)."""
     backend_reason: str = ""
     """Why this backend: what ``backend="auto"`` saw, or that it was asked for."""
+    pp: int = 1
+    """Pipeline-parallel degree (stages over ranks)."""
+    cp: int = 1
+    """Context-parallel degree (shards of each sequence)."""
+    pp_rank: int = 0
+    """Rank inside the pipeline group (which stage(s) this rank runs)."""
+    cp_rank: int = 0
+    """Rank inside the context-parallel group (which part of each sequence it holds)."""
+    pp_group: Any = None
+    """The process group of this rank's pipeline peers (same dp, cp and tp ranks)."""
+    cp_group: Any = None
+    """The process group of this rank's context-parallel peers."""
+    dp_cp_mesh: Any = None
+    """The mesh gradients are averaged and sharded over (torch backend): "dp", or "dp" and
+    "cp" flattened into one dimension, "dp_cp", when cp > 1 (every CP rank computes
+    gradients of its own tokens)."""
 
     @property
     def sequence_parallel(self) -> bool:
@@ -133,6 +169,28 @@ class ParallelDims:
     def dp_mesh(self) -> Any:
         """The 1-D "dp" sub-mesh (torch backend)."""
         return self.mesh["dp"] if self.mesh is not None else None
+
+    @property
+    def pp_mesh(self) -> Any:
+        """The 1-D "pp" sub-mesh (torch backend)."""
+        return self.mesh["pp"] if self.mesh is not None else None
+
+    @property
+    def cp_mesh(self) -> Any:
+        """The 1-D "cp" sub-mesh (torch backend)."""
+        return self.mesh["cp"] if self.mesh is not None else None
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks holding different tokens of one model replica's batch (``dp * cp``)."""
+        return self.dp * self.cp
+
+    @property
+    def dp_cp_group(self) -> Any:
+        """The process group of :attr:`dp_cp_mesh` (the data-parallel group when cp is 1)."""
+        if self.dp_cp_mesh is None or self.cp == 1:
+            return self.dp_group
+        return self.dp_cp_mesh.get_group()
 
 
 def _env_int(name: str, default: int) -> int:
@@ -152,6 +210,8 @@ def init_parallel(
     sp: bool = False,
     backend: Backend = "auto",
     *,
+    pp: int = 1,
+    cp: int = 1,
     n_heads: int | None = None,
     n_kv_heads: int | None = None,
     seq_len: int | None = None,
@@ -159,7 +219,7 @@ def init_parallel(
     device: str = "auto",
     dist_backend: str = "auto",
 ) -> ParallelDims:
-    """Join (or start) the process group and build the ("dp", "tp") layout.
+    """Join (or start) the process group and build the ("pp", "dp", "cp", "tp") layout.
 
     Reads torchrun's ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK``; without them it runs as a
     single process. ``device`` is ``"auto"`` (the accelerator ``torch.accelerator``
@@ -171,6 +231,8 @@ def init_parallel(
     legacy NxD path, on trn1); :attr:`ParallelDims.backend_reason` says why.
     ``n_heads``, ``n_kv_heads`` and ``seq_len`` are optional: given, they are validated too
     (see :func:`check_parallel_config`). All checks run before the process group is created.
+    ``pp`` pipeline stages and ``cp`` context-parallel shards take their share of the world
+    before data parallelism: ``dp = world_size // (pp * cp * tp)``.
 
     Under torchrun the process group is created on a namespace of the store per restart
     attempt (``TORCHELASTIC_RESTART_COUNT``), so workers restarted by
@@ -186,7 +248,14 @@ def init_parallel(
     else:
         world_size, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
     check_parallel_config(
-        world_size, tp, sp, n_heads=n_heads, n_kv_heads=n_kv_heads, seq_len=seq_len
+        world_size,
+        tp,
+        sp,
+        pp=pp,
+        cp=cp,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        seq_len=seq_len,
     )
     try:
         check_device(device)
@@ -200,9 +269,17 @@ def init_parallel(
     if choice.backend == "neuron":
         from hlat_parallel.neuron_backend import init_neuron_parallel
 
+        if pp > 1 or cp > 1:
+            raise ParallelConfigError(
+                f"pp {pp} / cp {cp}: pipeline and context parallelism run on the native torch "
+                "backend only (CPUs, GPUs, trn2/trn3 through TorchNeuron); hlat's legacy "
+                "NeuronX Distributed path (trn1) does not wire NxD's pipeline engine yet. "
+                "Use backend='torch', or pp=1 and cp=1 on trn1"
+            )
+
         dims = init_neuron_parallel(world_size, rank, tp, sp, timeout)
     else:
-        dims = _init_torch(world_size, rank, tp, sp, timeout, device, dist_backend)
+        dims = _init_torch(world_size, rank, tp, sp, timeout, device, dist_backend, pp, cp)
     dims.backend_reason = choice.reason
     return dims
 
@@ -240,6 +317,8 @@ def _init_torch(
     timeout: datetime.timedelta | None,
     device_spec: str,
     dist_backend: str,
+    pp: int = 1,
+    cp: int = 1,
 ) -> ParallelDims:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -265,8 +344,10 @@ def _init_torch(
             )
         else:
             dist.init_process_group(pg_backend, world_size=world_size, rank=rank, **kwargs)
-    dp = world_size // tp
-    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    dp = world_size // (pp * cp * tp)
+    mesh = init_device_mesh(
+        device.type, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp")
+    )
     return ParallelDims(
         world_size=world_size,
         rank=rank,
@@ -281,4 +362,11 @@ def _init_torch(
         dp_group=mesh["dp"].get_group(),
         mesh=mesh,
         dist_backend=str(dist.get_backend()),
+        pp=pp,
+        cp=cp,
+        pp_rank=mesh["pp"].get_local_rank(),
+        cp_rank=mesh["cp"].get_local_rank(),
+        pp_group=mesh["pp"].get_group(),
+        cp_group=mesh["cp"].get_group(),
+        dp_cp_mesh=mesh["dp"] if cp == 1 else mesh["dp", "cp"]._flatten("dp_cp"),
     )

@@ -83,7 +83,7 @@ def apply_tensor_parallel(
     sequence_dim = 0 if computes_sequence_first(model) else 1
     styles = torch_styles(matched, dims.sequence_parallel, sequence_dim)
     parallelize_module(model, dims.tp_mesh, styles)
-    if dims.dp == 1:  # FSDP2 aligns the gradients itself when it is applied on top
+    if dims.dp_cp == 1:  # FSDP2 aligns the gradients itself when it is applied on top
         align_grad_placements(model)
     if dims.sequence_parallel:
         model.register_forward_pre_hook(sequence_check(dims.tp), with_kwargs=True)

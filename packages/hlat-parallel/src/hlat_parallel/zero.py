@@ -29,17 +29,19 @@ from hlat_parallel.dims import ParallelConfigError, ParallelDims
 
 
 def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> None:
-    """``fully_shard`` every child of every ``nn.ModuleList`` (the blocks), then the root.
+    """``fully_shard`` every child of every ``nn.ModuleList`` or ``nn.ModuleDict`` (the
+    blocks; a pipeline stage keeps its blocks in a ``ModuleDict``), then the root, over
+    :attr:`~hlat_parallel.ParallelDims.dp_cp_mesh` ("dp", or "dp" x "cp" flattened).
 
     Note: one FSDP unit per block lets the all-gather of block i+1 overlap block i's compute
     and the reduce-scatter of block i overlap block i-1's backward.
     """
     from torch.distributed.fsdp import fully_shard
 
-    mesh = dims.dp_mesh
+    mesh = dims.dp_cp_mesh if dims.dp_cp_mesh is not None else dims.dp_mesh
     for module in list(model.modules()):
-        if isinstance(module, nn.ModuleList):
-            for block in module:
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            for block in module.children():
                 fully_shard(block, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
 
@@ -50,7 +52,7 @@ def _dp_sharded(param: torch.Tensor) -> bool:
     names = param.device_mesh.mesh_dim_names or ()
     # Under TP x FSDP the dp placement is a _StridedShard, which is not a Shard subclass.
     return any(
-        name == "dp" and not (placement.is_replicate() or placement.is_partial())
+        name in ("dp", "dp_cp") and not (placement.is_replicate() or placement.is_partial())
         for name, placement in zip(names, param.placements, strict=False)
     )
 
@@ -77,14 +79,14 @@ def shard_optimizer(
         from hlat_parallel.neuron_backend import neuron_zero1_optimizer
 
         return neuron_zero1_optimizer(optimizer_cls, params, dims, **kwargs)
-    if dims.dp > 1:
+    if dims.dp_cp > 1:
         for group_index, group in enumerate(params):
             tensors = group["params"] if isinstance(group, dict) else [group]
             for index, param in enumerate(tensors):
                 if not _dp_sharded(param):
                     raise ParallelConfigError(
                         f"parameter {index} of group {group_index} (shape {tuple(param.shape)}) "
-                        f"is not sharded over dp {dims.dp}, so its optimizer state would be "
+                        f"is not sharded over dp x cp {dims.dp_cp}, so its optimizer state would be "
                         "replicated; call parallelize(model, dims, plan) before "
                         "shard_optimizer(..., model.parameters(), dims)"
                     )

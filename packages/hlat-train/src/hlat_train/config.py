@@ -127,12 +127,31 @@ class OptimConfig:
 
 @dataclass
 class ParallelConfig:
-    """Layout (``hlat_parallel``). DP is what is left: world size / tp."""
+    """Layout (``hlat_parallel``): mesh ("pp", "dp", "cp", "tp"). DP is what is left:
+    world size / (pp x cp x tp)."""
 
     tp: int = 1
     """Tensor-parallel degree."""
     sp: bool = False
     """Sequence parallelism (needs tp > 1)."""
+    pp: int = 1
+    """Pipeline-parallel degree: ranks the blocks are split over (torch backend)."""
+    pp_schedule: str = "1F1B"
+    """Pipeline schedule: ``1F1B``, ``GPipe``, ``Interleaved1F1B``,
+    ``InterleavedZeroBubble`` or ``ZBVZeroBubble`` (``torch.distributed.pipelining``)."""
+    pp_virtual: int = 0
+    """Stages per pipeline rank; 0: the schedule's own (1 for 1F1B and GPipe, 2 for the
+    interleaved and V-shaped ones)."""
+    pp_microbatches: int = 0
+    """Micro-batches per pipeline step, the gradient-accumulation micro-batches
+    (``train.global_batch_size / (data.micro_batch_size x dp)``); 0: that number. Set, it
+    must equal it."""
+    pp_split: list[int] = field(default_factory=list)
+    """Blocks per stage (pp x virtual entries), e.g. ``[7, 9, 9, 7]``; empty: balanced, the
+    embedding and the LM head each counted as one block (``hlat_parallel.split_layers``)."""
+    cp: int = 1
+    """Context-parallel degree: shards of each sequence (torch backend; no document
+    masking)."""
     dp: int = 0
     """Expected data-parallel degree (0: whatever was launched); a mismatch is an error."""
     nodes: int = 0

@@ -7,7 +7,7 @@ import os
 import re
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -84,11 +84,18 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
             with the checksum the manifest recorded (each rank reads the files it would
             have written); a damaged checkpoint is skipped by :meth:`load_latest` and
             refused by :meth:`load`. Checksums are always recorded.
+        rank_state_from: ``f(saved_layout, saved_world_size) -> rank``: whose per-rank
+            entries (loader, scheduler, RNG...) this rank loads; by default its own. Give it
+            to resume in another layout where several ranks share that state (e.g. every
+            pipeline or tensor-parallel rank of one data-parallel replica reads the same
+            data).
 
     ``state`` maps names to the objects to checkpoint: ``nn.Module`` (also DDP/FSDP/TP
     wrapped) and ``torch.optim.Optimizer`` entries go through
     ``torch.distributed.checkpoint.state_dict``, so sharded (DTensor) parameters are saved as
-    shards by each rank and load at another parallel layout. Every other object with
+    shards by each rank and load at another parallel layout. Ranks may hold different
+    parameters (pipeline stages): the checkpoint holds the union, keyed by parameter name,
+    and each rank loads its own. Every other object with
     ``state_dict()/load_state_dict()`` (schedulers, data loaders, counters) and plain dicts
     are saved once per rank, and must be made of tensors, NumPy arrays, numbers, strings and
     containers of them.
@@ -113,6 +120,7 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         layout: dict[str, Any] | None = None,
         io_threads: int = 1,
         verify_checksums: bool = True,
+        rank_state_from: Callable[[Mapping[str, Any], int], int] | None = None,
     ):
         super().__init__(
             root_url,
@@ -128,6 +136,7 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         if io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
         self.io_threads = io_threads
+        self.rank_state_from = rank_state_from
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hlat-ckpt")
         self._pending_step = -1
         self._buffers: dict[str, torch.Tensor] = {}
@@ -215,9 +224,15 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         metadata = reader.read_metadata().state_dict_metadata
         request: dict[str, torch.Tensor] = {_GLOBAL_JSON: _placeholder(metadata, _GLOBAL_JSON)}
         current: dict[str, dict[str, torch.Tensor]] = {}
+        keys: dict[str, builtins.list[str] | None] = {}  # None: a nested (pre-0.4) optimizer
         for name, (kind, obj) in entries.items():
             if kind in ("module", "optimizer"):
-                _, tensors = state_json.split(self._get_state_dict(kind, obj), name)
+                nested = kind == "optimizer" and any(
+                    k.startswith(f"{name}/state/") for k in metadata
+                )
+                value = self._get_state_dict(kind, obj, flat=not nested)
+                keys[name] = None if nested else builtins.list(value)
+                _, tensors = state_json.split(value, name)
                 absent = [k for k in tensors if k not in metadata]
                 if absent:
                     raise CheckpointError(
@@ -227,17 +242,20 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
                 current[name] = tensors
                 request.update(tensors)
         per_rank = [n for n, (kind, _) in entries.items() if kind in ("rank", "dict")]
-        rank_json = f"{_rank_prefix(self.rank)}/_json"
+        source = self.rank
+        if self.rank_state_from is not None:
+            source = self.rank_state_from(manifest.layout, manifest.world_size)
+        rank_json = f"{_rank_prefix(source)}/_json"
         if per_rank:
             if rank_json not in metadata:
                 raise CheckpointError(
                     f"{where} was written by {manifest.world_size} ranks and has no per-rank "
-                    f"state for rank {self.rank}; to change the number of ranks, load only the "
+                    f"state for rank {source}; to change the number of ranks, load only the "
                     f"model and optimizer entries (leave out {per_rank})"
                 )
             request[rank_json] = _placeholder(metadata, rank_json)
             for name in per_rank:
-                prefix = f"{_rank_prefix(self.rank)}/{name}/"
+                prefix = f"{_rank_prefix(source)}/{name}/"
                 for key in metadata:
                     if key.startswith(prefix):
                         request[key] = _placeholder(metadata, key)
@@ -256,8 +274,21 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         rank_skel = state_json.loads(_tensor_bytes(request[rank_json])) if per_rank else {}
         for name, (kind, obj) in entries.items():
             if kind in ("module", "optimizer"):
-                value = state_json.join(global_skel[name], current[name], f"{where}:{name}")
-                self._set_state_dict(kind, obj, value)
+                skeleton = global_skel[name]
+                wanted = keys[name]
+                if wanted is not None:
+                    # this rank's keys only: under pipeline parallelism a rank holds some
+                    # layers of the whole model the checkpoint describes
+                    missing = [k for k in wanted if k not in skeleton]
+                    if missing:
+                        raise CheckpointError(
+                            f"{where}: entry {name!r} lacks {len(missing)} entries of the "
+                            f"current {kind}, e.g. {missing[:3]}; was it saved from a "
+                            "different model?"
+                        )
+                    skeleton = {k: skeleton[k] for k in wanted}
+                value = state_json.join(skeleton, current[name], f"{where}:{name}")
+                self._set_state_dict(kind, obj, value, flat=wanted is not None)
             else:
                 value = state_json.join(rank_skel[name], request, f"{where}:{name}")
                 if kind == "dict":
@@ -311,8 +342,17 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         )
 
     @staticmethod
-    def _get_state_dict(kind: str, obj: Any) -> dict[str, Any]:
+    def _get_state_dict(kind: str, obj: Any, flat: bool = True) -> dict[str, Any]:
+        """The state dict of a module, or of an optimizer keyed by parameter name.
+
+        Note: the optimizer's is flattened (``state.<fqn>.exp_avg``,
+        ``param_groups.<fqn>.lr``), so every key belongs to one parameter and ranks holding
+        different parameters (pipeline stages) write disjoint keys that a checkpoint
+        simply unites. ``flat=False`` reads checkpoints of hlat-ckpt < 0.4, which nested
+        them.
+        """
         from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
             get_model_state_dict,
             get_optimizer_state_dict,
         )
@@ -320,10 +360,11 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         if kind == "module":
             return get_model_state_dict(obj)
         model, optimizer = obj
-        return get_optimizer_state_dict(model, optimizer)
+        options = StateDictOptions(flatten_optimizer_state_dict=flat)
+        return get_optimizer_state_dict(model, optimizer, options=options)
 
     @staticmethod
-    def _set_state_dict(kind: str, obj: Any, value: dict[str, Any]) -> None:
+    def _set_state_dict(kind: str, obj: Any, value: dict[str, Any], flat: bool = True) -> None:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -334,7 +375,8 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
             set_model_state_dict(obj, value, options=StateDictOptions(strict=True))
         else:
             model, optimizer = obj
-            set_optimizer_state_dict(model, optimizer, value)
+            options = StateDictOptions(flatten_optimizer_state_dict=flat)
+            set_optimizer_state_dict(model, optimizer, value, options=options)
 
     def _collect(
         self, state: Mapping[str, Any], entries: dict[str, tuple[str, Any]]
@@ -354,6 +396,14 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
             flat.update(tensors)
         # Serialised now, so later changes to the live objects cannot leak into an async save.
         flat[f"{prefix}/_json"] = _bytes_tensor(state_json.dumps(rank_skel))
+        if self._group is not None:
+            # Ranks may hold different parameters (pipeline stages): rank 0 writes the union
+            # of every rank's keys.
+            gathered: builtins.list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, global_skel, group=self._group)
+            for other in gathered:
+                for name, skel in other.items():
+                    global_skel[name] = {**skel, **global_skel[name]}
         if self.rank == 0:
             flat[_GLOBAL_JSON] = _bytes_tensor(state_json.dumps(global_skel))
         return flat

@@ -17,7 +17,8 @@ def consolidate(
     url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """The full (unsharded) state of a checkpoint: ``{entry name: state dict}`` for its model
-    and optimizer entries, with plain tensors assembled from every rank's shards.
+    and optimizer entries, with plain tensors assembled from every rank's shards; optimizer
+    state in torch's nested form, keyed by parameter name (:func:`nest_optimizer_state`).
 
     ``url`` is a checkpoint directory (``.../step_0000001000``) or a root, in which case the
     newest complete checkpoint under it is used. Every file is checked against the checksum
@@ -64,7 +65,49 @@ def consolidate(
     }
     dcp.load(request, storage_reader=reader, no_dist=True)
     skeleton = state_json.loads(request["_global/_json"].numpy().tobytes())
-    return {name: state_json.join(skel, request, name) for name, skel in skeleton.items()}
+    return {
+        name: nest_optimizer_state(state_json.join(skel, request, name))
+        for name, skel in skeleton.items()
+    }
+
+
+def nest_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter name, flattened as checkpoints store it
+    (``state.<fqn>.<name>``, ``param_groups.<fqn>.<hyperparameter>``), in torch's nested form:
+    ``{"state": {fqn: {name: value}}, "param_groups": [{..., "params": [fqn, ...]}]}``, the
+    parameters with equal hyperparameters in one group. Anything else is returned as is.
+    """
+    if not state or not all(k.startswith(("state.", "param_groups.")) for k in state):
+        return state
+    nested: dict[str, dict[str, Any]] = {}
+    hyper: dict[str, dict[str, Any]] = {}
+    for key, value in state.items():
+        kind, rest = key.split(".", 1)
+        fqn, name = rest.rsplit(".", 1)
+        (nested if kind == "state" else hyper).setdefault(fqn, {})[name] = value
+    groups: list[dict[str, Any]] = []
+    for fqn, values in hyper.items():
+        group = next((g for g in groups if _same_hyper(g, values)), None)
+        if group is None:
+            groups.append({**values, "params": [fqn]})
+        else:
+            group["params"].append(fqn)
+    return {"state": nested, "param_groups": groups}
+
+
+def _same_hyper(group: dict[str, Any], values: dict[str, Any]) -> bool:
+    if set(group) - {"params"} != set(values):
+        return False
+    for key, value in values.items():
+        other = group[key]
+        if isinstance(value, torch.Tensor) or isinstance(other, torch.Tensor):
+            if not (isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor)):
+                return False
+            if not torch.equal(value, other):
+                return False
+        elif value != other:
+            return False
+    return True
 
 
 def _is_complete(storage: Storage, dirname: str, step: int) -> bool:

@@ -5,7 +5,7 @@
 """
 
 from hlat_model.config import PRESETS, ConfigError, LlamaConfig
-from hlat_model.model import Llama, cross_entropy_loss, flops_per_token
+from hlat_model.model import Llama, block_inputs, cross_entropy_loss, flops_per_token
 
 __version__ = "0.1.1"
 
@@ -14,6 +14,7 @@ __all__ = [
     "ConfigError",
     "Llama",
     "LlamaConfig",
+    "block_inputs",
     "cross_entropy_loss",
     "flops_per_token",
 ]

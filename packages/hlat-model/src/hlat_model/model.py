@@ -131,6 +131,22 @@ class Block(nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
+def block_inputs(
+    config: LlamaConfig, position_ids: torch.Tensor, doc_lens: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMask]:
+    """What every block takes besides the hidden state, ``(cos, sin, mask)``, for tokens at
+    ``position_ids`` [B, S] (the whole sequence) with document lengths ``doc_lens``.
+
+    ``Llama.forward`` computes it once before its blocks; code that runs blocks itself (a
+    pipeline stage holding a few of them) calls it with the same arguments. It needs the
+    config only, not the weights.
+    """
+    seq_len = position_ids.shape[-1]
+    cos, sin = rope_cos_sin(position_ids, config.head_dim, config.rope_theta)
+    mask = AttentionMask.build(doc_lens, seq_len, config.attention, position_ids.device)
+    return cos, sin, mask
+
+
 class Llama(nn.Module):
     """A Llama-family decoder returning next-token logits.
 
@@ -217,16 +233,9 @@ class Llama(nn.Module):
     def block_inputs(
         self, position_ids: torch.Tensor, doc_lens: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMask]:
-        """What every block takes besides the hidden state, ``(cos, sin, mask)``, for tokens
-        at ``position_ids`` [B, S] (the whole sequence) with document lengths ``doc_lens``.
-
-        ``forward`` computes it once before its blocks; code that runs the blocks itself
-        (a pipeline stage holding a few of them) calls it with the same arguments.
-        """
-        seq_len = position_ids.shape[-1]
-        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
-        mask = AttentionMask.build(doc_lens, seq_len, self.config.attention, position_ids.device)
-        return cos, sin, mask
+        """What every block takes besides the hidden state: :func:`block_inputs` of this
+        model's config."""
+        return block_inputs(self.config, position_ids, doc_lens)
 
     def parallel_plan(self) -> dict[str, Any]:
         """How to split this model for tensor (and sequence) parallelism, as plain data.

@@ -22,15 +22,18 @@ from hlat_parallel.dims import (
 from hlat_parallel.pipeline import (
     SCHEDULES,
     Pipeline,
+    RankModule,
     StageModule,
     StageSplit,
     bubble_fraction,
     build_pipeline,
     build_schedule,
     check_schedule,
+    rank_module,
     split_layers,
     stage_ids,
     stage_modules,
+    stage_plan,
 )
 from hlat_parallel.plan import PlanEntry, match_plan, parse_plan
 from hlat_parallel.torch_backend import loss_parallel
@@ -45,6 +48,7 @@ __all__ = [
     "ParallelDims",
     "Pipeline",
     "PlanEntry",
+    "RankModule",
     "StageModule",
     "StageSplit",
     "bubble_fraction",
@@ -65,9 +69,11 @@ __all__ = [
     "param_norm",
     "parse_plan",
     "pins_memory",
+    "rank_module",
     "resolve_device",
     "shard_optimizer",
     "split_layers",
     "stage_ids",
     "stage_modules",
+    "stage_plan",
 ]

@@ -45,6 +45,7 @@ def global_norm(
     ``params``: the parameter itself, or its gradient), complete on every rank, as a 0-d
     fp32 tensor on the device. Nothing is read on the host.
 
+    Tensors of other pipeline stages (``dims.pp > 1``) are summed over "pp".
     Sharded tensors (DTensors split over "tp" and/or "dp", or NxD tensor-parallel ones
     whose parameter is marked ``tensor_model_parallel``) contribute the sum of their shards'
     squares over the ranks that hold the shards; replicated ones count once.
@@ -65,6 +66,9 @@ def global_norm(
         for group in groups:
             dist.all_reduce(square, group=group)
         total = total.to(square.device) + square
+    if dims is not None and dims.pp > 1:
+        # each pipeline rank holds other layers: their squares add up over "pp"
+        dist.all_reduce(total, group=dims.pp_group)
     return total.sqrt()
 
 

@@ -345,9 +345,7 @@ def _init_torch(
         else:
             dist.init_process_group(pg_backend, world_size=world_size, rank=rank, **kwargs)
     dp = world_size // (pp * cp * tp)
-    mesh = init_device_mesh(
-        device.type, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp")
-    )
+    mesh = init_device_mesh(device.type, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
     return ParallelDims(
         world_size=world_size,
         rank=rank,

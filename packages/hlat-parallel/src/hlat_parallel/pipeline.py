@@ -27,7 +27,7 @@ micro-batch, so nothing model-specific crosses a pipeline boundary but the hidde
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -445,6 +445,64 @@ class Pipeline:
         """The parameters of this rank's stages (for the optimizer)."""
         return [p for m in self.modules for p in m.parameters()]
 
+    def rank_module(self) -> nn.Module:
+        """This rank's stages as one module (:func:`rank_module`)."""
+        return rank_module(self.modules)
+
+
+class RankModule(nn.Module):
+    """What one pipeline rank holds of a model, under the model's own names: its stages'
+    ``pre`` modules, blocks (``layers.<i>``) and ``post`` modules, shared with the stage
+    modules. Hand it to the optimizer, the checkpointer (its ``state_dict`` keys are the
+    whole model's, so a checkpoint reshards across pipeline layouts) and the gradient
+    clipping; run the model through the pipeline schedule, not through this module.
+    """
+
+    def __init__(self, stages: Sequence[StageModule]):
+        super().__init__()
+        if not stages:
+            raise ParallelConfigError("rank_module needs this rank's stage modules, got none")
+        self.stage_modules = list(stages)  # a plain list: not registered twice
+        names = {m.layers_name for m in stages}
+        if len(names) != 1:
+            raise ParallelConfigError(f"the stages name their blocks differently: {names}")
+        (layers,) = names
+        blocks: dict[int, nn.Module] = {}
+        ordered = sorted(stages, key=lambda m: m.split.index)
+        for stage in ordered:
+            for name in stage.pre_names:
+                _attach(self, name, stage.get_submodule(name))
+            for key, block in stage.get_submodule(layers).items():  # type: ignore[operator]
+                blocks[int(key)] = block
+        _attach(self, layers, nn.ModuleDict({str(i): blocks[i] for i in sorted(blocks)}))
+        for stage in ordered:
+            for name in stage.post_names:
+                _attach(self, name, stage.get_submodule(name))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "a RankModule holds one pipeline rank's stages for the optimizer and the "
+            "checkpoint; run the model with the pipeline schedule's step()"
+        )
+
+
+def rank_module(stages: Sequence[StageModule]) -> RankModule:
+    """This rank's stage modules as one :class:`RankModule` (the model's names)."""
+    return RankModule(stages)
+
+
+def stage_plan(plan: Mapping[str, Any], stage: nn.Module) -> dict[str, Any]:
+    """The entries of a parallel plan (see ``hlat_parallel.match_plan``) whose patterns
+    match a module of ``stage``: a middle stage has no embedding and no head, and
+    ``parallelize`` requires every pattern to match. Check the whole plan against the whole
+    model first (``match_plan(model, plan)``), so a typo is still an error.
+    """
+    from hlat_parallel.plan import parse_plan
+
+    names = [name for name, _ in stage.named_modules() if name]
+    keep = {e.pattern for e in parse_plan(plan) if any(e.matches(n) for n in names)}
+    return {pattern: value for pattern, value in plan.items() if pattern in keep}
+
 
 def build_pipeline(
     model: nn.Module,
@@ -464,14 +522,17 @@ def build_pipeline(
     block_args: Callable[..., tuple[Any, ...]] | None = None,
     checkpoint_blocks: bool = False,
     scale_grads: bool = True,
+    prepare: Callable[[StageModule], Any] | None = None,
 ) -> Pipeline:
     """Split ``model`` over the pipeline ``group`` (a process group or a 1-D "pp"
     ``DeviceMesh``; default: all processes) and build this rank's stages and schedule.
 
     ``virtual`` stages per rank default to 1, and 2 for the multi-stage schedules;
     ``split``, ``pre_cost`` and ``post_cost`` go to :func:`split_layers`, the module names
-    and ``block_args`` to :func:`stage_modules`. Every check runs before any
-    communication.
+    and ``block_args`` to :func:`stage_modules`. ``prepare(stage_module)`` runs on each of
+    this rank's stage modules before torch wraps it: the place to apply tensor and data
+    parallelism (``parallelize(m, dims, stage_plan(plan, m))``) or to materialise it. Every
+    check runs before any communication.
     """
     if virtual is None:
         virtual = 1 if schedule in _SINGLE_STAGE else 2
@@ -494,6 +555,9 @@ def build_pipeline(
         block_args=block_args,
         checkpoint_blocks=checkpoint_blocks,
     )
+    if prepare is not None:
+        for m in modules:
+            prepare(m)
     from torch.distributed.pipelining import PipelineStage
 
     stages = [

@@ -85,7 +85,10 @@ def apply_tensor_parallel(
     parallelize_module(model, dims.tp_mesh, styles)
     if dims.dp_cp == 1:  # FSDP2 aligns the gradients itself when it is applied on top
         align_grad_placements(model)
-    if dims.sequence_parallel:
+    # Note: only a module taking token ids is checked: a later pipeline stage (a
+    # StageModule whose split is not the first) takes the hidden state, already split.
+    split = getattr(model, "split", None)
+    if dims.sequence_parallel and (split is None or getattr(split, "first", True)):
         model.register_forward_pre_hook(sequence_check(dims.tp), with_kwargs=True)
 
 

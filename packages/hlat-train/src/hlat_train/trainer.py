@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -84,6 +85,18 @@ class _Window:
         self.skipped += skip
 
 
+def _stage_block_args(
+    llama_config: Any,
+    h: torch.Tensor,
+    position_ids: torch.Tensor,
+    doc_lens: torch.Tensor | None = None,
+) -> tuple[Any, ...]:
+    """The blocks' extra inputs on a pipeline stage, from the step's keyword arguments."""
+    from hlat_model import block_inputs
+
+    return block_inputs(llama_config, position_ids, doc_lens)
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -137,6 +150,8 @@ class Trainer:
             c.parallel.tp,
             c.parallel.sp,
             backend,
+            pp=c.parallel.pp,
+            cp=c.parallel.cp,
             device=c.train.device,
             dist_backend=c.parallel.dist_backend,
         )
@@ -155,6 +170,7 @@ class Trainer:
                 dist.group.WORLD if dims.dist_backend == "gloo" else dist.new_group(backend="gloo")
             )
 
+        self.grad_accum = c.grad_accum(dims.dp)
         torch.manual_seed(c.train.seed)
         dtype = torch.float32 if c.optim.precision == "fp32" else torch.bfloat16
         with torch.device("meta"):
@@ -162,7 +178,10 @@ class Trainer:
         sharded = c.train.init == "sharded" or (
             c.train.init == "auto" and model.num_params() > 2_000_000_000
         )
-        if sharded:
+        self.pipeline: Any = None
+        if dims.pp > 1:
+            model = self._build_pipeline(model if sharded else None, dtype)
+        elif sharded:
             # split first, then materialise and initialise only this rank's shards
             model = parallelize(model.to(dtype), dims, model.parallel_plan())
             model.to_empty(device=device)
@@ -177,6 +196,8 @@ class Trainer:
             model = Llama(self.llama_config).to(device, dtype)
             model = parallelize(model, dims, model.parallel_plan())
         self.model = model
+        # the modules that run (the pipeline stages, or the model) for FSDP's bookkeeping
+        self.model_parts = self.pipeline.modules if self.pipeline is not None else [model]
         if dims.backend == "neuron":
             self._log(f"precision {neuron.describe_precision(c.optim.precision)}")
             self.optimizer = neuron.neuron_optimizer(c, model, dims)
@@ -202,7 +223,6 @@ class Trainer:
             block_size=c.data.block_size,
             num_workers=c.data.num_workers,
         )
-        self.grad_accum = c.grad_accum(dims.dp)
         self.state = TrainState()
         self.state.guard = SpikeGuard(c.spike.window, c.spike.k, c.spike.min_history, device)
         self.checkpointer: Any = (
@@ -212,8 +232,15 @@ class Trainer:
                 c.checkpoint_dir,
                 keep_last=c.checkpoint.keep_last,
                 async_save=c.checkpoint.async_save,
-                layout={"tp": dims.tp, "dp": dims.dp, "sp": dims.sp},
+                layout={
+                    "tp": dims.tp,
+                    "dp": dims.dp,
+                    "sp": dims.sp,
+                    "pp": dims.pp,
+                    "cp": dims.cp,
+                },
                 verify_checksums=c.checkpoint.verify_checksums,
+                rank_state_from=self._rank_state_from,
             )
         )
         if self.rank0:
@@ -244,6 +271,74 @@ class Trainer:
         from hlat_model import flops_per_token
 
         self.flops_per_token = flops_per_token(self.llama_config, c.data.seq_len)
+
+    def _build_pipeline(self, meta_model: Any, dtype: torch.dtype) -> torch.nn.Module:
+        """Split the model into this rank's pipeline stages, parallelize each with the model's
+        plan (TP/SP, then FSDP over dp x cp) and build the schedule; return the stages as one
+        module under the model's own names (for the optimizer and the checkpoint).
+
+        ``meta_model`` (sharded initialisation): the model on the meta device; each stage is
+        materialised after it is split and initialised in place. Otherwise the whole model
+        is built from the seed first, so every layout starts from the same weights.
+        """
+        from functools import partial
+
+        from hlat_model import Llama, cross_entropy_loss
+        from hlat_parallel import build_pipeline, match_plan, parallelize, stage_plan
+
+        c, dims = self.config, self.dims
+        model = meta_model if meta_model is not None else Llama(self.llama_config)
+        model = model.to(self.device if meta_model is None else "meta", dtype)
+        plan = model.parallel_plan()
+        match_plan(model, plan)  # every pattern names a module of the whole model
+
+        def prepare(stage: torch.nn.Module) -> None:
+            parallelize(stage, dims, stage_plan(plan, stage))
+            if meta_model is not None:
+                stage.to_empty(device=self.device)
+
+        self.pipeline = build_pipeline(
+            model,
+            schedule=c.parallel.pp_schedule,
+            n_microbatches=self.grad_accum,
+            loss_fn=cross_entropy_loss,
+            group=dims.pp_mesh,
+            device=self.device,
+            virtual=c.parallel.pp_virtual or None,
+            split=c.parallel.pp_split or None,
+            block_args=partial(_stage_block_args, self.llama_config),
+            checkpoint_blocks=self.llama_config.checkpointing == "full",
+            prepare=prepare,
+        )
+        if meta_model is not None:
+            # the blocks of other ranks stay on the meta device, where initialising is a no-op
+            model.init_weights()
+        described = ", ".join(
+            f"stage {s.index}: {'embedding + ' if s.first else ''}{len(s.layers)} block(s)"
+            f"{' + head' if s.last else ''}"
+            for s in self.pipeline.splits
+        )
+        self._log(
+            f"pipeline {c.parallel.pp_schedule} over pp {dims.pp}, {self.grad_accum} "
+            f"micro-batches per step; {described}"
+        )
+        return self.pipeline.rank_module()
+
+    def _rank_state_from(self, saved: Any, saved_world: int) -> int:
+        """The rank of a checkpoint whose loader, scheduler, counters and RNG this rank loads.
+
+        Its own in the same layout. Saved at another pp, cp or tp but the same dp, the
+        first rank of the same data-parallel replica there (every rank of a replica reads
+        the same data), so a run resumes after changing its model-parallel layout; another
+        dp is refused by the data loader, whose state is per data-parallel rank.
+        """
+        dims = self.dims
+        mine = {"tp": dims.tp, "dp": dims.dp, "pp": dims.pp, "cp": dims.cp}
+        layout = {k: int(saved.get(k, 1)) for k in mine}
+        if (layout == mine and saved_world == dims.world_size) or layout["dp"] != dims.dp:
+            return dims.rank
+        # mesh ("pp", "dp", "cp", "tp"): pp 0, this dp rank, cp 0, tp 0
+        return dims.dp_rank * layout["cp"] * layout["tp"]
 
     def _optimizer(self, model: torch.nn.Module, dims: Any) -> torch.optim.Optimizer:
         """hlat-optim's AdamW in the configured precision mode, its state sharded over DP."""
@@ -310,7 +405,13 @@ class Trainer:
                 # forward and backward over the micro-batches of one optimizer step
                 loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
                 used: list[int] = []
-                for micro in range(self.grad_accum):
+                if self.pipeline is not None:
+                    micro_batches = []
+                    for _ in range(self.grad_accum):
+                        micro_batches.append(next(batches))
+                        used.append(self._last_index)
+                    loss_sum += self._pipeline_step(micro_batches, train=True)
+                for micro in range(self.grad_accum if self.pipeline is None else 0):
                     batch = next(batches)
                     used.append(self._last_index)
                     last_micro = micro == self.grad_accum - 1
@@ -452,6 +553,54 @@ class Trainer:
                 loss = cross_entropy_loss(logits, labels) / self.grad_accum
             loss.backward()
         return _full(loss)
+
+    def _pipeline_step(self, micro_batches: list[Any], train: bool) -> torch.Tensor:
+        """One pipeline schedule step over ``micro_batches`` (forward and backward, or
+        forward only); the mean loss, known on the last stage and summed over "pp" so every
+        rank has it (a 0-d fp32 device tensor, nothing read on the host).
+
+        Note: the schedule divides the gradients by the number of micro-batches, as the
+        loop without a pipeline divides each micro-batch's loss.
+        """
+        from hlat_parallel import loss_parallel
+
+        pipe, c = self.pipeline, self.config
+        ids = self._to_device(np.concatenate([b.input_ids for b in micro_batches]))
+        kwargs: dict[str, Any] = {}
+        if c.data.document_mask:
+            kwargs["position_ids"] = self._to_device(
+                np.concatenate([b.position_ids for b in micro_batches])
+            )
+            width = max(b.doc_lens.shape[1] for b in micro_batches)
+            kwargs["doc_lens"] = self._to_device(
+                np.concatenate(
+                    [
+                        np.pad(b.doc_lens, ((0, 0), (0, width - b.doc_lens.shape[1])))
+                        for b in micro_batches
+                    ]
+                )
+            )
+        else:
+            kwargs["position_ids"] = torch.arange(c.data.seq_len, device=self.device).expand(
+                ids.shape[0], c.data.seq_len
+            )
+        losses: list[torch.Tensor] = []
+        if pipe.has_last_stage:
+            kwargs.update(
+                target=self._to_device(np.concatenate([b.labels for b in micro_batches])),
+                losses=losses,
+            )
+        args = (ids,) if pipe.has_first_stage else ()
+        with loss_parallel(self.dims):
+            if train:
+                pipe.schedule.step(*args, return_outputs=False, **kwargs)
+            else:
+                pipe.schedule.eval(*args, **kwargs)
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if losses:
+            loss = torch.stack([_full(x).detach().float() for x in losses]).mean()
+        dist.all_reduce(loss, group=self.dims.pp_group)
+        return loss
 
     def _log_saves(self) -> None:
         """A ``"checkpoint"`` metrics record for each save committed since the last call
@@ -604,6 +753,18 @@ class Trainer:
         )
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         count = 0
+        if self.pipeline is not None:
+            # whole pipeline steps of grad_accum micro-batches, at least one
+            rounds = max(1, c.train.eval_batches // self.grad_accum)
+            group: list[Any] = []
+            for batch in loader:
+                group.append(batch)
+                if len(group) == self.grad_accum:
+                    total += self._pipeline_step(group, train=False)
+                    count, group = count + 1, []
+                    if count == rounds:
+                        break
+            loader = []  # type: ignore[assignment]
         for batch in loader:
             with loss_parallel(self.dims):
                 ids = self._to_device(batch.input_ids)
@@ -630,9 +791,10 @@ class Trainer:
         """
         from torch.distributed.fsdp import FSDPModule
 
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        for part in self.model_parts:
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
     def _rollback(self, spike_step: int, bad: list[int], batches: Iterator[Any]) -> Iterator[Any]:
         """Reload the newest checkpoint and mark the micro-batches of the spike as bad."""

@@ -58,6 +58,10 @@ def validate(
         ("train.eval_every", run.eval_every, 0),
         ("data.num_workers", data.num_workers, 0),
         ("optim.warmup_steps", optim.warmup_steps, 0),
+        ("parallel.pp", par.pp, 1),
+        ("parallel.cp", par.cp, 1),
+        ("parallel.pp_virtual", par.pp_virtual, 0),
+        ("parallel.pp_microbatches", par.pp_microbatches, 0),
     ):
         if value < low:
             raise ConfigError(f"{key} must be at least {low}, got {value}")
@@ -104,6 +108,24 @@ def validate(
             zero1_precision(optim.precision)
         except (ParallelConfigError, ValueError) as e:
             raise ConfigError(f"optim.precision on parallel.backend = 'neuron': {e}") from None
+    if par.backend == "neuron" and (par.pp > 1 or par.cp > 1):
+        raise ConfigError(
+            f"parallel.pp = {par.pp}, parallel.cp = {par.cp}: pipeline and context parallelism "
+            "run on the native torch backend (CPUs, GPUs, trn2/trn3 through TorchNeuron); "
+            "hlat's NeuronX Distributed path for trn1 (parallel.backend = 'neuron') does not "
+            "run them yet. Set parallel.backend = 'torch', or pp = 1 and cp = 1"
+        )
+    if par.pp_split and par.pp == 1:
+        raise ConfigError(
+            f"parallel.pp_split = {par.pp_split} splits blocks over pipeline stages, but "
+            "parallel.pp is 1; set parallel.pp or leave pp_split empty"
+        )
+    if par.cp > 1 and data.document_mask:
+        raise ConfigError(
+            f"parallel.cp = {par.cp} with data.document_mask = true: context parallelism does "
+            "not support document masking yet (each rank would need the documents of every "
+            "other rank's tokens); set data.document_mask = false or parallel.cp = 1"
+        )
     if par.backend == "neuron" and run.device not in ("auto", "xla"):
         raise ConfigError(
             f"parallel.backend = 'neuron' (NeuronX Distributed, trn1) computes on the XLA device "
@@ -146,18 +168,24 @@ def validate(
         )
     try:
         # the model's rules first (they hold for any world size), then the launch's
-        for world in (par.tp, world_size):
+        for world in (par.tp * par.pp * par.cp, world_size):
             if world is not None:
                 check_parallel_config(
                     world,
                     par.tp,
                     par.sp,
+                    pp=par.pp,
+                    cp=par.cp,
                     n_heads=llama.n_heads,
                     n_kv_heads=llama.kv_heads,
                     seq_len=data.seq_len,
                 )
     except ParallelConfigError as e:
-        raise ConfigError(f"parallel.tp = {par.tp}: {e}") from None
+        raise ConfigError(
+            f"parallel (tp {par.tp}, pp {par.pp}, cp {par.cp}, sp {str(par.sp).lower()}): {e}"
+        ) from None
+    if par.pp > 1:
+        _check_pipeline(config, llama, world_size)
     if llama.vocab_size % par.tp:
         raise ConfigError(
             f"parallel.tp {par.tp} does not divide model.vocab_size {llama.vocab_size} "
@@ -165,11 +193,12 @@ def validate(
             "to a multiple of tp (model.vocab_size)"
         )
     if world_size is not None:
-        dp = world_size // par.tp
+        replica = par.tp * par.pp * par.cp
+        dp = world_size // replica
         if par.dp and par.dp != dp:
             raise ConfigError(
-                f"parallel.dp = {par.dp} but {world_size} processes at tp {par.tp} give dp {dp}; "
-                f"launch {par.dp * par.tp} processes or set parallel.dp = 0"
+                f"parallel.dp = {par.dp} but {world_size} processes at tp x pp x cp = {replica} "
+                f"give dp {dp}; launch {par.dp * replica} processes or set parallel.dp = 0"
             )
         if par.nodes and local_world_size and world_size // local_world_size != par.nodes:
             raise ConfigError(
@@ -195,3 +224,43 @@ def validate(
                 "gradient accumulation needs a whole number of micro-steps"
             )
     return llama
+
+
+def _check_pipeline(config: TrainConfig, llama: Any, world_size: int | None) -> None:
+    """The pipeline settings against the model and, when known, the launch."""
+    from hlat_parallel import SCHEDULES, ParallelConfigError, check_schedule, split_layers
+
+    par = config.parallel
+    if par.pp_schedule not in SCHEDULES:
+        raise ConfigError(
+            f"parallel.pp_schedule {par.pp_schedule!r} is not one of {', '.join(SCHEDULES)}"
+        )
+    virtual = par.pp_virtual or (1 if par.pp_schedule in ("1F1B", "GPipe") else 2)
+    if llama.tie_embeddings:
+        raise ConfigError(
+            "parallel.pp > 1 with tied input and output embeddings: the embedding and the LM "
+            "head sit on different stages; set model.tie_embeddings = false"
+        )
+    if llama.sequence_first:
+        raise ConfigError(
+            "parallel.pp > 1 with model.sequence_first = true: pipeline stages pass "
+            "batch-first hidden states; set model.sequence_first = false"
+        )
+    try:
+        split_layers(llama.n_layers, par.pp * virtual, split=par.pp_split or None)
+        if world_size is not None:
+            dp = world_size // (par.tp * par.pp * par.cp)
+            micro = config.grad_accum(dp)
+            if par.pp_microbatches and par.pp_microbatches != micro:
+                raise ConfigError(
+                    f"parallel.pp_microbatches = {par.pp_microbatches}, but the pipeline runs the "
+                    f"{micro} gradient-accumulation micro-batches of a step (global batch "
+                    f"{config.train.global_batch_size or config.data.micro_batch_size * dp} / "
+                    f"(data.micro_batch_size {config.data.micro_batch_size} x dp {dp})); set "
+                    "train.global_batch_size to match or parallel.pp_microbatches = 0"
+                )
+            check_schedule(par.pp_schedule, par.pp, virtual, micro)
+    except ParallelConfigError as e:
+        raise ConfigError(
+            f"parallel (pp {par.pp}, schedule {par.pp_schedule}, virtual {virtual}): {e}"
+        ) from None

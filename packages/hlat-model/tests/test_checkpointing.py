@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from hlat_model import Llama, LlamaConfig, cross_entropy_loss
+from hlat_model.attention import attention
 
 
 def _grads(mode: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -48,3 +49,23 @@ def test_sequence_first_blocks_give_the_same_logits_and_gradients(kv_heads):
     torch.testing.assert_close(logits_b, logits_a, rtol=1e-5, atol=1e-6)
     for name in grads_a:
         torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(("mode", "calls_per_layer"), [("none", 1), ("selective", 2)])
+def test_the_swappable_attend_function_computes_attention_in_every_mode(mode, calls_per_layer):
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.preset("tiny", n_layers=2, checkpointing=mode))
+    tokens = torch.randint(0, 8192, (2, 17), generator=torch.Generator().manual_seed(1))
+    expected = model(tokens[:, :-1])
+    calls = []
+
+    def doubled(q, k, v, mask):  # a replacement whose effect shows in the logits
+        calls.append(q.shape)
+        return 2 * attention(q, k, v, mask)
+
+    for block in model.layers:
+        block.attention.attend = doubled
+    logits = model(tokens[:, :-1])
+    cross_entropy_loss(logits, tokens[:, 1:]).backward()  # selective recomputes in backward
+    assert len(calls) == 2 * calls_per_layer
+    assert not torch.allclose(logits, expected, atol=1e-3)

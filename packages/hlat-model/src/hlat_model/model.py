@@ -68,8 +68,16 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    """Self-attention with RoPE and grouped-query heads, around a swappable core.
+
+    ``attend(q, k, v, mask)`` is the core attention function on [B, H, S, D] tensors
+    (default :func:`hlat_model.attention.attention`); parallel wrappers may replace it, as
+    context parallelism does to attend to keys and values gathered from other ranks.
+    """
+
     def __init__(self, config: LlamaConfig):
         super().__init__()
+        self.attend = attention
         self.head_dim = config.head_dim
         self.q_per_kv = config.q_per_kv
         self.selective = config.checkpointing == "selective"
@@ -91,9 +99,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.selective:
-            out = checkpoint(attention, q, k, v, mask, use_reentrant=False)
+            out = checkpoint(self.attend, q, k, v, mask, use_reentrant=False)
         else:
-            out = attention(q, k, v, mask)
+            out = self.attend(q, k, v, mask)
         out = out.permute(2, 0, 1, 3) if self.sequence_first else out.transpose(1, 2)
         return self.o_proj(out.reshape(out.shape[0], out.shape[1], -1))
 

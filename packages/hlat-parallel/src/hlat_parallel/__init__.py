@@ -1,10 +1,19 @@
-"""hlat-parallel: tensor, sequence, data (ZeRO) and pipeline parallelism from plain data.
+"""hlat-parallel: tensor, sequence, data (ZeRO), pipeline and context parallelism from plain
+data.
 
 >>> from hlat_parallel import init_parallel, parallelize
 """
 
 from hlat_parallel.apply import parallelize
 from hlat_parallel.clip import clip_grad_norm_, global_norm, param_norm
+from hlat_parallel.context import (
+    ContextParallelAttention,
+    apply_context_parallel,
+    check_context_parallel,
+    cp_indices,
+    shard_sequence,
+    unshard_sequence,
+)
 from hlat_parallel.device import (
     DeviceError,
     check_device,
@@ -43,6 +52,7 @@ __version__ = "0.3.0"
 
 __all__ = [
     "SCHEDULES",
+    "ContextParallelAttention",
     "DeviceError",
     "ParallelConfigError",
     "ParallelDims",
@@ -51,14 +61,17 @@ __all__ = [
     "RankModule",
     "StageModule",
     "StageSplit",
+    "apply_context_parallel",
     "bubble_fraction",
     "build_pipeline",
     "build_schedule",
+    "check_context_parallel",
     "check_device",
     "check_parallel_config",
     "check_schedule",
     "clip_grad_norm_",
     "compile_backend_for",
+    "cp_indices",
     "dist_backend_for",
     "global_norm",
     "init_parallel",
@@ -72,8 +85,10 @@ __all__ = [
     "rank_module",
     "resolve_device",
     "shard_optimizer",
+    "shard_sequence",
     "split_layers",
     "stage_ids",
     "stage_modules",
     "stage_plan",
+    "unshard_sequence",
 ]

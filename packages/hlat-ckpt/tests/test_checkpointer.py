@@ -330,3 +330,27 @@ def test_async_save_over_a_step_on_storage_fails_in_the_background_and_keeps_the
     b = make_state(2)
     ck.load(5, b)
     assert torch.equal(b["model"][0].weight, a["model"][0].weight)
+
+
+class NestedOptimizerCheckpointer(Checkpointer):
+    """Writes the optimizer state nested by parameter group, as hlat-ckpt < 0.4 did."""
+
+    @staticmethod
+    def _get_state_dict(kind, obj, flat=True):
+        return Checkpointer._get_state_dict(kind, obj, flat=False)
+
+
+def test_a_checkpoint_with_the_nested_optimizer_state_of_earlier_versions_loads(tmp_path):
+    a = make_state(0)
+    for _ in range(2):
+        train_step(a)
+    NestedOptimizerCheckpointer(str(tmp_path), async_save=False).save(2, a)
+    expected, lr = snapshot(a), a["optimizer"].param_groups[0]["lr"]
+    expected_loss = train_step(a)
+
+    b = make_state(1)
+    assert Checkpointer(str(tmp_path)).load_latest(b) == 2
+    for name, tensor in snapshot(b).items():
+        assert torch.equal(tensor, expected[name]), name
+    assert b["optimizer"].param_groups[0]["lr"] == lr
+    assert train_step(b) == expected_loss

@@ -24,9 +24,12 @@ from hlat_parallel import (
     StageSplit,
     bubble_fraction,
     check_schedule,
+    match_plan,
+    rank_module,
     split_layers,
     stage_ids,
     stage_modules,
+    stage_plan,
 )
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")
@@ -203,6 +206,32 @@ def test_state_dicts_of_the_stages_load_into_the_whole_model(model):
     fresh.load_state_dict(merged, strict=True)
     for name, param in model.named_parameters():
         assert torch.equal(fresh.get_parameter(name), param)
+
+
+def test_a_rank_module_holds_its_stages_under_the_model_names(model):
+    splits = split_layers(4, 4)
+    # rank 0 of pp 2 with two stages per rank: stages 0 and 2
+    modules = stage_modules(model, splits, stage_ids(0, 2, 2))
+    held = rank_module(modules)
+    keys = list(held.state_dict())
+    expected = [k for m in modules for k in m.state_dict()]
+    assert sorted(keys) == sorted(expected) and keys[0] == "embed_tokens.weight"
+    assert "lm_head.weight" not in keys  # stage 3 is on rank 1
+    for name, param in held.named_parameters():
+        assert param is model.get_parameter(name)
+    with pytest.raises(RuntimeError, match="schedule"):
+        held(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_a_stage_plan_keeps_the_entries_of_the_modules_the_stage_holds(model):
+    plan = model.parallel_plan()
+    first, middle, last = stage_modules(model, split_layers(4, 3), range(3))
+    assert "embed_tokens" in stage_plan(plan, first) and "lm_head" not in stage_plan(plan, first)
+    kept = stage_plan(plan, middle)
+    assert "embed_tokens" not in kept and "norm" not in kept and "lm_head" not in kept
+    assert set(kept) == {p for p in plan if p.startswith("layers.")}
+    assert {"norm", "lm_head"} <= set(stage_plan(plan, last))
+    match_plan(middle, kept)  # every kept pattern matches a module of the stage
 
 
 def test_chained_stages_compute_the_model_with_packed_documents(model):

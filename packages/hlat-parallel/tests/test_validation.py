@@ -85,6 +85,34 @@ def test_sequence_not_divisible_by_tp_is_refused_under_sequence_parallelism(worl
         init_parallel(tp=2, sp=True, seq_len=33)
 
 
+def test_world_not_divisible_by_the_model_parallel_replica_is_refused(world):
+    world(8)
+    with pytest.raises(ParallelConfigError, match=r"pp x cp x tp = 3 x 1 x 2 = 6"):
+        init_parallel(tp=2, pp=3)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"pp": 0}, r"pp must be a positive integer, got 0"),
+        ({"cp": True}, r"cp must be a positive integer, got True"),
+        ({"cp": 2, "seq_len": 18}, r"2 x cp = 4 equal chunks .* seq_len 18"),
+        ({"cp": 2, "tp": 4, "sp": True, "seq_len": 12}, r"of each of the 2 context-parallel"),
+    ],
+)
+def test_pipeline_and_context_degrees_are_checked(kwargs, needle):
+    tp = kwargs.pop("tp", 1)
+    with pytest.raises(ParallelConfigError, match=needle):
+        check_parallel_config(8, tp, **kwargs)
+
+
+def test_pipeline_and_context_parallelism_are_refused_on_the_nxd_path(world):
+    world(4)
+    with pytest.raises(ParallelConfigError, match=r"native torch backend only"):
+        init_parallel(tp=2, pp=2, backend="neuron")
+
+
 def test_sequence_length_is_free_without_sequence_parallelism():
     check_parallel_config(2, 2, sp=False, seq_len=33)
 

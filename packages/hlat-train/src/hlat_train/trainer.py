@@ -174,27 +174,32 @@ class Trainer:
         torch.manual_seed(c.train.seed)
         dtype = torch.float32 if c.optim.precision == "fp32" else torch.bfloat16
         with torch.device("meta"):
-            model = Llama(self.llama_config)
+            llama = Llama(self.llama_config)
         sharded = c.train.init == "sharded" or (
-            c.train.init == "auto" and model.num_params() > 2_000_000_000
+            c.train.init == "auto" and llama.num_params() > 2_000_000_000
         )
         self.pipeline: Any = None
+        model: torch.nn.Module
         if dims.pp > 1:
-            model = self._build_pipeline(model if sharded else None, dtype)
+            model = self._build_pipeline(llama if sharded else None, dtype)
         elif sharded:
             # split first, then materialise and initialise only this rank's shards
-            model = parallelize(model.to(dtype), dims, model.parallel_plan())
+            model = parallelize(llama.to(dtype), dims, llama.parallel_plan())
             model.to_empty(device=device)
             if dims.backend == "neuron":
                 neuron.neuron_init_weights(model, dims, c.train.seed)
             else:
-                model.init_weights()
+                llama.init_weights()
         else:
             # Note: every rank builds the whole model from the same seed and keeps its
             # shard, so any parallel layout starts from the same weights (and TP/DP
             # losses can be compared with one process)
-            model = Llama(self.llama_config).to(device, dtype)
-            model = parallelize(model, dims, model.parallel_plan())
+            llama = Llama(self.llama_config).to(device, dtype)
+            model = parallelize(llama, dims, llama.parallel_plan())
+        if dims.cp > 1 and self.pipeline is None:
+            from hlat_parallel import apply_context_parallel
+
+            apply_context_parallel(model, dims.cp_mesh)
         self.model = model
         # the modules that run (the pipeline stages, or the model) for FSDP's bookkeeping
         self.model_parts = self.pipeline.modules if self.pipeline is not None else [model]
@@ -284,7 +289,13 @@ class Trainer:
         from functools import partial
 
         from hlat_model import Llama, cross_entropy_loss
-        from hlat_parallel import build_pipeline, match_plan, parallelize, stage_plan
+        from hlat_parallel import (
+            StageModule,
+            build_pipeline,
+            match_plan,
+            parallelize,
+            stage_plan,
+        )
 
         c, dims = self.config, self.dims
         model = meta_model if meta_model is not None else Llama(self.llama_config)
@@ -292,8 +303,12 @@ class Trainer:
         plan = model.parallel_plan()
         match_plan(model, plan)  # every pattern names a module of the whole model
 
-        def prepare(stage: torch.nn.Module) -> None:
+        def prepare(stage: StageModule) -> None:
             parallelize(stage, dims, stage_plan(plan, stage))
+            if dims.cp > 1 and stage.split.layers:
+                from hlat_parallel import apply_context_parallel
+
+                apply_context_parallel(stage, dims.cp_mesh)
             if meta_model is not None:
                 stage.to_empty(device=self.device)
 
@@ -544,9 +559,12 @@ class Trainer:
                     position_ids=self._to_device(batch.position_ids),
                     doc_lens=self._to_device(batch.doc_lens),
                 )
+            elif self.dims.cp > 1:
+                ids = self._tokens(batch.input_ids)
+                logits = self.model(ids, position_ids=self._cp_positions(ids.shape[0]))
             else:
                 logits = self.model(self._to_device(batch.input_ids))
-            labels = self._to_device(batch.labels)
+            labels = self._tokens(batch.labels)
             if self.dims.backend == "neuron":
                 loss = neuron.neuron_loss(logits, labels) / self.grad_accum
             else:
@@ -565,9 +583,11 @@ class Trainer:
         from hlat_parallel import loss_parallel
 
         pipe, c = self.pipeline, self.config
-        ids = self._to_device(np.concatenate([b.input_ids for b in micro_batches]))
+        ids = self._tokens(np.concatenate([b.input_ids for b in micro_batches]))
         kwargs: dict[str, Any] = {}
-        if c.data.document_mask:
+        if self.dims.cp > 1:
+            kwargs["position_ids"] = self._cp_positions(ids.shape[0])
+        elif c.data.document_mask:
             kwargs["position_ids"] = self._to_device(
                 np.concatenate([b.position_ids for b in micro_batches])
             )
@@ -587,7 +607,7 @@ class Trainer:
         losses: list[torch.Tensor] = []
         if pipe.has_last_stage:
             kwargs.update(
-                target=self._to_device(np.concatenate([b.labels for b in micro_batches])),
+                target=self._tokens(np.concatenate([b.labels for b in micro_batches])),
                 losses=losses,
             )
         args = (ids,) if pipe.has_first_stage else ()
@@ -627,11 +647,31 @@ class Trainer:
                 )
 
     def _mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
-        if self.dims.dp > 1:
+        """The mean over the ranks holding different tokens: data-parallel replicas and,
+        under context parallelism, the shards of each sequence (equal token counts)."""
+        if self.dims.dp_cp > 1:
             value = value.clone()
-            dist.all_reduce(value, group=self.dims.dp_group)
-            value /= self.dims.dp
+            dist.all_reduce(value, group=self.dims.dp_cp_group)
+            value /= self.dims.dp_cp
         return value
+
+    def _tokens(self, array: Any) -> torch.Tensor:
+        """A [B, S] batch array on the device; this rank's tokens of each row under context
+        parallelism (``hlat_parallel.shard_sequence``)."""
+        tokens = self._to_device(array)
+        if self.dims.cp > 1:
+            from hlat_parallel import shard_sequence
+
+            tokens = shard_sequence(tokens, self.dims.cp, self.dims.cp_rank, dim=1)
+        return tokens
+
+    def _cp_positions(self, rows: int) -> torch.Tensor:
+        """Global positions of this rank's tokens under context parallelism, [rows, S / cp]."""
+        from hlat_parallel import cp_indices
+
+        seq_len = self.config.data.seq_len
+        positions = cp_indices(seq_len, self.dims.cp, self.dims.cp_rank, device=self.device)
+        return positions.expand(rows, -1)
 
     def _update(self, loss: torch.Tensor) -> tuple[torch.Tensor, Any, Any]:
         """Clip, judge and step the optimizer: (grad norm, spike, skip) as device tensors.
@@ -767,10 +807,12 @@ class Trainer:
             loader = []  # type: ignore[assignment]
         for batch in loader:
             with loss_parallel(self.dims):
-                ids = self._to_device(batch.input_ids)
-                labels = self._to_device(batch.labels)
+                ids = self._tokens(batch.input_ids)
+                labels = self._tokens(batch.labels)
                 doc_lens = self._to_device(batch.doc_lens) if c.data.document_mask else None
-                loss = cross_entropy_loss(self.model(ids, doc_lens=doc_lens), labels)
+                positions = self._cp_positions(ids.shape[0]) if self.dims.cp > 1 else None
+                logits = self.model(ids, position_ids=positions, doc_lens=doc_lens)
+                loss = cross_entropy_loss(logits, labels)
             total += _full(loss).float()
             count += 1
             if count == c.train.eval_batches:

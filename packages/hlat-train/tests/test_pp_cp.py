@@ -1,9 +1,9 @@
-"""Pipeline parallelism in the trainer, on CPU with gloo through torchrun.
+"""Pipeline and context parallelism in the trainer, on CPU with gloo through torchrun.
 
-PP2 (two processes, 1F1B) and PP2 x TP2 (four processes, sequence parallel, interleaved
-schedule, packed documents) train the tiny-check model in fp32 and agree with one process
-on the same batches; their checkpoints reshard: PP2 x TP2 -> one process -> PP2, bit for
-bit on the weights and the optimizer state.
+PP2 (two processes, 1F1B), CP2 (two processes) and PP2 x TP2 (four processes, sequence
+parallel, interleaved schedule, packed documents) train the tiny-check model in fp32 and
+agree with one process on the same batches; checkpoints reshard: PP2 x TP2 -> one process
+-> PP2, bit for bit on the weights and the optimizer state.
 """
 
 from __future__ import annotations
@@ -76,6 +76,19 @@ def test_pp2_matches_one_process(corpus, tmp_path, single_plain):
         corpus, out, *COMMON, "--parallel.pp=2", "--train.eval_every=2", steps=STEPS
     )
     _run(2, config, tmp_path / "pp2.toml")
+    assert _losses(out) == pytest.approx(_losses(single_plain), rel=1e-5)
+    assert _valid(out) == pytest.approx(_valid(single_plain), rel=1e-5)
+    ckpt = consolidate(str(out / "checkpoints"))
+    ref = consolidate(str(single_plain / "checkpoints"))
+    _assert_close_state(ckpt["model"], ref["model"], rtol=1e-4, atol=1e-6)
+
+
+def test_cp2_matches_one_process(corpus, tmp_path, single_plain):
+    out = tmp_path / "cp2"
+    config = tiny_config(
+        corpus, out, *COMMON, "--parallel.cp=2", "--train.eval_every=2", steps=STEPS
+    )
+    _run(2, config, tmp_path / "cp2.toml")
     assert _losses(out) == pytest.approx(_losses(single_plain), rel=1e-5)
     assert _valid(out) == pytest.approx(_valid(single_plain), rel=1e-5)
     ckpt = consolidate(str(out / "checkpoints"))

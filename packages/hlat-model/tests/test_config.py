@@ -17,6 +17,14 @@ def test_llama3_8b_has_exactly_the_parameters_of_meta_llama3_8b():
     assert _meta_params(LlamaConfig.preset("llama3-8b")) == 8_030_261_248
 
 
+def test_llama2_70b_has_exactly_the_parameters_of_hf_llama2_70b():
+    assert _meta_params(LlamaConfig.preset("llama2-70b")) == 68_976_648_192
+
+
+def test_llama3_70b_has_exactly_the_parameters_of_meta_llama3_70b():
+    assert _meta_params(LlamaConfig.preset("llama3-70b")) == 70_553_706_496
+
+
 def test_hlat_7b_preset_carries_the_recipe_numerics():
     c = LlamaConfig.preset("hlat-7b")
     assert (c.n_layers, c.dim, c.n_heads, c.kv_heads, c.ffn_dim) == (32, 4096, 32, 32, 11008)

@@ -15,7 +15,16 @@ from hlat_train.cli import main
 
 @pytest.mark.parametrize(
     "name",
-    ["tiny-demo", "tiny-check", "hlat-7b", "hlat-7b-trn2", "llama2-7b-trn1-128", "llama3-8b"],
+    [
+        "tiny-demo",
+        "tiny-check",
+        "hlat-7b",
+        "hlat-7b-trn2",
+        "llama2-7b-trn1-128",
+        "llama3-8b",
+        "llama3-70b",
+        "llama3-8b-32k",
+    ],
 )
 def test_every_preset_parses_and_validates(name):
     assert name in preset_names()

@@ -16,8 +16,13 @@ from hlat_train.plan import (
     Layout,
     analytic_shards,
     make_plan,
+    peak_in_flight,
+    rank_stages,
     real_shards,
     roles,
+    schedule_actions,
+    stage_shapes,
+    stage_splits,
     tp_shapes,
 )
 
@@ -168,3 +173,289 @@ def test_bad_options_fail_before_any_work(argv, message, capsys):
     assert message in captured.err
     assert captured.out == ""
     assert "building rank" not in captured.err
+
+
+# --- pipeline and context parallelism -----------------------------------------------------
+
+PIPELINED = [*SMALL, "--model.n_layers=6", "--train.global_batch_size=16", "--optim.precision=fp32"]
+
+
+def test_pipeline_stage_holdings_sum_over_stages_to_the_whole_model():
+    config = small_config("fp32", "--model.n_layers=6")
+    llama = config.llama_config()
+    whole = {s.name: s.local_numel for s in real_shards(llama, _layout(1, 1, "fp32"), 0)}
+    layout = dataclasses.replace(_layout(1, 4, "fp32"), pp=4, global_batch=8)
+    held: dict[str, int] = {}
+    for pp_rank in range(4):
+        for shard in real_shards(llama, layout, 0, pp_rank):
+            assert shard.name not in held  # no parameter sits on two pipeline ranks
+            held[shard.name] = shard.local_numel
+    assert held == whole
+    first, last = real_shards(llama, layout, 0, 0), real_shards(llama, layout, 0, 3)
+    assert "embed_tokens.weight" in {s.name for s in first}
+    assert {"norm.weight", "lm_head.weight"} <= {s.name for s in last}
+
+
+def test_pipeline_ranks_report_what_their_stages_hold_under_fsdp_and_tp():
+    config = small_config("fp32", "--model.n_layers=6")
+    llama = config.llama_config()
+    layout = dataclasses.replace(_layout(2, 16, "fp32"), pp=2, global_batch=16)  # dp 4
+    shapes = tp_shapes(llama, 2)
+    splits = stage_splits(llama, layout)
+    for pp_rank in range(2):
+        mine = stage_shapes(shapes, rank_stages(splits, layout, pp_rank))
+        for dp_rank in range(layout.dp):
+            real = real_shards(llama, layout, dp_rank, pp_rank)
+            assert real == analytic_shards(mine, layout, dp_rank)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_single_stage_schedules_keep_the_papers_micro_batches_in_flight(schedule):
+    # 1F1B: stage s of p keeps min(p - s, m) micro-batches (Narayanan et al. 2021); GPipe: m
+    config = TrainConfig.preset(
+        "tiny-demo",
+        [
+            *PIPELINED,
+            "--parallel.pp=4",
+            f"--parallel.pp_schedule={schedule}",
+            "--train.global_batch_size=32",
+        ],
+    )
+    plan = make_plan(config, device_memory_gib=1.0, procs_per_node=8)  # dp 2: m = 8
+    in_flight = {rank: role.in_flight for role in plan.roles for rank in role.pp_ranks}
+    expected = {s: (min(4 - s, 8) if schedule == "1F1B" else 8) for s in range(4)}
+    assert in_flight == expected
+
+
+def test_gpipe_keeps_m_over_1f1b_times_the_activations_of_the_first_stage():
+    def activations(schedule: str) -> float:
+        config = TrainConfig.preset(
+            "tiny-demo",
+            [
+                *PIPELINED,
+                "--parallel.pp=4",
+                f"--parallel.pp_schedule={schedule}",
+                "--train.global_batch_size=32",
+            ],
+        )
+        (role,) = [
+            r
+            for r in make_plan(config, device_memory_gib=1.0, procs_per_node=8).roles
+            if r.pp_ranks == [0]
+        ]
+        return dict(role.memory)[next(n for n, _ in role.memory if n.startswith("activations"))]
+
+    assert activations("GPipe") == pytest.approx(activations("1F1B") * 8 / 4)
+
+
+def _torch_rank_ops(schedule: str, pp: int, m: int, virtual: int, rank: int) -> list:
+    """torch's own action list for one rank, from the schedule's (private) generator."""
+    from torch.distributed.pipelining import schedules
+
+    cls = getattr(schedules, f"Schedule{schedule}")
+    obj = cls.__new__(cls)
+    obj.pp_group_size, obj.n_local_stages, obj._n_microbatches = pp, virtual, m
+    obj.number_of_rounds = max(1, m // pp)
+    obj.microbatches_per_round = m // obj.number_of_rounds
+    obj.num_stages = pp * virtual
+    out = []
+    for action in obj._calculate_single_rank_operations(rank):
+        if action is None:
+            continue
+        kind = str(action.computation_type.value)
+        release = "B" if schedule == "Interleaved1F1B" else "W"
+        if kind == "F":
+            out.append((1, action.stage_index))
+        elif kind == release:
+            out.append((-1, action.stage_index))
+    return out
+
+
+@pytest.mark.parametrize(
+    "schedule, pp, m, virtual",
+    [
+        ("Interleaved1F1B", 4, 8, 2),
+        ("Interleaved1F1B", 4, 12, 3),
+        ("Interleaved1F1B", 4, 3, 2),
+        ("InterleavedZeroBubble", 4, 8, 2),
+        ("InterleavedZeroBubble", 3, 9, 2),
+        ("ZBVZeroBubble", 4, 8, 2),
+        ("ZBVZeroBubble", 4, 5, 2),
+    ],
+)
+def test_multi_stage_schedule_orders_are_torchs(schedule, pp, m, virtual):
+    for rank in range(pp):
+        ours = schedule_actions(schedule, pp, m, virtual, rank)
+        assert ours == _torch_rank_ops(schedule, pp, m, virtual, rank)
+
+
+def test_interleaved_first_rank_keeps_korthikantis_share_of_the_layers():
+    # Korthikanti et al. 2022, 4.2.3: the first rank stores L (1 + (p - 1) / (p v)) layers
+    pp, virtual, m, layers = 4, 2, 16, 64
+    layout = dataclasses.replace(
+        _layout(1, pp),
+        pp=pp,
+        pp_schedule="Interleaved1F1B",
+        pp_virtual=virtual,
+        global_batch=m * 2 * 1,
+    )
+    per_stage = layers // (pp * virtual)
+    live = peak_in_flight(layout, 0, {0: 1.0, 4: 1.0})
+    assert sum(live.values()) * per_stage == layers * (1 + (pp - 1) / (pp * virtual))
+
+
+def test_pipeline_plan_prints_the_schedules_bubble_fraction(capsys):
+    from hlat_parallel import bubble_fraction
+
+    argv = ["plan", "--config", "tiny-demo", *PIPELINED, "--parallel.pp=4"]
+    argv += ["--train.global_batch_size=64", "--device-memory-gib", "1", "--procs-per-node", "8"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    m = 64 // (2 * 2)  # global batch / (micro-batch 2 x dp 2): 8 processes = pp 4 x dp 2
+    assert bubble_fraction("1F1B", 4, m) == pytest.approx(3 / 16)
+    assert f"pipeline bubble: {3 / 16:.2%} of compute" in out
+    assert "pp 4 (1F1B, 1 stage per rank)" in out
+    assert "pipeline micro-batches 16" in out
+
+
+def test_pipeline_sends_one_micro_batchs_activations_per_boundary_each_way():
+    config = TrainConfig.preset(
+        "tiny-demo", [*PIPELINED, "--parallel.pp=4", "--parallel.tp=2", "--parallel.sp=true"]
+    )
+    plan = make_plan(config, device_memory_gib=1.0, procs_per_node=16)  # dp 2, m 4
+    hidden = 2 * 32 * 64 * 4 / 2  # micro-batch x seq_len x dim x fp32 / tp (SP)
+    for role in plan.roles:
+        sent = {c.what: c for c in role.comm if c.dim == "pp" and "pipeline" in c.what}
+        forward = sent.get("pipeline send, activations to the next stage")
+        backward = sent.get("pipeline send, gradients to the previous stage")
+        position = role.pp_ranks[0]
+        assert (forward is None) == (position == 3)
+        assert (backward is None) == (position == 0)
+        for c in (forward, backward):
+            if c is not None:
+                assert (c.calls, c.bytes_sent) == (4, 4 * hidden)
+
+
+def _cp_memory(cp: int, checkpointing: str) -> dict[str, float]:
+    config = TrainConfig.preset(
+        "tiny-demo",
+        [
+            *SMALL,
+            "--model.n_kv_heads=2",
+            "--optim.precision=fp32",
+            f"--model.checkpointing={checkpointing}",
+            f"--parallel.cp={cp}",
+            "--train.global_batch_size=4",
+        ],
+    )
+    (role,) = make_plan(config, device_memory_gib=1.0, procs_per_node=2).roles
+    return dict(role.memory)
+
+
+def _pick(items: dict[str, float], start: str) -> float:
+    return sum(v for k, v in items.items() if k.startswith(start))
+
+
+def test_context_parallelism_divides_activations_except_the_gathered_keys_and_values():
+    whole, split = _cp_memory(1, "none"), _cp_memory(2, "none")
+    own_kv = 2 * 32 * 2 * 2 * 16 * 4  # micro-batch x seq x (k, v) x kv heads x head_dim x fp32
+    mask = 16 * 32 * 4  # [seq / cp, seq] in fp32
+    # cp 1 keeps each layer's own keys and values; cp 2 the gathered ones and the mask
+    assert _pick(split, "CP all-gathered keys and values") == 2 * (own_kv + mask)  # 2 layers
+    assert _pick(split, "activations") == pytest.approx(
+        (_pick(whole, "activations") - 2 * own_kv) / 2
+    )
+
+
+def test_selective_context_parallelism_keeps_no_gathered_keys_and_values():
+    # the attention core, the all-gather with it, is recomputed in backward
+    whole, split = _cp_memory(1, "selective"), _cp_memory(2, "selective")
+    assert _pick(split, "CP all-gathered") == 0
+    assert _pick(split, "activations") == pytest.approx(_pick(whole, "activations") / 2)
+
+
+def test_context_parallel_traffic_gathers_keys_and_values_and_shards_fsdp_over_dp_x_cp():
+    config = TrainConfig.preset(
+        "tiny-demo",
+        [
+            *SMALL,
+            "--model.n_kv_heads=2",
+            "--optim.precision=fp32",
+            "--model.checkpointing=selective",
+            "--parallel.cp=2",
+            "--train.global_batch_size=8",
+        ],
+    )
+    plan = make_plan(config, device_memory_gib=1.0, procs_per_node=4)  # dp 2 x cp 2
+    (role,) = plan.roles
+    comm = {(c.dim, c.what): c for c in role.comm}
+    kv = 2 * 32 * 2 * 2 * 16 * 4  # the gathered keys and values of one layer
+    # per layer and micro-step (2 x 2): forward, and again in the selective recomputation
+    gather = comm[("cp", "CP all-gather, keys and values")]
+    assert (gather.calls, gather.bytes_sent) == (2 * 2 * 2, 2 * 2 * 2 * kv / 2)
+    scatter = comm[("cp", "CP reduce-scatter, key and value gradients")]
+    assert (scatter.calls, scatter.bytes_sent) == (2 * 2, 2 * 2 * kv / 2)
+    assert ("dp x cp", "FSDP2 all-gather, parameters") in comm
+    assert role.ranks_text() == "dp x cp ranks 0-3: 4 ranks"
+
+
+@pytest.mark.parametrize(
+    "argv, fits_on",
+    [
+        (["--config", "llama2-70b-trn1"], "16 GiB"),
+        (["--config", "llama3-70b", "--device", "h100"], "80 GiB"),
+        (["--config", "llama3-8b-32k", "--device", "h100"], "80 GiB"),
+    ],
+)
+def test_pipeline_and_long_context_presets_fit_at_their_intended_sizes(argv, fits_on, capsys):
+    assert main(["plan", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" not in out
+    assert f"fits (usable {float(fits_on.split()[0]) * 0.9:.2f} of {fits_on}" in out
+    # trn1 (NxD): the plan computes pipeline stages that hlat's trn1 path cannot run yet
+    neuron = argv[1] == "llama2-70b-trn1"
+    assert ("does not run pipeline parallelism yet" in out) == neuron
+    if neuron:
+        assert "tp 32 (sp), dp 4, pp 8 (1F1B, 1 stage per rank)" in out
+        assert "use parallel.backend = 'torch'" in out
+
+
+def test_a_pipeline_that_cannot_fit_names_the_biggest_item_and_suggests_more_stages(capsys):
+    argv = [
+        "plan", "--config", "tiny-demo", *SMALL, "--model.n_layers=4", "--parallel.tp=4",
+        "--model.checkpointing=full", "--data.micro_batch_size=1",
+        "--model.vocab_size=16384", "--train.global_batch_size=8",
+        "--device-memory-gib", "0.0075", "--procs-per-node", "16",
+    ]  # fmt: skip
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert "the biggest item is FSDP2 gathered parameters" in captured.err
+    assert "rerun with --parallel.pp=2" in captured.err
+    fix = captured.err.split("rerun with ")[1].split()
+    assert main([*argv, *fix]) == 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--parallel.pp=3"], "not divisible by parallel.pp x parallel.cp x parallel.tp"),
+        (["--parallel.pp=2", "--parallel.pp_schedule=Zigzag"], "is not one of 1F1B"),
+        (["--parallel.cp=2"], "has no context parallelism"),
+        (
+            ["--parallel.cp=2", "--device", "h100", "--data.document_mask=true"],
+            "does not support document masking",
+        ),
+    ],
+)
+def test_bad_pipeline_and_context_options_fail_before_any_work(argv, message, capsys):
+    assert main(["plan", "--config", "hlat-7b", "--nodes", "4", *argv]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err
+    assert "building rank" not in captured.err
+
+
+def test_nodes_option_replaces_the_node_count_a_config_expects(capsys):
+    argv = ["plan", "--config", "tiny-demo", *SMALL, "--parallel.nodes=4"]
+    argv += ["--device-memory-gib", "1", "--procs-per-node", "2", "--nodes", "2"]
+    assert main(argv) == 0
+    assert "2 node(s) x 2 = 4 processes" in capsys.readouterr().out

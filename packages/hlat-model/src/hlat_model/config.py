@@ -115,8 +115,8 @@ class LlamaConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
-        """A named shape (``hlat-7b``, ``llama2-7b``, ``llama3-8b``, ``1b``, ``tiny``),
-        with any field overridden by keyword."""
+        """A named shape (``hlat-7b``, ``llama2-7b``, ``llama3-8b``, ``llama2-70b``,
+        ``llama3-70b``, ``1b``, ``tiny``), with any field overridden by keyword."""
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
         fields = {**PRESETS[name], **overrides}
@@ -152,6 +152,36 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_heads=32,
         n_kv_heads=8,
         ffn_dim=14336,
+        max_seq_len=8192,
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+        init_std=0.02,
+        scaled_init=False,
+    ),
+    # Llama-2-70B (Touvron et al. 2023; Hugging Face meta-llama/Llama-2-70b-hf config): GQA
+    # with 8 KV heads. HLAT's companion 70B recipe on trn1 (TP 32, PP 8) uses this shape.
+    "llama2-70b": dict(
+        vocab_size=32000,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim=28672,
+        max_seq_len=4096,
+        norm_eps=1e-5,
+        rope_theta=10000.0,
+        init_std=0.02,
+        scaled_init=False,
+    ),
+    # Llama-3-70B (Hugging Face meta-llama/Meta-Llama-3-70B config): Llama-2-70B's blocks
+    # with the 128k vocabulary, RoPE theta 5e5 and 8k context.
+    "llama3-70b": dict(
+        vocab_size=128256,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim=28672,
         max_seq_len=8192,
         norm_eps=1e-5,
         rope_theta=500000.0,

@@ -35,7 +35,8 @@ class ModelConfig:
     """
 
     preset: str = "tiny"
-    """``hlat-7b``, ``llama2-7b``, ``llama3-8b``, ``1b`` or ``tiny`` (hlat-model presets)."""
+    """``hlat-7b``, ``llama2-7b``, ``llama3-8b``, ``llama2-70b``, ``llama3-70b``, ``1b`` or
+    ``tiny`` (hlat-model presets)."""
     vocab_size: int | None = None
     """Embedding rows; 0 means the tokenizer's vocabulary rounded up to a multiple of 64."""
     dim: int | None = None

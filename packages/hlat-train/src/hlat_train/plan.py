@@ -5,23 +5,35 @@ gradients, optimizer state, activations), what it sends per optimizer step, what
 per checkpoint, and whether that fits the device's memory; when it does not, it names the
 biggest item and a layout that would fit. Nothing is allocated and nothing is sent: the
 model lives on the meta device and the layout is built on torch's fake process group.
+The layout is the trainer's mesh ("pp", "dp", "cp", "tp"): tensor (and sequence)
+parallelism, context parallelism over the sequence, pipeline stages, and data parallelism
+over what is left (``dp = world / (pp x cp x tp)``).
 
 Note: what comes from the real layout and what is analytic.
 
 - Real: the per-rank shards of every parameter are the local shapes of the DTensors that
   ``hlat_parallel.init_parallel`` and ``parallelize`` build for one rank of each distinct
   role, on a fake process group of the full world size (torch backend: DTensor TP/SP plus
-  FSDP2 over dp, the same calls ``Trainer`` makes). Parameter bytes come from those local
-  tensors' element sizes. On the neuron backend (trn1, NxD) the TP shards come from the
-  same plan applied by the torch backend (NxD's ColumnParallel, RowParallel and
+  FSDP2 over dp, or over dp x cp flattened when cp > 1, the same calls ``Trainer``
+  makes). With pp > 1 the rank's pipeline stages are cut from the meta model with
+  ``hlat_parallel.split_layers``, ``stage_ids`` and ``stage_modules``, and each stage is
+  parallelized with the entries of the model's plan that match it, as the trainer does.
+  Pipeline ranks whose stages hold the same things (embedding, head, number of blocks)
+  share one build: a Llama's blocks all have the same shapes. Parameter bytes come from
+  those local tensors' element sizes. On the neuron backend (trn1, NxD) the TP shards come
+  from the same plan applied by the torch backend (NxD's ColumnParallel, RowParallel and
   ParallelEmbedding split the same dimensions), without data parallelism.
 - Analytic: gradient and optimizer-state bytes (per element of the real local shards, by
   precision mode, as ``hlat_optim.AdamW`` and ``hlat_parallel.neuron_backend.
   zero1_precision`` document them); NxD ZeRO-1's 1/dp sharding of the optimizer state;
-  activation memory (a count of the tensors autograd saves, after Korthikanti et al. 2022);
-  communication (ring-algorithm bytes of each collective from the layer shapes); the
-  device capacities (vendor tables). The layouts the search suggests are evaluated with the
-  same arithmetic, which a test checks against the real layout.
+  activation memory (a count of the tensors autograd saves, after Korthikanti et al. 2022,
+  per micro-batch, times the micro-batches each pipeline rank keeps in flight under its
+  schedule, see :func:`peak_in_flight`); context parallelism's gathered keys and values;
+  communication (ring-algorithm bytes of each collective from the layer shapes, and the
+  pipeline's point-to-point sends); the pipeline bubble (``hlat_parallel.bubble_fraction``,
+  the papers' idealised figure); the device capacities (vendor tables). The layouts the
+  search suggests are evaluated with the same arithmetic, which a test checks against the
+  real layout.
 """
 
 from __future__ import annotations
@@ -29,9 +41,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from hlat_train.config import ConfigError, TrainConfig
 
@@ -71,6 +83,12 @@ DEVICES: dict[str, Device] = {
 
 CHECKPOINTING = ("none", "selective", "full")
 
+PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+"""``hlat_parallel.SCHEDULES``, repeated so that bad options fail before torch is imported."""
+
+SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
+"""Schedules with one stage per pipeline rank; the others default to 2 (``pp_virtual``)."""
+
 
 # --- the layout --------------------------------------------------------------------------
 
@@ -90,6 +108,13 @@ class Layout:
     micro_batch: int
     seq_len: int
     global_batch: int
+    pp: int = 1
+    cp: int = 1
+    pp_schedule: str = "1F1B"
+    pp_virtual: int = 0
+    """Stages per pipeline rank; 0: the schedule's default (see :attr:`virtual`)."""
+    pp_split: tuple[int, ...] = ()
+    """Blocks per stage; empty: ``hlat_parallel.split_layers``'s balance rule."""
 
     @property
     def world_size(self) -> int:
@@ -97,7 +122,12 @@ class Layout:
 
     @property
     def dp(self) -> int:
-        return self.world_size // self.tp
+        return self.world_size // (self.pp * self.cp * self.tp)
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks FSDP2 shards over on the torch backend: dp, times cp (flattened) when cp > 1."""
+        return self.dp * self.cp
 
     @property
     def sequence_parallel(self) -> bool:
@@ -105,15 +135,49 @@ class Layout:
 
     @property
     def grad_accum(self) -> int:
+        """Micro-batches per optimizer step per data-parallel rank; with pp > 1 they are the
+        pipeline's micro-batches, all run in one schedule step."""
         return self.global_batch // (self.micro_batch * self.dp)
+
+    @property
+    def virtual(self) -> int:
+        """Stages per pipeline rank: ``pp_virtual``, else 1 for 1F1B and GPipe, 2 otherwise."""
+        if self.pp == 1:
+            return 1
+        if self.pp_virtual:
+            return self.pp_virtual
+        return 1 if self.pp_schedule in SINGLE_STAGE_SCHEDULES else 2
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.virtual
+
+    @property
+    def stage_style(self) -> Literal["loop", "v"]:
+        """How stages sit on pipeline ranks (``hlat_parallel.stage_ids``)."""
+        return "v" if self.pp_schedule == "ZBVZeroBubble" else "loop"
+
+    @property
+    def local_tokens(self) -> int:
+        """Tokens of one micro-batch on one rank before the SP split: 1/cp of each sequence."""
+        return self.micro_batch * self.seq_len // self.cp
 
     def describe(self) -> str:
         sp = " (sp)" if self.sequence_parallel else ""
+        cp = f", cp {self.cp}" if self.cp > 1 else ""
+        pp = f"pp {self.pp}"
+        if self.pp > 1:
+            per_rank = f"{self.virtual} stages per rank" if self.virtual > 1 else "1 stage per rank"
+            pp += f" ({self.pp_schedule}, {per_rank})"
         engine = "DTensor + FSDP2" if self.backend == "torch" else "NxD + ZeRO-1"
+        tokens = f"{self.seq_len} tokens"
+        if self.cp > 1:
+            tokens += f" ({self.seq_len // self.cp} per cp rank)"
+        accum = "pipeline micro-batches" if self.pp > 1 else "grad accumulation"
         return (
-            f"tp {self.tp}{sp}, dp {self.dp}, pp 1; backend {self.backend} ({engine}), "
+            f"tp {self.tp}{sp}{cp}, dp {self.dp}, {pp}; backend {self.backend} ({engine}), "
             f"precision {self.precision}, checkpointing {self.checkpointing}, micro-batch "
-            f"{self.micro_batch} x {self.seq_len} tokens, grad accumulation {self.grad_accum} "
+            f"{self.micro_batch} x {tokens}, {accum} {self.grad_accum} "
             f"(global batch {self.global_batch})"
         )
 
@@ -130,6 +194,60 @@ class Shard:
     local_numel: int
     """Elements this rank stores (the DTensor's local shape)."""
     element_size: int
+
+
+# --- pipeline stages ----------------------------------------------------------------------
+
+
+def stage_splits(llama: Any, layout: Layout) -> list[Any]:
+    """Every stage's ``hlat_parallel.StageSplit``: which blocks it holds, first and last."""
+    from hlat_parallel import split_layers
+
+    return split_layers(llama.n_layers, layout.n_stages, split=list(layout.pp_split) or None)
+
+
+def rank_stages(splits: list[Any], layout: Layout, pp_rank: int) -> list[Any]:
+    """The splits of the stages pipeline rank ``pp_rank`` runs (``hlat_parallel.stage_ids``)."""
+    from hlat_parallel import stage_ids
+
+    ids = stage_ids(pp_rank, layout.pp, layout.virtual, style=layout.stage_style)
+    return [splits[i] for i in ids]
+
+
+def owned(name: str, stages: Sequence[Any]) -> bool:
+    """Whether parameter ``name`` of the whole model belongs to one of ``stages``: the
+    embedding to the first stage, ``layers.<i>`` to the stage holding block i, the final
+    norm and the LM head to the last (``hlat_parallel.StageModule``'s contract)."""
+    head, _, rest = name.partition(".")
+    if head == "embed_tokens":
+        return any(s.first for s in stages)
+    if head in ("norm", "lm_head"):
+        return any(s.last for s in stages)
+    if head == "layers":
+        index = int(rest.split(".", 1)[0])
+        return any(index in s.layers for s in stages)
+    raise ConfigError(f"parameter {name!r} belongs to no pipeline stage of the plan")
+
+
+def _stage_signature(stages: Sequence[Any]) -> tuple[tuple[bool, bool, int], ...]:
+    """What a rank's stages hold, up to block indices (all blocks have the same shapes)."""
+    return tuple((s.first, s.last, len(s.layers)) for s in stages)
+
+
+def _stage_text(stages: Sequence[Any]) -> str:
+    parts = []
+    for s in stages:
+        held = []
+        if s.first:
+            held.append("embedding")
+        if s.layers:
+            first, last = s.layers[0], s.layers[-1]
+            blocks = f"block {first}" if first == last else f"blocks {first}-{last}"
+            held.append(blocks)
+        if s.last:
+            held.append("norm + LM head")
+        parts.append(f"stage {s.index}: {', '.join(held)}")
+    return "; ".join(parts)
 
 
 # --- bytes per element by precision -------------------------------------------------------
@@ -180,38 +298,70 @@ def _meta_model(llama: Any, precision: str) -> Any:
     return model.to(dtype)
 
 
-def real_shards(llama: Any, layout: Layout, dp_rank: int) -> list[Shard]:
-    """The shards rank ``dp_rank * tp`` holds, read from the layout ``hlat_parallel`` builds
-    on a fake process group of the full world size (torch backend), or of ``tp`` ranks
-    (neuron backend: TP shards only; ZeRO-1 shards the optimizer state analytically).
+def _stage_plan(plan: dict[str, Any], stage: Any) -> dict[str, Any]:
+    """The entries of ``plan`` whose patterns match a module of ``stage`` (a middle stage has
+    no embedding and no head, and ``parallelize`` wants every pattern to match)."""
+    from hlat_parallel import parse_plan
+
+    names = [name for name, _ in stage.named_modules() if name]
+    keep = {e.pattern for e in parse_plan(plan) if any(e.matches(n) for n in names)}
+    return {pattern: value for pattern, value in plan.items() if pattern in keep}
+
+
+def real_shards(llama: Any, layout: Layout, dp_rank: int, pp_rank: int = 0) -> list[Shard]:
+    """The shards of TP rank 0 of data-parallel rank ``dp_rank`` (an index over dp x cp
+    when cp > 1) on pipeline rank ``pp_rank``, read from the layout ``hlat_parallel``
+    builds on a fake process group of the full world size (torch backend), or of ``tp``
+    ranks (neuron backend: TP shards only; ZeRO-1 shards the optimizer state analytically).
+    With pp > 1 only that pipeline rank's stages are built and parallelized.
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from hlat_parallel import init_parallel, parallelize
+    from hlat_parallel import init_parallel, parallelize, stage_modules
 
     if dist.is_initialized():
         raise ConfigError(
             "hlat-train plan builds the layout on its own fake process group, but this "
             "process already has a process group; run the plan in a fresh process"
         )
-    world = layout.world_size if layout.backend == "torch" else layout.tp
-    rank = dp_rank * layout.tp if layout.backend == "torch" else 0
+    torch_backend = layout.backend == "torch"
+    world = layout.world_size if torch_backend else layout.tp
+    # mesh ("pp", "dp", "cp", "tp"), row-major; "dp" x "cp" flattened is dp_rank * cp + cp_rank
+    rank = (pp_rank * layout.dp_cp + dp_rank) * layout.tp if torch_backend else 0
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        dims = init_parallel(layout.tp, layout.sp, "torch", device="cpu")
-        shards = []
+        if torch_backend:
+            dims = init_parallel(
+                layout.tp, layout.sp, "torch", pp=layout.pp, cp=layout.cp, device="cpu"
+            )
+        else:
+            dims = init_parallel(layout.tp, layout.sp, "torch", device="cpu")
+        if layout.pp > 1:
+            # shapes do not depend on the activation layout; stages pass batch-first states
+            llama = dataclasses.replace(llama, sequence_first=False)
         model = _meta_model(llama, layout.precision)
-        model = parallelize(model, dims, model.parallel_plan())
-        for name, p in model.named_parameters():
+        plan = model.parallel_plan()
+        if layout.pp > 1:
+            splits = stage_splits(llama, layout)
+            ids = [s.index for s in rank_stages(splits, layout, pp_rank)]
+            modules = stage_modules(model, splits, ids)
+            for module in modules:
+                parallelize(module, dims, _stage_plan(plan, module))
+            params = [item for module in modules for item in module.named_parameters()]
+        else:
+            model = parallelize(model, dims, plan)
+            params = list(model.named_parameters())
+        shards = []
+        for name, p in params:
             local = p.to_local() if isinstance(p, DTensor) else p
             tp_numel = _tp_numel(p, layout.tp)
             shards.append(
                 Shard(
                     name,
                     tp_numel,
-                    _padded(tp_numel, _tp_dim0(p, layout.tp), dims.dp),
+                    _padded(tp_numel, _tp_dim0(p, layout.tp), dims.dp_cp),
                     local.numel(),
                     local.element_size(),
                 )
@@ -256,12 +406,14 @@ def _chunk_rows(rows: int, dp: int, dp_rank: int) -> int:
     return max(0, min(chunk, rows - dp_rank * chunk))
 
 
-def tp_shapes(llama: Any, tp: int) -> list[tuple[str, tuple[int, ...]]]:
+def tp_shapes(llama: Any, tp: int, model: Any = None) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape after the TP split) of every parameter, from the model's plan (pure
-    arithmetic on a meta model: the analytic twin of :func:`real_shards`)."""
+    arithmetic on a meta model, ``model`` if given: the analytic twin of
+    :func:`real_shards`)."""
     from hlat_parallel import match_plan
 
-    model = _meta_model(llama, "bf16")
+    if model is None:
+        model = _meta_model(llama, "bf16")
     matched = match_plan(model, model.parallel_plan())
     out = []
     for name, p in model.named_parameters():
@@ -280,52 +432,84 @@ def tp_shapes(llama: Any, tp: int) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+def stage_shapes(
+    shapes: list[tuple[str, tuple[int, ...]]], stages: Sequence[Any]
+) -> list[tuple[str, tuple[int, ...]]]:
+    """The entries of ``shapes`` (see :func:`tp_shapes`) that ``stages`` hold."""
+    return [(name, shape) for name, shape in shapes if owned(name, stages)]
+
+
 def analytic_shards(
     shapes: list[tuple[str, tuple[int, ...]]], layout: Layout, dp_rank: int
 ) -> list[Shard]:
-    """The shards of rank ``dp_rank * tp`` by arithmetic: FSDP2 chunks dim 0 over dp on
-    the torch backend; NxD keeps whole TP shards (ZeRO-1 splits only optimizer state)."""
+    """The shards of TP rank 0 of ``dp_rank`` (over dp x cp when cp > 1) by arithmetic:
+    FSDP2 chunks dim 0 over dp x cp on the torch backend; NxD keeps whole TP shards (ZeRO-1
+    splits only optimizer state). Pass :func:`stage_shapes` for one pipeline rank."""
     size = param_bytes(layout.precision)
     shards = []
+    shard_over = layout.dp_cp
     for name, shape in shapes:
         numel = math.prod(shape)
         rows = shape[0]
-        if layout.backend == "torch" and layout.dp > 1:
-            local = numel // rows * _chunk_rows(rows, layout.dp, dp_rank)
+        if layout.backend == "torch" and shard_over > 1:
+            local = numel // rows * _chunk_rows(rows, shard_over, dp_rank)
         else:
             local = numel
-        shards.append(Shard(name, numel, _padded(numel, rows, layout.dp), local, size))
+        shards.append(Shard(name, numel, _padded(numel, rows, shard_over), local, size))
     return shards
 
 
 def roles(shapes: list[tuple[str, tuple[int, ...]]], layout: Layout) -> list[list[int]]:
     """Data-parallel ranks grouped by identical holdings (every TP rank of a group holds
-    the same sizes, since tp divides every split dimension).
+    the same sizes, since tp divides every split dimension); with cp > 1 on the torch
+    backend the ranks are FSDP2's, dp x cp flattened (``dp_rank * cp + cp_rank``).
 
     torch backend: FSDP2's chunks of dim 0 differ only where a dimension does not divide
-    by dp. neuron backend: ZeRO-1 pads every shard to the same size, but only dp rank 0
-    writes the model to checkpoints.
+    by dp x cp. neuron backend: ZeRO-1 pads every shard to the same size, but only dp rank
+    0 writes the model to checkpoints.
     """
     if layout.backend == "neuron":
         return [[0], list(range(1, layout.dp))] if layout.dp > 1 else [[0]]
     all_rows = sorted({shape[0] for _, shape in shapes})
     groups: dict[tuple[int, ...], list[int]] = {}
-    for r in range(layout.dp):
-        key = tuple(_chunk_rows(rows, layout.dp, r) for rows in all_rows)
+    for r in range(layout.dp_cp):
+        key = tuple(_chunk_rows(rows, layout.dp_cp, r) for rows in all_rows)
         groups.setdefault(key, []).append(r)
     return list(groups.values())
 
 
-# --- activations and communication (analytic) ----------------------------------------------
+# --- activations (analytic) ----------------------------------------------------------------
 
 
-def activation_bytes(llama: Any, layout: Layout) -> float:
+@dataclass(frozen=True)
+class Activations:
+    """Bytes autograd keeps for one micro-batch on one rank, by where they sit."""
+
+    per_block: float
+    """Per transformer block (without :attr:`kv_per_block`)."""
+    kv_per_block: float
+    """Per block, context parallelism without recomputation: the keys and values attention
+    all-gathers over the whole sequence and keeps for backward, with its mask (0 when cp
+    is 1, and under ``selective`` and ``full`` checkpointing, which redo the gather in
+    backward)."""
+    head: float
+    """The final norm, the LM head's input, the logits and the loss (last stage)."""
+    recompute: float
+    """``full`` checkpointing: one block rebuilt in backward at a time, once per rank."""
+
+    def stage(self, n_blocks: int, last: bool) -> float:
+        """One micro-batch of a stage holding ``n_blocks`` blocks (and the head if ``last``)."""
+        return n_blocks * (self.per_block + self.kv_per_block) + (self.head if last else 0.0)
+
+
+def activation_parts(llama: Any, layout: Layout) -> Activations:
     """Bytes autograd keeps for one micro-batch until its backward, per rank.
 
     After Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
     Models" (arXiv 2205.05198, section 4 and table 2), counted for this model instead of
     GPT's: the tensors saved for backward by each op of a block (T = micro-batch x seq_len
-    tokens, h = dim, f = ffn_dim, t = tp, u = t under SP else 1, A = 2 bytes, 4 in fp32):
+    / cp tokens on the rank, h = dim, f = ffn_dim, t = tp, u = t under SP else 1, A = 2
+    bytes, 4 in fp32):
 
     - two RMSNorms: the fp32 input and the normed output, ``2 T h / u (4 + A)``;
     - inputs of qkv_proj and gate_up_proj: ``2 T h A``, full on every TP rank (DTensor's
@@ -342,6 +526,15 @@ def activation_bytes(llama: Any, layout: Layout) -> float:
     norm, the LM head's input, and the logits with the loss's fp32 copy and log-softmax
     ``T V / t (A + 8)``.
 
+    Context parallelism (cp > 1, ``hlat_parallel.ContextParallelAttention``): every
+    per-token term above holds 1/cp of the sequence. Attention all-gathers the keys and
+    values of the whole sequence over "cp" inside the attention core, so ``selective``
+    (which recomputes the core) keeps only the rank's own q, k, v and gathers again in
+    backward; without recomputation SDPA keeps the gathered ``B S 2 n_kv_heads head_dim A /
+    t`` instead of the rank's own keys and values, and the ``[S / cp, S]`` causal mask in
+    global positions (SDPA turns the boolean mask into an additive one of q's dtype),
+    :attr:`Activations.kv_per_block`; ``full`` has them in its one rebuilt block.
+
     Note: attention is counted as a fused kernel (flash or memory-efficient SDPA on GPUs,
     Neuron's fused attention) that keeps no ``S x S`` scores; a kernel that materialises
     them (the CPU math path, Korthikanti's count) adds ``2 n_heads S^2 B / t`` bytes per
@@ -352,28 +545,178 @@ def activation_bytes(llama: Any, layout: Layout) -> float:
     u = t if lay.sequence_parallel else 1
     gathered = t if (lay.backend == "neuron" and lay.sequence_parallel) else 1
     a = 4 if lay.precision == "fp32" else 2
-    tokens = lay.micro_batch * lay.seq_len
+    tokens = lay.local_tokens
     h, f = c.dim, c.ffn_dim
-    qkv = (c.n_heads + 2 * c.kv_heads) * c.head_dim
+    q_rows, kv_rows = c.n_heads * c.head_dim, 2 * c.kv_heads * c.head_dim
     norms = 2 * tokens * h / u * (4 + a)
     inputs = 2 * tokens * h * a / gathered
-    kept = tokens * a / t * (qkv + h + 2 * f + f)  # q k v, o_proj in, gate_up out, down in
+    # q k v, o_proj in, gate_up out, down in
+    kept = tokens * a / t * (q_rows + kv_rows + h + 2 * f + f)
     recomputed = tokens * a / t * (h + f)  # attention output, silu(gate)
     none = norms + inputs + kept + recomputed
-    if lay.checkpointing == "none":
-        per_layer, extra = none, 0.0
-    elif lay.checkpointing == "selective":
-        per_layer, extra = norms + inputs + kept, 0.0
-    else:
-        per_layer, extra = tokens * h * a / u, none
+    cp_saved = 0.0
+    if lay.cp > 1:
+        # SDPA keeps the whole sequence's keys and values, not the rank's own, and the mask
+        none -= tokens * a / t * kv_rows
+        local = lay.seq_len // lay.cp
+        cp_saved = lay.micro_batch * lay.seq_len * kv_rows * a / t + local * lay.seq_len * a
     head = tokens * h / u * (4 + a) + tokens * h * a / gathered
     logits = tokens * c.vocab_size / t * (a + 8)
-    return c.n_layers * per_layer + extra + head + logits
+    if lay.checkpointing == "none":
+        return Activations(none, cp_saved, head + logits, 0.0)
+    if lay.checkpointing == "selective":
+        return Activations(norms + inputs + kept, 0.0, head + logits, 0.0)
+    return Activations(tokens * h * a / u, 0.0, head + logits, none + cp_saved)
+
+
+def activation_bytes(llama: Any, layout: Layout) -> float:
+    """Bytes one micro-batch of the whole model keeps (see :func:`activation_parts`)."""
+    parts = activation_parts(llama, layout)
+    return parts.stage(llama.n_layers, True) + parts.recompute
+
+
+# --- micro-batches in flight per pipeline schedule (analytic) -----------------------------
+
+
+def schedule_actions(
+    schedule: str, pp: int, n_microbatches: int, virtual: int, pp_rank: int
+) -> list[tuple[int, int]]:
+    """What pipeline rank ``pp_rank`` does to its saved activations, in order: ``(+1,
+    stage)`` for a forward (one micro-batch's activations of ``stage`` saved), ``(-1,
+    stage)`` when they are freed: the backward, or for the zero-bubble schedules the
+    weight-gradient pass (``W``), which needs the inputs the input-gradient pass (``I``)
+    leaves.
+
+    The orders are torch 2.13's ``torch.distributed.pipelining.schedules`` (a test compares
+    them with torch's own action lists):
+
+    - ``GPipe``: every forward, then every backward.
+    - ``1F1B``: ``min(m, pp - rank)`` forwards, then backward-forward pairs, then the
+      remaining backwards; so stage ``s`` keeps ``min(pp - s, m)`` micro-batches in flight
+      (Narayanan et al. 2021, arXiv 2104.04473, section 2.2.1: "at most p").
+    - ``Interleaved1F1B``: ``(v - 1) r + 2 (pp - 1 - rank)`` forwards first (``r`` =
+      micro-batches per round, pp when m >= pp), capped at ``v m``, local stages taking
+      ``r`` micro-batches in turn; then forward-backward pairs. This is Megatron-LM's
+      interleaved warm-up (ibid., section 2.2.2), whose first rank keeps
+      ``1 + (pp - 1) / (pp v)`` times the activations of 1F1B's first stage (Korthikanti
+      et al. 2022, section 4.2.3).
+    - ``InterleavedZeroBubble`` (ZB1P): the same with ``1 x (pp - 1 - rank)`` in the
+      warm-up, and each ``W`` running ``rank`` steps after its ``I``.
+    - ``ZBVZeroBubble``: the V-shaped order of Qi et al. 2023 (arXiv 2401.10241, section 6)
+      as torch writes it, stage ``rank`` and stage ``2 pp - 1 - rank`` on each rank.
+    """
+    p, m, v, r = pp, n_microbatches, virtual, pp_rank
+    if schedule == "GPipe":
+        return [(1, r)] * m + [(-1, r)] * m
+    if schedule == "1F1B":
+        warm = min(m, p - r)
+        return [(1, r)] * warm + [(-1, r), (1, r)] * (m - warm) + [(-1, r)] * warm
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        zero_bubble = schedule == "InterleavedZeroBubble"
+        per_round = m // max(1, m // p)
+        warm = min((v - 1) * per_round + (1 if zero_bubble else 2) * (p - 1 - r), m * v)
+        total = m * v
+        out: list[tuple[int, int]] = []
+        pending: list[int] = []
+
+        def backward(op: int) -> None:
+            stage = (v - 1 - ((op - warm) // per_round) % v) * p + r
+            if not zero_bubble:
+                out.append((-1, stage))
+                return
+            pending.append(stage)
+            if op - warm >= r:  # torch: num_1f1b_microbatches = rank
+                out.append((-1, pending.pop(0)))
+
+        for op in range(total + warm):
+            if op < total:
+                out.append((1, ((op // per_round) % v) * p + r))
+            if op >= warm:
+                backward(op)
+        out.extend((-1, stage) for stage in pending)
+        return out
+    if schedule == "ZBVZeroBubble":
+        return _zbv_actions(p, m, r)
+    raise ConfigError(f"unknown pipeline schedule {schedule!r}")
+
+
+def _zbv_actions(p: int, m: int, r: int) -> list[tuple[int, int]]:
+    """torch's ``ScheduleZBVZeroBubble`` order for rank ``r``: forwards and weight passes."""
+    n = max(2 * p - 1, m)  # torch fills the V with n, then drops micro-batches >= m
+    stage = (r, 2 * p - 1 - r)
+    f, b = [0, 0], [0, 0]
+    out: list[tuple[int, int]] = []
+
+    def forward(c: int) -> None:
+        if f[c] < m:
+            out.append((1, stage[c]))
+        f[c] += 1
+
+    def weight(c: int, micro_batch: int) -> None:
+        if micro_batch < m:
+            out.append((-1, stage[c]))
+
+    def input_then_weight(c: int) -> None:
+        weight(c, b[c])
+        b[c] += 1
+
+    for _ in range(2 * (p - r) - 1):
+        forward(0)
+    for _ in range(r):
+        forward(1)
+        forward(0)
+    for _ in range(p - r):
+        forward(1)
+        input_then_weight(1)
+    while f[1] < f[0] or f[0] < n:
+        if f[0] < n:
+            forward(0)
+        input_then_weight(0)
+        forward(1)
+        input_then_weight(1)
+    w = list(b)
+    for _ in range(r):  # input passes only; their weight passes come last
+        b[0] += 1
+        b[1] += 1
+    for _ in range(p - r):
+        b[0] += 1
+        weight(0, w[0])
+        w[0] += 1
+    for c in (1, 0):
+        while w[c] < b[c]:
+            weight(c, w[c])
+            w[c] += 1
+    return out
+
+
+def peak_in_flight(layout: Layout, pp_rank: int, stage_bytes: dict[int, float]) -> dict[int, int]:
+    """Micro-batches of each of the rank's stages whose activations are alive at the rank's
+    peak (the most bytes, ``stage_bytes[stage]`` each), following
+    :func:`schedule_actions`; ``{0: 1}`` without pipelining (micro-steps run one after the
+    other)."""
+    if layout.pp == 1:
+        return {0: 1}
+    live: dict[int, int] = dict.fromkeys(stage_bytes, 0)
+    best: dict[int, int] = dict(live)
+    best_bytes, current = -1.0, 0.0
+    actions = schedule_actions(
+        layout.pp_schedule, layout.pp, layout.grad_accum, layout.virtual, pp_rank
+    )
+    for delta, stage in actions:
+        live[stage] += delta
+        current += delta * stage_bytes[stage]
+        if delta > 0 and current > best_bytes:
+            best_bytes, best = current, dict(live)
+    return best
+
+
+# --- communication (analytic) ----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Comm:
-    """One collective per optimizer step, per rank: calls and ring bytes sent."""
+    """One collective (or point-to-point send) per optimizer step, per rank: calls and
+    bytes sent."""
 
     what: str
     dim: str
@@ -388,47 +731,66 @@ def ring_bytes(kind: str, payload: float, group: int) -> float:
     return Collective(kind, int(payload), group).bytes_per_rank
 
 
-def communication(llama: Any, layout: Layout, shards: list[Shard]) -> list[Comm]:
-    """Collectives of one optimizer step (all micro-steps) and the bytes a rank sends.
+def communication(
+    llama: Any, layout: Layout, shards: list[Shard], stages: Sequence[Any] | None = None
+) -> list[Comm]:
+    """Collectives of one optimizer step (all micro-steps) and the bytes a rank sends, for
+    a rank holding ``stages`` (default: the whole model).
 
-    Per micro-step and layer, without SP: all-reduces after o_proj and down_proj forward
+    Per micro-step and block, without SP: all-reduces after o_proj and down_proj forward
     and of the qkv_proj and gate_up_proj input gradients backward; with SP: all-gathers
     before qkv_proj and gate_up_proj and of the o_proj and down_proj output gradients,
     reduce-scatters after o_proj and down_proj and of the input gradients (NxD's SP layers
     gather their saved sequence shard once more for the weight gradient). ``full``
-    recomputation replays the forward ones. The embedding and the LM head add one each
-    way; the vocab-parallel loss three small ones. Over dp once per optimizer step: FSDP2
-    all-gathers the parameters (kept across micro-steps) and reduce-scatters the
-    gradients on the last micro-step; ZeRO-1 reduce-scatters the gradients and all-gathers
-    the updated weights.
+    recomputation replays the forward ones. The embedding (first stage) and the LM head
+    (last stage) add one each way; the vocab-parallel loss three small ones (last stage).
+    Context parallelism: per block, an all-gather over "cp" of the keys and values forward
+    (again in backward under ``selective`` and ``full``, which recompute it) and a
+    reduce-scatter of their gradients backward.
+    Pipeline: per micro-batch and stage boundary, the stage's output activations are sent
+    to the next stage and their gradient back (``micro-batch x seq_len / cp x dim``, / tp
+    under SP, in the activation dtype). Once per optimizer step over dp (dp x cp): FSDP2
+    all-gathers the parameters (kept across micro-steps) and reduce-scatters the gradients
+    on the last micro-step; ZeRO-1 reduce-scatters the gradients and all-gathers the
+    updated weights. Scalars: the grad-norm partial sums over tp, dp (x cp) and pp, the
+    loss over dp (x cp) and from the last stage over pp.
     """
     lay, c = layout, llama
+    if stages is None:
+        stages = stage_splits(llama, dataclasses.replace(layout, pp=1, pp_split=()))
     out: list[Comm] = []
     accum = lay.grad_accum
+    a = 4 if lay.precision == "fp32" else 2
     pb, gb = param_bytes(lay.precision), grad_bytes(lay)
     padded = sum(s.tp_padded_numel for s in shards)
-    if lay.dp > 1:
+    blocks = sum(len(s.layers) for s in stages)
+    first = any(s.first for s in stages)
+    last = any(s.last for s in stages)
+    dp_dim = "dp" if lay.cp == 1 else "dp x cp"
+    shard_over = lay.dp_cp if lay.backend == "torch" else lay.dp
+    if shard_over > 1:
         engine = "FSDP2" if lay.backend == "torch" else "ZeRO-1"
         what_ag = "all-gather, parameters" if lay.backend == "torch" else "all-gather, weights"
         out.append(
-            Comm(f"{engine} {what_ag}", "dp", 1, ring_bytes("all_gather", padded * pb, lay.dp))
+            Comm(
+                f"{engine} {what_ag}", dp_dim, 1, ring_bytes("all_gather", padded * pb, shard_over)
+            )
         )
         out.append(
             Comm(
                 f"{engine} reduce-scatter, gradients",
-                "dp",
+                dp_dim,
                 1,
-                ring_bytes("reduce_scatter", padded * gb, lay.dp),
+                ring_bytes("reduce_scatter", padded * gb, shard_over),
             )
         )
+    tokens = lay.local_tokens
     if lay.tp > 1:
-        a = 4 if lay.precision == "fp32" else 2
-        tokens = lay.micro_batch * lay.seq_len
         payload = tokens * c.dim * a
         per_layer = 4 + (2 if lay.checkpointing == "full" else 0)
-        calls = c.n_layers * per_layer + 2  # + embedding and LM head
+        calls = blocks * per_layer + int(first) + int(last)
         if lay.sequence_parallel:
-            regather = 2 * c.n_layers if lay.backend == "neuron" else 0
+            regather = 2 * blocks if lay.backend == "neuron" else 0
             out.append(
                 Comm(
                     "SP all-gather, sequence shards",
@@ -454,29 +816,76 @@ def communication(llama: Any, layout: Layout, shards: list[Shard]) -> list[Comm]
                     ring_bytes("all_reduce", payload, lay.tp) * calls * accum,
                 )
             )
-        out.append(
-            Comm(
-                "loss all-reduces (vocab-parallel)",
-                "tp",
-                3 * accum,
-                ring_bytes("all_reduce", tokens * 4, lay.tp) * 3 * accum,
-            )
-        )
-    scalars = [("tp", lay.tp), ("dp", lay.dp)]
-    for dim, size in scalars:
-        if size > 1:
+        if last:
             out.append(
                 Comm(
-                    "scalars (grad norm" + (", loss mean)" if dim == "dp" else ")"),
-                    dim,
-                    2 if dim == "dp" else 1,
-                    ring_bytes("all_reduce", 4, size) * (2 if dim == "dp" else 1),
+                    "loss all-reduces (vocab-parallel)",
+                    "tp",
+                    3 * accum,
+                    ring_bytes("all_reduce", tokens * 4, lay.tp) * 3 * accum,
                 )
             )
+    if lay.cp > 1 and blocks:
+        kv = lay.micro_batch * lay.seq_len * 2 * c.kv_heads // lay.tp * c.head_dim * a
+        gathers = blocks * accum * (1 if lay.checkpointing == "none" else 2)
+        out.append(
+            Comm(
+                "CP all-gather, keys and values",
+                "cp",
+                gathers,
+                ring_bytes("all_gather", kv, lay.cp) * gathers,
+            )
+        )
+        out.append(
+            Comm(
+                "CP reduce-scatter, key and value gradients",
+                "cp",
+                blocks * accum,
+                ring_bytes("reduce_scatter", kv, lay.cp) * blocks * accum,
+            )
+        )
+    if lay.pp > 1:
+        hidden = tokens * c.dim * a / (lay.tp if lay.sequence_parallel else 1)
+        forward = sum(accum for s in stages if not s.last)
+        backward = sum(accum for s in stages if not s.first)
+        if forward:
+            out.append(
+                Comm(
+                    "pipeline send, activations to the next stage", "pp", forward, hidden * forward
+                )
+            )
+        if backward:
+            out.append(
+                Comm(
+                    "pipeline send, gradients to the previous stage",
+                    "pp",
+                    backward,
+                    hidden * backward,
+                )
+            )
+    scalars = [
+        ("tp", lay.tp, 1, "scalars (grad norm)"),
+        (dp_dim, lay.dp_cp, 2, "scalars (grad norm, loss mean)"),
+        ("pp", lay.pp, 2, "scalars (grad norm, loss from the last stage)"),
+    ]
+    for dim, size, calls, what in scalars:
+        if size > 1:
+            out.append(Comm(what, dim, calls, ring_bytes("all_reduce", 4, size) * calls))
     return out
 
 
 # --- one role's report ---------------------------------------------------------------------
+
+
+def _ranks_phrase(word: str, ranks: list[int]) -> str:
+    first, last = ranks[0], ranks[-1]
+    if first == last:
+        return f"{word} {first}"
+    if last - first + 1 == len(ranks):
+        return f"{word}s {first}-{last}"
+    if len(ranks) <= 4:
+        return f"{word}s {', '.join(str(r) for r in ranks)}"
+    return f"{len(ranks)} {word}s from {first} to {last}"
 
 
 @dataclass
@@ -484,31 +893,42 @@ class Role:
     """Ranks with identical holdings, and what each holds, sends and writes."""
 
     dp_ranks: list[int]
+    """Data-parallel ranks (FSDP2's over dp x cp, flattened, when cp > 1)."""
     tp: int
     memory: list[tuple[str, float]] = field(default_factory=list)
     comm: list[Comm] = field(default_factory=list)
     checkpoint_bytes: float = 0.0
     held: dict[str, float] = field(default_factory=dict)
     """Parameter, gradient and optimizer-state bytes (see :func:`holdings`)."""
+    pp_ranks: list[int] = field(default_factory=lambda: [0])
+    """Pipeline ranks holding the same (one entry without pipelining)."""
+    pp: int = 1
+    cp: int = 1
+    stages: list[Any] = field(default_factory=list)
+    """The ``hlat_parallel.StageSplit`` of each stage the rank runs."""
+    in_flight: int = 1
+    """Micro-batches (of one of its stages each) whose activations are alive at the peak."""
 
     @property
     def count(self) -> int:
-        return len(self.dp_ranks) * self.tp
+        return len(self.pp_ranks) * len(self.dp_ranks) * self.tp
 
     @property
     def total(self) -> float:
         return sum(b for _, b in self.memory)
 
+    @property
+    def sent(self) -> float:
+        return sum(c.bytes_sent for c in self.comm)
+
     def biggest(self) -> tuple[str, float]:
         return max(self.memory, key=lambda item: item[1])
 
     def ranks_text(self) -> str:
-        first, last = self.dp_ranks[0], self.dp_ranks[-1]
-        dp = f"dp rank {first}" if first == last else f"dp ranks {first}-{last}"
-        if len(self.dp_ranks) > 1 and last - first + 1 != len(self.dp_ranks):
-            dp = f"{len(self.dp_ranks)} dp ranks from {first} to {last}"
+        pp = _ranks_phrase("pp rank", self.pp_ranks) + " x " if self.pp > 1 else ""
+        dp = _ranks_phrase("dp rank" if self.cp == 1 else "dp x cp rank", self.dp_ranks)
         tp = f" x tp ranks 0-{self.tp - 1}" if self.tp > 1 else ""
-        return f"{dp}{tp}: {self.count} rank{'s' if self.count > 1 else ''}"
+        return f"{pp}{dp}{tp}: {self.count} rank{'s' if self.count > 1 else ''}"
 
 
 def holdings(shards: list[Shard], layout: Layout) -> dict[str, float]:
@@ -525,16 +945,31 @@ def holdings(shards: list[Shard], layout: Layout) -> dict[str, float]:
     return {"parameters": params, "gradients": grads, "optimizer": state}
 
 
-def role_report(llama: Any, layout: Layout, dp_ranks: list[int], shards: list[Shard]) -> Role:
-    """Memory, communication and checkpoint bytes of the ranks ``dp_ranks`` (x every TP rank)."""
+def role_report(
+    llama: Any,
+    layout: Layout,
+    dp_ranks: list[int],
+    shards: list[Shard],
+    pp_rank: int = 0,
+    stages: Sequence[Any] | None = None,
+) -> Role:
+    """Memory, communication and checkpoint bytes of the ranks ``dp_ranks`` (x every TP
+    rank) of pipeline rank ``pp_rank``, which runs ``stages`` (default: its stages by
+    ``hlat_parallel.stage_ids``) and holds ``shards``."""
     lay = layout
+    if stages is None:
+        stages = rank_stages(stage_splits(llama, lay), lay, pp_rank)
     held = holdings(shards, lay)
-    role = Role(dp_ranks, lay.tp, held=held)
+    role = Role(dp_ranks, lay.tp, held=held, pp_ranks=[pp_rank], pp=lay.pp, cp=lay.cp)
+    role.stages = list(stages)
     pname, gname = _dtype_name(param_bytes(lay.precision)), _dtype_name(grad_bytes(lay))
-    split = "1/dp over FSDP2" if lay.backend == "torch" and lay.dp > 1 else "whole TP shard"
+    fsdp = lay.backend == "torch" and lay.dp_cp > 1
+    over = "dp" if lay.cp == 1 else "dp x cp"
+    split = f"1/{over} over FSDP2" if fsdp else "whole TP shard"
     role.memory.append((f"parameters ({pname}, {split})", held["parameters"]))
     role.memory.append((f"gradients ({gname}, {split})", held["gradients"]))
-    sharded = "1/dp" if lay.dp > 1 else "unsharded"
+    shard_over = lay.dp_cp if lay.backend == "torch" else lay.dp
+    sharded = f"1/{over}" if shard_over > 1 else "unsharded"
     role.memory.append(
         (
             f"optimizer state ({lay.precision}: {optimizer_bytes_per_element(lay)} B/param, "
@@ -543,7 +978,7 @@ def role_report(llama: Any, layout: Layout, dp_ranks: list[int], shards: list[Sh
         )
     )
     tp_numel = sum(s.tp_numel for s in shards)
-    if lay.backend == "torch" and lay.dp > 1:
+    if fsdp:
         # Note: hlat-parallel shards with reshard_after_forward=False, so every block's
         # gathered weights stay from its forward to its backward.
         role.memory.append(
@@ -559,15 +994,38 @@ def role_report(llama: Any, layout: Layout, dp_ranks: list[int], shards: list[Sh
                     tp_numel * grad_bytes(lay),
                 )
             )
-    role.memory.append(
-        (
-            f"activations, one micro-batch (checkpointing {lay.checkpointing}"
-            + (", SP" if lay.sequence_parallel else "")
-            + ")",
-            activation_bytes(llama, lay),
-        )
+    parts = activation_parts(llama, lay)
+    stage_bytes = {s.index: parts.stage(len(s.layers), s.last) for s in stages}
+    live = peak_in_flight(lay, pp_rank, stage_bytes) if lay.pp > 1 else {stages[0].index: 1}
+    by_index = {s.index: s for s in stages}
+    role.in_flight = sum(live.values())
+    blocks_alive = sum(n * len(by_index[i].layers) for i, n in live.items())
+    acts = sum(
+        n * (len(by_index[i].layers) * parts.per_block + (parts.head if by_index[i].last else 0))
+        for i, n in live.items()
     )
-    role.comm = communication(llama, lay, shards)
+    if any(s.layers for s in stages):
+        acts += parts.recompute
+    how = f"checkpointing {lay.checkpointing}" + (", SP" if lay.sequence_parallel else "")
+    if lay.cp > 1:
+        how += f", 1/{lay.cp} of the sequence"
+    if lay.pp == 1:
+        what = "one micro-batch"
+    elif lay.virtual == 1:
+        what = f"{role.in_flight} micro-batch{'es' if role.in_flight > 1 else ''} in flight"
+    else:
+        what = f"{role.in_flight} micro-batch x stage passes in flight"
+    if lay.pp > 1:
+        how = f"{lay.pp_schedule} peak, {how}"
+    role.memory.append((f"activations, {what} ({how})", acts))
+    if parts.kv_per_block and blocks_alive:
+        role.memory.append(
+            (
+                "CP all-gathered keys and values, attention mask (kept for backward)",
+                blocks_alive * parts.kv_per_block,
+            )
+        )
+    role.comm = communication(llama, lay, shards, stages)
     writes_model = lay.backend == "torch" or dp_ranks[0] == 0
     role.checkpoint_bytes = held["optimizer"] + (held["parameters"] if writes_model else 0.0)
     return role
@@ -575,6 +1033,25 @@ def role_report(llama: Any, layout: Layout, dp_ranks: list[int], shards: list[Sh
 
 def _dtype_name(size: int) -> str:
     return "fp32" if size == 4 else "bf16"
+
+
+def _merge_pipeline_ranks(reports: list[Role]) -> list[Role]:
+    """One role for pipeline ranks whose reports are identical (same data-parallel ranks,
+    memory, traffic and checkpoint bytes), in order of first appearance."""
+    merged: dict[Any, Role] = {}
+    for role in reports:
+        key = (
+            tuple(role.dp_ranks),
+            tuple(role.memory),
+            tuple(role.comm),
+            role.checkpoint_bytes,
+            _stage_signature(role.stages),
+        )
+        if key in merged:
+            merged[key].pp_ranks.extend(role.pp_ranks)
+        else:
+            merged[key] = role
+    return list(merged.values())
 
 
 # --- the plan --------------------------------------------------------------------------------
@@ -592,6 +1069,10 @@ class Plan:
     params_total: int
     suggestion: tuple[Layout, float] | None = None
     notes: list[str] = field(default_factory=list)
+    splits: list[Any] = field(default_factory=list)
+    """Every pipeline stage's ``hlat_parallel.StageSplit``."""
+    warnings: list[str] = field(default_factory=list)
+    """Printed under the layout: what the plan computes but hlat cannot run yet."""
 
     @property
     def usable_bytes(self) -> float:
@@ -605,6 +1086,16 @@ class Plan:
     def fits(self) -> bool:
         return self.worst.total <= self.usable_bytes
 
+    @property
+    def bubble(self) -> float:
+        """Idle over compute time of a pipeline step (``hlat_parallel.bubble_fraction``)."""
+        lay = self.layout
+        if lay.pp == 1:
+            return 0.0
+        from hlat_parallel import bubble_fraction
+
+        return bubble_fraction(lay.pp_schedule, lay.pp, lay.grad_accum, lay.virtual)
+
     def render(self) -> str:
         lay = self.layout
         lines = [
@@ -612,62 +1103,176 @@ class Plan:
             f"on {self.device.what}: {lay.nodes} node(s) x {lay.procs_per_node} = "
             f"{lay.world_size} processes, {self.capacity_gib:g} GiB each",
             f"layout: {lay.describe()}",
-            "pipeline bubble: 0 (pp 1: no pipeline stages)",
         ]
-        for index, role in enumerate(self.roles, 1):
+        lines.extend(self.warnings)
+        if lay.pp == 1:
+            lines.append("pipeline bubble: 0 (pp 1: no pipeline stages)")
+        else:
+            counts = [len(s.layers) for s in self.splits]
+            lines.append(
+                f"pipeline: {len(self.splits)} stages over pp {lay.pp}, blocks per stage "
+                f"{counts} (embedding on stage 0, norm + LM head on stage "
+                f"{len(self.splits) - 1})"
+            )
+            lines.append(
+                f"pipeline bubble: {self.bubble:.2%} of compute ({lay.pp_schedule}, pp "
+                f"{lay.pp}, {lay.grad_accum} micro-batches, {lay.virtual} "
+                f"stage{'s' if lay.virtual > 1 else ''} per rank; "
+                "idealised, hlat_parallel.bubble_fraction)"
+            )
+        if lay.pp == 1:
+            for index, role in enumerate(self.roles, 1):
+                lines.append("")
+                lines.append(f"role {index} of {len(self.roles)}: {role.ranks_text()}")
+                lines.extend(self._role_lines(role))
+        else:
+            lines.extend(self._pipeline_table())
+            worst = self.worst
+            index = self.roles.index(worst) + 1
             lines.append("")
-            lines.append(f"role {index} of {len(self.roles)}: {role.ranks_text()}")
-            width = max(len(name) for name, _ in role.memory) + 2
-            lines.append(f"  {'memory per rank':<{width}}{'GiB':>9}")
-            for name, value in role.memory:
-                lines.append(f"  {name:<{width}}{value / GIB:>9.2f}")
-            verdict = "fits" if role.total <= self.usable_bytes else "DOES NOT FIT"
-            lines.append(
-                f"  {'total':<{width}}{role.total / GIB:>9.2f}  {verdict} "
-                f"(usable {self.usable_bytes / GIB:.2f} of {self.capacity_gib:g} GiB, "
-                f"{HEADROOM:.0%} kept for the runtime)"
+            held = "; ".join(
+                (f"pp rank {rank}: " if len(worst.pp_ranks) > 1 else "") + _stage_text(stages)
+                for rank, stages in zip(worst.pp_ranks, self._stages_of(worst), strict=True)
             )
-            if role.comm:
-                cw = max(len(f"{c.dim}: {c.what}") for c in role.comm) + 2
-                lines.append(f"  {'sent per rank per optimizer step':<{cw}}{'calls':>7}{'GiB':>10}")
-                for c in role.comm:
-                    label = f"{c.dim}: {c.what}"
-                    lines.append(f"  {label:<{cw}}{c.calls:>7}{c.bytes_sent / GIB:>10.4f}")
             lines.append(
-                f"  checkpoint written per save (model + optimizer state): "
-                f"{role.checkpoint_bytes / GIB:.2f} GiB"
+                f"role {index} of {len(self.roles)} (the busiest): {worst.ranks_text()}; {held}"
             )
+            lines.extend(self._role_lines(worst))
         lines.append("")
         lines.extend(self.notes)
         return "\n".join(lines)
 
+    def _pipeline_table(self) -> list[str]:
+        rows = [("role", "ranks", "stages", "in flight", "memory GiB", "sent GiB", "ckpt GiB", "")]
+        for index, role in enumerate(self.roles, 1):
+            verdict = "fits" if role.total <= self.usable_bytes else "DOES NOT FIT"
+            rows.append(
+                (
+                    str(index),
+                    role.ranks_text(),
+                    " ".join(
+                        ",".join(str(s.index) for s in stages) for stages in self._stages_of(role)
+                    ),
+                    str(role.in_flight),
+                    f"{role.total / GIB:.2f}",
+                    f"{role.sent / GIB:.2f}",
+                    f"{role.checkpoint_bytes / GIB:.2f}",
+                    verdict,
+                )
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        out = ["", "per rank (in flight: micro-batches whose activations are alive at the peak):"]
+        for row in rows:
+            out.append(
+                "  "
+                + "  ".join(
+                    cell.ljust(widths[i]) if i < 3 or i == 7 else cell.rjust(widths[i])
+                    for i, cell in enumerate(row)
+                ).rstrip()
+            )
+        return out
+
+    def _stages_of(self, role: Role) -> list[list[Any]]:
+        """The stages of each pipeline rank of ``role``."""
+        return [rank_stages(self.splits, self.layout, rank) for rank in role.pp_ranks]
+
+    def _role_lines(self, role: Role) -> list[str]:
+        lines = []
+        width = max(len(name) for name, _ in role.memory) + 2
+        lines.append(f"  {'memory per rank':<{width}}{'GiB':>9}")
+        for name, value in role.memory:
+            lines.append(f"  {name:<{width}}{value / GIB:>9.2f}")
+        verdict = "fits" if role.total <= self.usable_bytes else "DOES NOT FIT"
+        lines.append(
+            f"  {'total':<{width}}{role.total / GIB:>9.2f}  {verdict} "
+            f"(usable {self.usable_bytes / GIB:.2f} of {self.capacity_gib:g} GiB, "
+            f"{HEADROOM:.0%} kept for the runtime)"
+        )
+        if role.comm:
+            cw = max(len(f"{c.dim}: {c.what}") for c in role.comm) + 2
+            lines.append(f"  {'sent per rank per optimizer step':<{cw}}{'calls':>7}{'GiB':>10}")
+            for c in role.comm:
+                label = f"{c.dim}: {c.what}"
+                lines.append(f"  {label:<{cw}}{c.calls:>7}{c.bytes_sent / GIB:>10.4f}")
+        lines.append(
+            f"  checkpoint written per save (model + optimizer state): "
+            f"{role.checkpoint_bytes / GIB:.2f} GiB"
+        )
+        return lines
+
+
+def _valid_pipeline(llama: Any, layout: Layout) -> bool:
+    """Whether ``hlat_parallel`` accepts the pipeline settings of ``layout``."""
+    if layout.pp == 1:
+        return True
+    from hlat_parallel import ParallelConfigError, check_schedule
+
+    try:
+        check_schedule(layout.pp_schedule, layout.pp, layout.virtual, layout.grad_accum)
+        stage_splits(llama, layout)
+    except ParallelConfigError:
+        return False
+    return True
+
 
 def _layouts_near(layout: Layout, llama: Any) -> Iterable[Layout]:
     """Candidate layouts of the same world size, nearest first: fewer changed settings,
-    then less recomputation, the bigger micro-batch, the smaller tp."""
+    then less recomputation, the bigger micro-batch, the smaller tp, the smaller pp.
+
+    pp is tried at its value, twice and four times it, on the torch backend only (hlat's
+    trn1 path runs no pipeline); a changed pp drops an explicit ``pp_split``."""
     world = layout.world_size
     heads = math.gcd(llama.n_heads, llama.kv_heads)
+    replica = layout.cp
     tps = [
         t
         for t in range(1, heads + 1)
         if heads % t == 0
-        and world % t == 0
+        and world % (t * replica) == 0
         and llama.vocab_size % t == 0
-        and not (layout.sp and t > 1 and layout.seq_len % t)
+        and not (layout.sp and t > 1 and layout.seq_len % (t * layout.cp))
     ]
+    pps = [layout.pp]
+    if layout.backend == "torch":
+        pps += [layout.pp * 2, layout.pp * 4]
     micro = [m for m in range(layout.micro_batch, 0, -1)]
     out = []
-    for t in tps:
-        for mode in CHECKPOINTING:
-            for m in micro:
-                cand = dataclasses.replace(layout, tp=t, checkpointing=mode, micro_batch=m)
-                if layout.global_batch % (m * cand.dp):
-                    continue
-                changed = (
-                    (t != layout.tp) + (mode != layout.checkpointing) + (m != layout.micro_batch)
-                )
-                out.append((changed, CHECKPOINTING.index(mode), -m, t, cand))
-    return [c[-1] for c in sorted(out, key=lambda c: c[:4])]
+    for p in pps:
+        for t in tps:
+            if world % (p * replica * t):
+                continue
+            for mode in CHECKPOINTING:
+                for m in micro:
+                    cand = dataclasses.replace(
+                        layout,
+                        tp=t,
+                        pp=p,
+                        checkpointing=mode,
+                        micro_batch=m,
+                        pp_split=layout.pp_split if p == layout.pp else (),
+                    )
+                    if layout.global_batch % (m * cand.dp) or not _valid_pipeline(llama, cand):
+                        continue
+                    changed = (
+                        (t != layout.tp)
+                        + (p != layout.pp)
+                        + (mode != layout.checkpointing)
+                        + (m != layout.micro_batch)
+                    )
+                    out.append((changed, CHECKPOINTING.index(mode), -m, t, p, cand))
+    return [c[-1] for c in sorted(out, key=lambda c: c[:5])]
+
+
+def busiest_total(llama: Any, layout: Layout, shapes: list[tuple[str, tuple[int, ...]]]) -> float:
+    """Memory of the busiest rank of ``layout`` by arithmetic alone: data-parallel rank 0
+    (a full chunk of every tensor) of every pipeline rank."""
+    splits = stage_splits(llama, layout)
+    worst = 0.0
+    for pp_rank in range(layout.pp):
+        stages = rank_stages(splits, layout, pp_rank)
+        shards = analytic_shards(stage_shapes(shapes, stages), layout, 0)
+        worst = max(worst, role_report(llama, layout, [0], shards, pp_rank, stages).total)
+    return worst
 
 
 def suggest(llama: Any, layout: Layout, usable: float) -> tuple[Layout, float] | None:
@@ -678,10 +1283,9 @@ def suggest(llama: Any, layout: Layout, usable: float) -> tuple[Layout, float] |
             continue
         if cand.tp not in shapes_by_tp:
             shapes_by_tp[cand.tp] = tp_shapes(llama, cand.tp)
-        # dp rank 0 holds a full chunk of every tensor: the busiest rank
-        role = role_report(llama, cand, [0], analytic_shards(shapes_by_tp[cand.tp], cand, 0))
-        if role.total <= usable:
-            return cand, role.total
+        total = busiest_total(llama, cand, shapes_by_tp[cand.tp])
+        if total <= usable:
+            return cand, total
     return None
 
 
@@ -689,6 +1293,10 @@ def _change_text(old: Layout, new: Layout) -> str:
     changes = []
     if new.tp != old.tp:
         changes.append(f"--parallel.tp={new.tp}")
+    if new.pp != old.pp:
+        changes.append(f"--parallel.pp={new.pp}")
+        if old.pp_split:
+            changes.append("--parallel.pp_split=[]")
     if new.checkpointing != old.checkpointing:
         changes.append(f"--model.checkpointing={new.checkpointing}")
     if new.micro_batch != old.micro_batch:
@@ -721,6 +1329,11 @@ def resolve_layout(
     for name, value in (("--nodes", nodes), ("--procs-per-node", procs_per_node)):
         if value is not None and value < 1:
             raise ConfigError(f"{name} must be at least 1, got {value}")
+    for name, value in (("parallel.tp", par.tp), ("parallel.pp", par.pp), ("parallel.cp", par.cp)):
+        if value < 1:
+            raise ConfigError(f"{name} must be at least 1, got {value}")
+    if par.pp_virtual < 0:
+        raise ConfigError(f"parallel.pp_virtual must be at least 0, got {par.pp_virtual}")
     if device is None and par.backend in ("auto", "neuron"):
         device = "trn1"  # HLAT's hardware; parallel.backend = "auto" takes NxD there
     if device is None and device_memory_gib is None:
@@ -742,27 +1355,50 @@ def resolve_layout(
             f"parallel.backend = 'neuron' (NeuronX Distributed) runs on trn1 only, not "
             f"{spec.name}; set --parallel.backend=torch or --device trn1"
         )
+    if backend == "neuron" and par.cp > 1:
+        raise ConfigError(
+            f"parallel.cp = {par.cp} on parallel.backend = 'neuron': hlat's NeuronX "
+            "Distributed path (trn1) has no context parallelism; plan it with "
+            "--parallel.backend=torch (and a --device) or set parallel.cp = 1"
+        )
+    if par.cp > 1 and config.data.document_mask:
+        raise ConfigError(
+            f"parallel.cp = {par.cp} with data.document_mask = true: context parallelism does "
+            "not support document masking; set data.document_mask = false or parallel.cp = 1"
+        )
+    if par.pp > 1 and par.pp_schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(
+            f"parallel.pp_schedule {par.pp_schedule!r} is not one of "
+            f"{', '.join(PIPELINE_SCHEDULES)}"
+        )
+    replica = par.tp * par.pp * par.cp
     ppn = procs_per_node or spec.procs_per_node
     if nodes is None:
         if par.nodes:
             nodes = par.nodes
         elif par.dp:
-            world = par.dp * par.tp
+            world = par.dp * replica
             if world % ppn:
                 raise ConfigError(
-                    f"parallel.dp {par.dp} x tp {par.tp} = {world} processes do not fill "
-                    f"whole nodes of {ppn}; give --nodes"
+                    f"parallel.dp {par.dp} x pp {par.pp} x cp {par.cp} x tp {par.tp} = "
+                    f"{world} processes do not fill whole nodes of {ppn}; give --nodes"
                 )
             nodes = world // ppn
         else:
             nodes = 1
     world = nodes * ppn
-    if world % par.tp:
-        raise ConfigError(
-            f"world size {world} ({nodes} node(s) x {ppn}) is not divisible by "
-            f"parallel.tp {par.tp}; change --nodes, --procs-per-node or --parallel.tp"
+    if world % replica:
+        degrees = (
+            f"parallel.tp {par.tp}"
+            if replica == par.tp
+            else f"parallel.pp x parallel.cp x parallel.tp = {par.pp} x {par.cp} x {par.tp} = "
+            f"{replica}"
         )
-    dp = world // par.tp
+        raise ConfigError(
+            f"world size {world} ({nodes} node(s) x {ppn}) is not divisible by {degrees}; "
+            "change --nodes, --procs-per-node or the parallel degrees"
+        )
+    dp = world // replica
     layout = Layout(
         nodes=nodes,
         procs_per_node=ppn,
@@ -774,9 +1410,63 @@ def resolve_layout(
         micro_batch=config.data.micro_batch_size,
         seq_len=config.data.seq_len,
         global_batch=config.train.global_batch_size or config.data.micro_batch_size * dp,
+        pp=par.pp,
+        cp=par.cp,
+        pp_schedule=par.pp_schedule,
+        pp_virtual=par.pp_virtual,
+        pp_split=tuple(par.pp_split),
     )
     capacity = device_memory_gib if device_memory_gib is not None else spec.memory_gib
     return spec, capacity, layout
+
+
+def _check_pipeline_and_context(config: TrainConfig, llama: Any, layout: Layout) -> None:
+    """The pp and cp rules at this world size, as ``hlat_parallel`` states them."""
+    from hlat_parallel import ParallelConfigError, check_parallel_config, check_schedule
+
+    lay, par = layout, config.parallel
+    where = f"parallel (tp {lay.tp}, pp {lay.pp}, cp {lay.cp})"
+    try:
+        check_parallel_config(
+            lay.world_size,
+            lay.tp,
+            lay.sp,
+            pp=lay.pp,
+            cp=lay.cp,
+            n_heads=llama.n_heads,
+            n_kv_heads=llama.kv_heads,
+            seq_len=lay.seq_len,
+        )
+    except ParallelConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if lay.pp == 1:
+        return
+    if llama.tie_embeddings:
+        raise ConfigError(
+            "parallel.pp > 1 with tied input and output embeddings: the embedding and the LM "
+            "head sit on different stages; set model.tie_embeddings = false"
+        )
+    m = lay.grad_accum
+    if par.pp_microbatches and par.pp_microbatches != m:
+        raise ConfigError(
+            f"parallel.pp_microbatches = {par.pp_microbatches}, but the pipeline runs the {m} "
+            f"gradient-accumulation micro-batches of a step (global batch {lay.global_batch} "
+            f"/ (micro-batch {lay.micro_batch} x dp {lay.dp})); set parallel.pp_microbatches "
+            "= 0 or change train.global_batch_size"
+        )
+    try:
+        check_schedule(lay.pp_schedule, lay.pp, lay.virtual, m)
+        stage_splits(llama, lay)
+    except ParallelConfigError as e:
+        raise ConfigError(f"{where}, schedule {lay.pp_schedule}: {e}") from None
+
+
+NEURON_PIPELINE_NOTE = (
+    "note: hlat's trn1 path (parallel.backend = 'neuron', NeuronX Distributed) does not run "
+    "pipeline parallelism yet: NxD's pipeline engine is not wired. This plan is arithmetic "
+    "on NxD's layout; to train, use parallel.backend = 'torch' (GPUs, trn2/trn3) or "
+    "parallel.pp = 1."
+)
 
 
 def make_plan(
@@ -801,41 +1491,73 @@ def make_plan(
         procs_per_node=procs_per_node,
         device_memory_gib=device_memory_gib,
     )
+    neuron_pipeline = layout.backend == "neuron" and layout.pp > 1
+    if neuron_pipeline:
+        # the plan is arithmetic: check the layout as the torch path would run it, and the
+        # precision as NxD's ZeRO-1 takes it
+        from hlat_parallel.neuron_backend import zero1_precision
+
+        try:
+            zero1_precision(config.optim.precision)
+        except ValueError as e:
+            raise ConfigError(f"optim.precision on parallel.backend = 'neuron': {e}") from None
+    # --nodes replaces the node count a preset expects (parallel.nodes)
     checked = dataclasses.replace(
-        config, parallel=dataclasses.replace(config.parallel, backend=layout.backend)
+        config,
+        parallel=dataclasses.replace(
+            config.parallel,
+            backend="torch" if neuron_pipeline else layout.backend,
+            nodes=layout.nodes,
+        ),
     )
     llama = validate(
         checked, layout.world_size, local_world_size=layout.procs_per_node, check_files=False
     )
-    shapes = tp_shapes(llama, layout.tp)
-    groups = roles(shapes, layout)
+    _check_pipeline_and_context(config, llama, layout)
+    whole = _meta_model(llama, "bf16")
+    shapes = tp_shapes(llama, layout.tp, whole)
+    splits = stage_splits(llama, layout)
+    torch_backend = layout.backend == "torch"
+    built: dict[Any, list[Shard]] = {}
     reports: list[Role] = []
-    tp_only: list[Shard] | None = None
-    for index, dp_ranks in enumerate(groups, 1):
-        if layout.backend == "neuron" and tp_only is not None:
-            # roles differ only in what they write to checkpoints
-            reports.append(role_report(llama, layout, dp_ranks, tp_only))
-            continue
-        say(
-            f"hlat-train plan: building rank {dp_ranks[0] * layout.tp} (role {index} of "
-            f"{len(groups)}) on a fake process group of "
-            f"{layout.world_size if layout.backend == 'torch' else layout.tp}"
-        )
-        shards = tp_only = real_shards(llama, layout, dp_ranks[0])
-        reports.append(role_report(llama, layout, dp_ranks, shards))
+    for pp_rank in range(layout.pp):
+        stages = rank_stages(splits, layout, pp_rank)
+        groups = roles(stage_shapes(shapes, stages), layout)
+        for index, dp_ranks in enumerate(groups, 1):
+            # neuron: the dp roles differ only in what they write to checkpoints
+            built_for = dp_ranks[0] if torch_backend else 0
+            key = (_stage_signature(stages), built_for)
+            if key not in built:
+                # global rank in the ("pp", "dp", "cp", "tp") order both backends share
+                rank = (pp_rank * layout.dp_cp + built_for) * layout.tp
+                where = f"pp rank {pp_rank}, " if layout.pp > 1 else ""
+                say(
+                    f"hlat-train plan: building rank {rank} ({where}role {index} of "
+                    f"{len(groups)}) on a fake process group of "
+                    f"{layout.world_size if torch_backend else layout.tp}"
+                )
+                built[key] = real_shards(llama, layout, built_for, pp_rank)
+            reports.append(role_report(llama, layout, dp_ranks, built[key], pp_rank, stages))
     plan = Plan(
         config_name,
         spec,
         capacity,
         layout,
-        reports,
-        params_total=sum(math.prod(s) for _, s in tp_shapes(llama, 1)),
+        _merge_pipeline_ranks(reports),
+        params_total=sum(p.numel() for p in whole.parameters()),
+        splits=splits,
     )
+    if neuron_pipeline:
+        plan.warnings.append(NEURON_PIPELINE_NOTE)
     plan.notes.append(
-        "measured on the real layout (fake process group, meta tensors): parameter shards; "
-        "analytic: gradients and optimizer state per element of those shards, activations "
-        "(Korthikanti et al. 2022, counted for this model), communication (ring bytes), "
-        "device memory (vendor tables)"
+        "measured on the real layout (fake process group, meta tensors): parameter shards"
+        + (" of each pipeline rank's stages" if layout.pp > 1 else "")
+        + "; analytic: gradients and optimizer state per element of those shards, "
+        "activations (Korthikanti et al. 2022, counted for this model"
+        + (", times the micro-batches in flight per schedule" if layout.pp > 1 else "")
+        + "), communication (ring bytes"
+        + (", point-to-point sends" if layout.pp > 1 else "")
+        + "), device memory (vendor tables)"
     )
     if not plan.fits:
         say("hlat-train plan: searching for a layout that fits")
@@ -853,9 +1575,12 @@ def failure_text(plan: Plan) -> str:
         f"{plan.capacity_gib:g} GiB; the biggest item is {name}, {size / GIB:.2f} GiB"
     )
     if plan.suggestion is None:
+        knobs = "tp, pp, checkpointing or micro-batch"
+        if plan.layout.backend != "torch":
+            knobs = "tp, checkpointing or micro-batch"
         return text + (
-            "; no tp, checkpointing or micro-batch at this world size fits: use more "
-            "nodes, a device with more memory, or a smaller model"
+            f"; no {knobs} at this world size fits: use more nodes, a device with more "
+            "memory, or a smaller model"
         )
     new, total = plan.suggestion
     return text + (

@@ -1,7 +1,8 @@
 """Pipeline and context parallelism in the trainer, on CPU with gloo through torchrun.
 
-PP2 (two processes, 1F1B), CP2 (two processes) and PP2 x TP2 (four processes, sequence
-parallel, interleaved schedule, packed documents) train the tiny-check model in fp32 and
+PP2 (two processes, 1F1B), CP2 (two processes), PP2 x CP2 (four processes: FSDP over the
+flattened dp x cp mesh, full activation checkpointing) and PP2 x TP2 (four processes,
+sequence parallel, interleaved schedule, packed documents) train the tiny-check model in fp32 and
 agree with one process on the same batches; checkpoints reshard: PP2 x TP2 -> one process
 -> PP2, bit for bit on the weights and the optimizer state.
 """
@@ -83,12 +84,19 @@ def test_pp2_matches_one_process(corpus, tmp_path, single_plain):
     _assert_close_state(ckpt["model"], ref["model"], rtol=1e-4, atol=1e-6)
 
 
-def test_cp2_matches_one_process(corpus, tmp_path, single_plain):
-    out = tmp_path / "cp2"
-    config = tiny_config(
-        corpus, out, *COMMON, "--parallel.cp=2", "--train.eval_every=2", steps=STEPS
-    )
-    _run(2, config, tmp_path / "cp2.toml")
+@pytest.mark.parametrize(
+    ("nproc", "layout"),
+    [
+        (2, ("--parallel.cp=2",)),
+        # FSDP over the flattened dp x cp mesh inside each stage, blocks recomputed
+        (4, ("--parallel.cp=2", "--parallel.pp=2", "--model.checkpointing=full")),
+    ],
+    ids=["cp2", "pp2-cp2-full-checkpointing"],
+)
+def test_context_parallel_runs_match_one_process(corpus, tmp_path, single_plain, nproc, layout):
+    out = tmp_path / "run"
+    config = tiny_config(corpus, out, *COMMON, *layout, "--train.eval_every=2", steps=STEPS)
+    _run(nproc, config, tmp_path / "run.toml")
     assert _losses(out) == pytest.approx(_losses(single_plain), rel=1e-5)
     assert _valid(out) == pytest.approx(_valid(single_plain), rel=1e-5)
     ckpt = consolidate(str(out / "checkpoints"))

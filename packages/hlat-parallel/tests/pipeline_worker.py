@@ -1,26 +1,43 @@
 """One rank of a pipeline run, launched by tests/test_pipeline.py with torchrun's environment.
 
 Usage: pipeline_worker.py WORKDIR. Reads WORKDIR/input.pt (model config, initial weights,
-batch, document lengths, the schedules to run with their
-block splits), trains each schedule for a few SGD steps on a
-pipeline over all processes, and writes WORKDIR/<schedule>-rank<r>.pt: the losses of every
-step (on the rank holding the last stage), the named gradients of the first step and the
-named parameters after the last step, for the stages this rank holds.
+batch, document lengths, the schedules to run with their block splits, the number of
+micro-batches and the tensor-parallel degree ``tp``), trains each schedule for a few SGD
+steps on a pipeline over all processes, and writes WORKDIR/<schedule>-rank<r>.pt: the
+losses of every step (on the ranks holding the last stage), the named gradients of the
+first step and the named parameters after the last step, for the stages this rank holds
+(whole tensors, gathered over "tp").
+
+With ``tp`` > 1 the processes form a ("pp", "dp", "cp", "tp") mesh with pp = world / tp
+and sequence parallelism, and each stage is parallelized with the model's plan before torch
+wraps it, as hlat-train does: the blocks take their RoPE tables and mask from the
+``position_ids`` passed to every rank (a later stage's hidden state holds only this TP
+rank's part of the sequence), the logits are vocabulary-sharded and the loss is computed
+under ``loss_parallel``.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from hlat_model import Llama, LlamaConfig, cross_entropy_loss
+from hlat_model import Llama, LlamaConfig, block_inputs, cross_entropy_loss
 from hlat_model.attention import AttentionMask, document_positions
 from hlat_model.model import rope_cos_sin
-from hlat_parallel import build_pipeline, init_parallel
+from hlat_parallel import (
+    ParallelDims,
+    build_pipeline,
+    init_parallel,
+    loss_parallel,
+    parallelize,
+    stage_plan,
+)
 
 
 def llama_block_args(config: LlamaConfig):
@@ -39,54 +56,82 @@ def llama_block_args(config: LlamaConfig):
     return block_args
 
 
-def run(data: dict, schedule: str, split: list[int] | None) -> dict:
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A whole, plain copy of ``t`` (a DTensor is gathered over its mesh, a Partial one summed)."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def run(data: dict, schedule: str, split: list[int] | None, dims: ParallelDims) -> dict:
     config = LlamaConfig(**data["config"])
     model = Llama(config)
     model.load_state_dict(data["state"])
-    pipe = build_pipeline(
-        model,
-        schedule=schedule,
-        n_microbatches=data["n_microbatches"],
-        split=split,
-        loss_fn=cross_entropy_loss,
-        block_args=llama_block_args(config),
-    )
-    del model
-    optimizer = torch.optim.SGD(pipe.parameters(), lr=data["lr"])
     tokens, doc_lens = data["tokens"], data["doc_lens"]
+    kwargs: dict = {"doc_lens": doc_lens}
+    if dims.tp > 1:
+        plan = model.parallel_plan()
+        pipe = build_pipeline(
+            model,
+            schedule=schedule,
+            n_microbatches=data["n_microbatches"],
+            split=split,
+            loss_fn=cross_entropy_loss,
+            group=dims.pp_mesh,
+            block_args=lambda h, position_ids, doc_lens=None: block_inputs(
+                config, position_ids, doc_lens
+            ),
+            prepare=lambda stage: parallelize(stage, dims, stage_plan(plan, stage)),
+        )
+        kwargs["position_ids"] = document_positions(doc_lens, tokens.shape[1] - 1)
+    else:
+        pipe = build_pipeline(
+            model,
+            schedule=schedule,
+            n_microbatches=data["n_microbatches"],
+            split=split,
+            loss_fn=cross_entropy_loss,
+            block_args=llama_block_args(config),
+        )
+    del model
+    held = pipe.rank_module()
+    optimizer = torch.optim.SGD(held.parameters(), lr=data["lr"])
     out: dict = {"losses": [], "splits": pipe.splits}
     for step in range(data["steps"]):
         args = (tokens[:, :-1],) if pipe.has_first_stage else ()
-        kwargs: dict = {"doc_lens": doc_lens}
         losses: list = []
+        last = {"target": tokens[:, 1:], "losses": losses} if pipe.has_last_stage else {}
+        with loss_parallel(dims):
+            pipe.schedule.step(*args, **kwargs, **last)
         if pipe.has_last_stage:
-            kwargs.update(target=tokens[:, 1:], losses=losses)
-        pipe.schedule.step(*args, **kwargs)
-        if pipe.has_last_stage:
-            out["losses"].append(torch.stack(losses).mean().detach())
+            out["losses"].append(torch.stack([full(x) for x in losses]).mean())
         if step == 0:
             out["grads"] = {
-                n: p.grad.detach().clone()
-                for m in pipe.modules
-                for n, p in m.named_parameters()
-                if p.grad is not None
+                n: full(p.grad) for n, p in held.named_parameters() if p.grad is not None
             }
         optimizer.step()
         optimizer.zero_grad()
-    out["params"] = {n: p.detach().clone() for m in pipe.modules for n, p in m.named_parameters()}
+    out["params"] = {n: full(p) for n, p in held.named_parameters()}
     out["state_keys"] = [k for m in pipe.modules for k in m.state_dict()]
+    out["pp_rank"], out["tp_rank"] = dims.pp_rank, dims.tp_rank
+    out["sharded"] = sorted(  # parameters of which this rank holds a part only
+        n
+        for n, p in held.named_parameters()
+        if isinstance(p, DTensor) and p.to_local().numel() < p.numel()
+    )
     return out
 
 
 def main() -> None:
     workdir = Path(sys.argv[1])
     torch.use_deterministic_algorithms(True)
-    init_parallel(device="cpu")
-    rank = dist.get_rank()
     data = torch.load(workdir / "input.pt", weights_only=False)
+    tp = data.get("tp", 1)
+    world = int(os.environ["WORLD_SIZE"])
+    seq_len = data["tokens"].shape[1] - 1
+    dims = init_parallel(tp=tp, sp=tp > 1, pp=world // tp, seq_len=seq_len, device="cpu")
+    rank = dist.get_rank()
     for schedule, split in data["schedules"]:
         try:
-            result: dict = run(data, schedule, split)
+            result: dict = run(data, schedule, split, dims)
         except Exception as error:  # reported to the test, which says which schedule failed
             result = {"error": f"{type(error).__name__}: {error}"}
             torch.save(result, workdir / f"{schedule}-rank{rank}.pt")

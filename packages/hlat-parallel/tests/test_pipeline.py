@@ -2,9 +2,10 @@
 
 The split, the schedule checks and the bubble fractions are pure; the stage modules are
 checked in one process (chained, they are the model); each schedule runs on two spawned
-gloo processes (tests/pipeline_worker.py) training a 4-layer GQA Llama with packed
-documents for two SGD steps, compared with one process on the same batch: fp32, within
-1e-5 relative.
+gloo processes (PP2) and on four (PP2 x TP2 with sequence parallelism), see
+tests/pipeline_worker.py, training a 4-layer GQA Llama with packed documents for two SGD
+steps, compared with one process on the same batch: fp32, within 1e-5 relative. Each
+layout is one spawned job running every schedule in turn.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ from hlat_parallel import (
 WORKER = Path(__file__).with_name("pipeline_worker.py")
 TOL = 1e-5
 STEPS, LR, N_MICRO = 2, 0.5, 4
+# layout -> (tensor-parallel degree, micro-batches); pp = processes / tp = 2. PP2 x TP2 runs
+# 2 micro-batches of 2 rows (the fewest every schedule accepts at pp 2), the same batch.
+LAYOUTS = {"pp2": (1, N_MICRO), "pp2xtp2": (2, 2)}
 # (schedule, explicit block counts per stage or None for the balance rule)
 RUNS = [
     ("1F1B", None),
@@ -292,7 +296,7 @@ def test_models_outside_the_contract_are_refused(model):
         stage_modules(Flat(), split_layers(1, 1), [0], pre=(), post=())
 
 
-# ---- PP2 on spawned gloo processes -----------------------------------------------------------
+# ---- PP2 and PP2 x TP2 on spawned gloo processes ---------------------------------------------
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -307,16 +311,14 @@ def case(tmp_path_factory) -> dict:
     data = {
         "config": config.to_dict(),
         "state": {k: v.clone() for k, v in model.state_dict().items()},
-        "tokens": torch.randint(0, config.vocab_size, (N_MICRO, 17)),
+        "tokens": torch.randint(0, config.vocab_size, (4, 17)),
         "doc_lens": torch.tensor([[16, 0], [5, 11], [10, 6], [3, 13]]),
         "schedules": RUNS,
         "n_microbatches": N_MICRO,
         "lr": LR,
         "steps": STEPS,
     }
-    workdir = tmp_path_factory.mktemp("pp2")
-    torch.save(data, workdir / "input.pt")
-    return {"data": data, "workdir": workdir}
+    return {"data": data, "workdir": tmp_path_factory.mktemp("pipeline")}
 
 
 @pytest.fixture(scope="module")
@@ -338,26 +340,57 @@ def reference(case) -> dict:
     return out
 
 
+def launch(case: dict, layout: str) -> list[list[dict]]:
+    """Run every schedule on ``pp x tp`` spawned processes (one job for all of them); per
+    schedule (in RUNS order), each pipeline rank's results, TP peers in TP order."""
+    tp, n_micro = LAYOUTS[layout]
+    world = 2 * tp
+    workdir = case["workdir"] / layout
+    workdir.mkdir()
+    torch.save({**case["data"], "n_microbatches": n_micro, "tp": tp}, workdir / "input.pt")
+    run_ranks(WORKER, [str(workdir)], world)
+    out = []
+    for name, _ in RUNS:
+        ranks = [
+            torch.load(workdir / f"{name}-rank{r}.pt", weights_only=False) for r in range(world)
+        ]
+        assert [(r["pp_rank"], r["tp_rank"]) for r in ranks] == [
+            (r // tp, r % tp) for r in range(world)
+        ], "tp is not the innermost mesh dimension"
+        out.append([ranks[p * tp : (p + 1) * tp] for p in range(2)])
+    return out
+
+
 @pytest.fixture(scope="module")
-def pp2(case) -> dict:
-    """Per-schedule, per-rank results of two processes running every schedule in turn."""
-    workdir = case["workdir"]
-    run_ranks(WORKER, [str(workdir)], 2)
-    return {
-        name: [torch.load(workdir / f"{name}-rank{r}.pt", weights_only=False) for r in range(2)]
-        for name, _ in RUNS
-    }
+def pipelines(case) -> dict:
+    """Lazily launched layouts: ``pipelines(layout)[schedule]`` is a list over pipeline ranks
+    of the TP peers' results."""
+    done: dict = {}
+
+    def get(layout: str) -> dict:
+        if layout not in done:
+            done[layout] = dict(zip([n for n, _ in RUNS], launch(case, layout), strict=True))
+        return done[layout]
+
+    return get
 
 
-@pytest.fixture(params=[name for name, _ in RUNS])
-def run(request, pp2) -> tuple[str, list[dict]]:
-    return request.param, pp2[request.param]
+@pytest.fixture(params=[(lay, name) for lay in LAYOUTS for name, _ in RUNS], ids="-".join)
+def run(request, pipelines) -> tuple[str, list[list[dict]]]:
+    layout, name = request.param
+    return f"{layout} {name}", pipelines(layout)[name]
 
 
-def merged(ranks: list[dict], key: str) -> dict:
+def merged(pp_ranks: list[list[dict]], key: str) -> dict:
+    """``key`` of the whole pipeline, from TP rank 0 of each pipeline rank (whole tensors)."""
     out: dict = {}
-    for rank in ranks:
+    for peers in pp_ranks:
+        rank = peers[0]
         assert not set(out) & set(rank[key]), "a parameter on two pipeline ranks"
+        for peer in peers[1:]:  # the TP peers gathered the same whole tensors
+            assert sorted(peer[key]) == sorted(rank[key])
+            for n, t in rank[key].items():
+                assert torch.equal(peer[key][n], t), f"TP peers disagree on {key} {n}"
         out.update(rank[key])
     return out
 
@@ -366,42 +399,52 @@ def test_every_offered_schedule_is_tested():
     assert sorted(name for name, _ in RUNS) == sorted(SCHEDULES)
 
 
-def test_pp2_losses_match_single_process(run, reference):
-    name, ranks = run
-    (losses,) = [r["losses"] for r in ranks if r["losses"]]  # only the last stage's rank
-    assert len(losses) == STEPS
-    for step, (loss, expected) in enumerate(zip(losses, reference["losses"], strict=True)):
-        error = relative_error(loss, expected)
-        assert error < TOL, f"{name} step {step}: loss off by {error:.2e}"
+def test_pipeline_losses_match_single_process(run, reference):
+    name, pp_ranks = run
+    (peers,) = [p for p in pp_ranks if p[0]["losses"]]  # only the last stage's ranks
+    for rank in peers:
+        losses = rank["losses"]
+        assert len(losses) == STEPS
+        for step, (loss, expected) in enumerate(zip(losses, reference["losses"], strict=True)):
+            error = relative_error(loss, expected)
+            assert error < TOL, f"{name} step {step}: loss off by {error:.2e}"
 
 
-def test_pp2_gradients_match_single_process(run, reference):
-    name, ranks = run
-    grads = merged(ranks, "grads")
+def test_pipeline_gradients_match_single_process(run, reference):
+    name, pp_ranks = run
+    grads = merged(pp_ranks, "grads")
     assert sorted(grads) == sorted(reference["grads"])
     for param, expected in reference["grads"].items():
         error = relative_error(grads[param], expected)
         assert error < TOL, f"{name}: grad of {param} off by {error:.2e}"
 
 
-def test_pp2_parameters_after_sgd_steps_match_single_process(run, reference, case):
-    name, ranks = run
-    params, initial = merged(ranks, "params"), case["data"]["state"]
+def test_pipeline_parameters_after_sgd_steps_match_single_process(run, reference, case):
+    name, pp_ranks = run
+    params, initial = merged(pp_ranks, "params"), case["data"]["state"]
     for param, expected in reference["params"].items():
         # the update, not the parameter: it is what the pipeline computed
         error = relative_error(params[param] - initial[param], expected - initial[param])
         assert error < TOL, f"{name}: update of {param} off by {error:.2e}"
 
 
-def test_pp2_stage_state_dicts_form_the_model_checkpoint(run, case):
-    name, ranks = run
-    keys = [k for r in ranks for k in r["state_keys"]]
+def test_pipeline_stage_state_dicts_form_the_model_checkpoint(run, case):
+    name, pp_ranks = run
+    keys = [k for peers in pp_ranks for k in peers[0]["state_keys"]]
     assert sorted(keys) == sorted(case["data"]["state"]), name
     fresh = Llama(LlamaConfig(**case["data"]["config"]))
-    fresh.load_state_dict(merged(ranks, "params"), strict=True)
+    fresh.load_state_dict(merged(pp_ranks, "params"), strict=True)
 
 
-def test_pp2_splits_follow_the_request(pp2):
+def test_pipeline_stages_are_split_over_tp(run, case):
+    name, pp_ranks = run
+    norms = {n for n in case["data"]["state"] if "norm" in n}
+    expected = sorted(set(case["data"]["state"]) - norms) if len(pp_ranks[0]) > 1 else []
+    assert sorted(n for peers in pp_ranks for n in peers[0]["sharded"]) == expected, name
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pipeline_splits_follow_the_request(pipelines, layout):
     expected = {
         "1F1B": [[0, 1], [2, 3]],
         "GPipe": [[0], [1, 2, 3]],
@@ -409,5 +452,5 @@ def test_pp2_splits_follow_the_request(pp2):
         "InterleavedZeroBubble": [[0], [1], [2], [3]],
         "ZBVZeroBubble": [[], [0], [1, 2], [3]],
     }
-    for name, ranks in pp2.items():
-        assert [list(s.layers) for s in ranks[0]["splits"]] == expected[name], name
+    for name, pp_ranks in pipelines(layout).items():
+        assert [list(s.layers) for s in pp_ranks[0][0]["splits"]] == expected[name], name

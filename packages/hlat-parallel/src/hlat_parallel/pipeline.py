@@ -68,6 +68,12 @@ class StageSplit:
     """Holds the ``post`` modules (final norm and LM head) and produces the output."""
 
 
+def default_virtual(schedule: str) -> int:
+    """Stages per pipeline rank a schedule runs unless told otherwise: 1 for ``1F1B`` and
+    ``GPipe``, 2 for the interleaved and V-shaped ones."""
+    return 1 if schedule in _SINGLE_STAGE else 2
+
+
 def _positive_int(name: str, value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ParallelConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -535,7 +541,7 @@ def build_pipeline(
     check runs before any communication.
     """
     if virtual is None:
-        virtual = 1 if schedule in _SINGLE_STAGE else 2
+        virtual = default_virtual(schedule)
     pg = _pp_group(group)
     pp, pp_rank = dist.get_world_size(pg), dist.get_rank(pg)
     check_schedule(schedule, pp, virtual, n_microbatches)

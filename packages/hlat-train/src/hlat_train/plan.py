@@ -83,12 +83,6 @@ DEVICES: dict[str, Device] = {
 
 CHECKPOINTING = ("none", "selective", "full")
 
-PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
-"""``hlat_parallel.SCHEDULES``, repeated so that bad options fail before torch is imported."""
-
-SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
-"""Schedules with one stage per pipeline rank; the others default to 2 (``pp_virtual``)."""
-
 
 # --- the layout --------------------------------------------------------------------------
 
@@ -146,7 +140,9 @@ class Layout:
             return 1
         if self.pp_virtual:
             return self.pp_virtual
-        return 1 if self.pp_schedule in SINGLE_STAGE_SCHEDULES else 2
+        from hlat_parallel import default_virtual
+
+        return default_virtual(self.pp_schedule)
 
     @property
     def n_stages(self) -> int:
@@ -1361,16 +1357,6 @@ def resolve_layout(
             "Distributed path (trn1) has no context parallelism; plan it with "
             "--parallel.backend=torch (and a --device) or set parallel.cp = 1"
         )
-    if par.cp > 1 and config.data.document_mask:
-        raise ConfigError(
-            f"parallel.cp = {par.cp} with data.document_mask = true: context parallelism does "
-            "not support document masking; set data.document_mask = false or parallel.cp = 1"
-        )
-    if par.pp > 1 and par.pp_schedule not in PIPELINE_SCHEDULES:
-        raise ConfigError(
-            f"parallel.pp_schedule {par.pp_schedule!r} is not one of "
-            f"{', '.join(PIPELINE_SCHEDULES)}"
-        )
     replica = par.tp * par.pp * par.cp
     ppn = procs_per_node or spec.procs_per_node
     if nodes is None:
@@ -1418,47 +1404,6 @@ def resolve_layout(
     )
     capacity = device_memory_gib if device_memory_gib is not None else spec.memory_gib
     return spec, capacity, layout
-
-
-def _check_pipeline_and_context(config: TrainConfig, llama: Any, layout: Layout) -> None:
-    """The pp and cp rules at this world size, as ``hlat_parallel`` states them."""
-    from hlat_parallel import ParallelConfigError, check_parallel_config, check_schedule
-
-    lay, par = layout, config.parallel
-    where = f"parallel (tp {lay.tp}, pp {lay.pp}, cp {lay.cp})"
-    try:
-        check_parallel_config(
-            lay.world_size,
-            lay.tp,
-            lay.sp,
-            pp=lay.pp,
-            cp=lay.cp,
-            n_heads=llama.n_heads,
-            n_kv_heads=llama.kv_heads,
-            seq_len=lay.seq_len,
-        )
-    except ParallelConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
-    if lay.pp == 1:
-        return
-    if llama.tie_embeddings:
-        raise ConfigError(
-            "parallel.pp > 1 with tied input and output embeddings: the embedding and the LM "
-            "head sit on different stages; set model.tie_embeddings = false"
-        )
-    m = lay.grad_accum
-    if par.pp_microbatches and par.pp_microbatches != m:
-        raise ConfigError(
-            f"parallel.pp_microbatches = {par.pp_microbatches}, but the pipeline runs the {m} "
-            f"gradient-accumulation micro-batches of a step (global batch {lay.global_batch} "
-            f"/ (micro-batch {lay.micro_batch} x dp {lay.dp})); set parallel.pp_microbatches "
-            "= 0 or change train.global_batch_size"
-        )
-    try:
-        check_schedule(lay.pp_schedule, lay.pp, lay.virtual, m)
-        stage_splits(llama, lay)
-    except ParallelConfigError as e:
-        raise ConfigError(f"{where}, schedule {lay.pp_schedule}: {e}") from None
 
 
 NEURON_PIPELINE_NOTE = (
@@ -1510,10 +1455,11 @@ def make_plan(
             nodes=layout.nodes,
         ),
     )
+    # validate checks the pp and cp rules at this world size too (schedule, micro-batches,
+    # split, CP with document masking)
     llama = validate(
         checked, layout.world_size, local_world_size=layout.procs_per_node, check_files=False
     )
-    _check_pipeline_and_context(config, llama, layout)
     whole = _meta_model(llama, "bf16")
     shapes = tp_shapes(llama, layout.tp, whole)
     splits = stage_splits(llama, layout)

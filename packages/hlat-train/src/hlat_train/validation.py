@@ -228,14 +228,20 @@ def validate(
 
 def _check_pipeline(config: TrainConfig, llama: Any, world_size: int | None) -> None:
     """The pipeline settings against the model and, when known, the launch."""
-    from hlat_parallel import SCHEDULES, ParallelConfigError, check_schedule, split_layers
+    from hlat_parallel import (
+        SCHEDULES,
+        ParallelConfigError,
+        check_schedule,
+        default_virtual,
+        split_layers,
+    )
 
     par = config.parallel
     if par.pp_schedule not in SCHEDULES:
         raise ConfigError(
             f"parallel.pp_schedule {par.pp_schedule!r} is not one of {', '.join(SCHEDULES)}"
         )
-    virtual = par.pp_virtual or (1 if par.pp_schedule in ("1F1B", "GPipe") else 2)
+    virtual = par.pp_virtual or default_virtual(par.pp_schedule)
     if llama.tie_embeddings:
         raise ConfigError(
             "parallel.pp > 1 with tied input and output embeddings: the embedding and the LM "

@@ -1,8 +1,10 @@
 """Developer sessions for the hlat monorepo.
 
 ``nox -s tests`` installs every package (editable) into one environment and runs all tests;
-``nox -s tests-<package>`` proves one package installs and passes alone; ``lint``,
-``typecheck``, ``bench`` and ``build`` do what they say.
+``nox -s tests-<package>`` proves one package installs and passes alone; ``nox -s
+tests-oldest`` runs every package's tests on the oldest torch the packages declare
+(``torch>=X.Y``: the newest X.Y.* release); ``lint``, ``typecheck``, ``bench`` and ``build``
+do what they say.
 
 torch is pinned to a CPU-friendly release; GPU users override it, e.g.
 ``HLAT_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" nox -s tests``.
@@ -58,7 +60,23 @@ def _install(session: nox.Session, packages: list[str], extra: str, editable: bo
     session.install(*args)
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, tags=["ci"])
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole tree."""
+    session.install("ruff>=0.8")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=PYTHON, tags=["ci"])
+def typecheck(session: nox.Session) -> None:
+    """mypy over every package's sources."""
+    _install(session, PACKAGES, "test", editable=True)
+    session.install("mypy>=1.10")
+    session.run("mypy", *(f"packages/{p}/src" for p in PACKAGES))
+
+
+@nox.session(python=PYTHON, tags=["ci"])
 def tests(session: nox.Session) -> None:
     """All packages installed editable in one environment; every test suite and README example."""
     _install(session, PACKAGES, "test", editable=True)
@@ -68,11 +86,46 @@ def tests(session: nox.Session) -> None:
 
 for _package in PACKAGES:
 
-    @nox.session(name=f"tests-{_package}", python=PYTHON)
+    @nox.session(name=f"tests-{_package}", python=PYTHON, tags=["ci"])
     def _tests_one(session: nox.Session, package: str = _package) -> None:
         """One package in a fresh environment with only its own dependencies and test tools."""
         _install(session, [*_local_requirements(package, "test"), package], "test", editable=False)
         session.run("pytest", f"packages/{package}", *session.posargs)
+
+
+def _torch_floors() -> dict[str, list[str]]:
+    """``{"2.9": [packages]}``: the packages grouped by the torch floor they declare."""
+    floors: dict[str, list[str]] = {}
+    for package in PACKAGES:
+        project = _project(package)
+        requirements = project.get("dependencies", []) + [
+            r for extra in project.get("optional-dependencies", {}).values() for r in extra
+        ]
+        found = {m.group(1) for r in requirements if (m := re.fullmatch(r"torch>=(\d+\.\d+)", r))}
+        if len(found) != 1:
+            raise ValueError(
+                f"{package} should declare one torch floor 'torch>=X.Y', found {found}"
+            )
+        floors.setdefault(found.pop(), []).append(package)
+    return floors
+
+
+@nox.session(name="tests-oldest", python=PYTHON, tags=["ci"])
+def tests_oldest(session: nox.Session) -> None:
+    """Every package's tests on the oldest torch it declares (the newest patch release of
+    that X.Y). On x86-64 Linux, PyPI's torch below the pinned CPU wheel is a CUDA build (about
+    4 GB); it runs on the CPU. ``HLAT_TORCH_OLDEST`` replaces the torch requirement (e.g.
+    with ``--index-url https://download.pytorch.org/whl/cpu``)."""
+    for floor, packages in sorted(_torch_floors().items()):
+        torch = shlex.split(os.environ.get("HLAT_TORCH_OLDEST", f"torch~={floor}.0"))
+        session.install(*torch)
+        args: list[str] = []
+        for package in packages:
+            extras = _project(package).get("optional-dependencies", {})
+            args.append(f"packages/{package}[test]" if "test" in extras else f"packages/{package}")
+        session.install(*args, *torch)  # torch repeated: nothing may lift it to a newer release
+        session.run("python", "-c", "import torch; print('torch', torch.__version__)")
+        session.run("pytest", *(f"packages/{p}" for p in packages), *session.posargs)
 
 
 if "hlat-train" in PACKAGES:
@@ -82,22 +135,6 @@ if "hlat-train" in PACKAGES:
         """The main job: train a tiny Llama on this Python's own standard library, on CPU."""
         _install(session, PACKAGES, "demo", editable=True)
         session.run("hlat-train", "demo", *session.posargs)
-
-
-@nox.session(python=PYTHON)
-def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check over the whole tree."""
-    session.install("ruff>=0.8")
-    session.run("ruff", "check", ".")
-    session.run("ruff", "format", "--check", ".")
-
-
-@nox.session(python=PYTHON)
-def typecheck(session: nox.Session) -> None:
-    """mypy over every package's sources."""
-    _install(session, PACKAGES, "test", editable=True)
-    session.install("mypy>=1.10")
-    session.run("mypy", *(f"packages/{p}/src" for p in PACKAGES))
 
 
 @nox.session(python=PYTHON)

@@ -24,6 +24,7 @@ from hlat_parallel import (
     ParallelConfigError,
     StageSplit,
     bubble_fraction,
+    build_pipeline,
     check_schedule,
     match_plan,
     rank_module,
@@ -32,8 +33,13 @@ from hlat_parallel import (
     stage_modules,
     stage_plan,
 )
+from hlat_parallel.dims import PIPELINE_MIN_TORCH, _torch_version
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")
+OLD_TORCH = _torch_version() < PIPELINE_MIN_TORCH
+needs_pipeline_torch = pytest.mark.skipif(
+    OLD_TORCH, reason="pipeline parallelism needs torch>={}.{}".format(*PIPELINE_MIN_TORCH)
+)
 TOL = 1e-5
 STEPS, LR, N_MICRO = 2, 0.5, 4
 # layout -> (tensor-parallel degree, micro-batches); pp = processes / tp = 2. PP2 x TP2 runs
@@ -399,6 +405,7 @@ def test_every_offered_schedule_is_tested():
     assert sorted(name for name, _ in RUNS) == sorted(SCHEDULES)
 
 
+@needs_pipeline_torch
 def test_pipeline_losses_match_single_process(run, reference):
     name, pp_ranks = run
     (peers,) = [p for p in pp_ranks if p[0]["losses"]]  # only the last stage's ranks
@@ -410,6 +417,7 @@ def test_pipeline_losses_match_single_process(run, reference):
             assert error < TOL, f"{name} step {step}: loss off by {error:.2e}"
 
 
+@needs_pipeline_torch
 def test_pipeline_gradients_match_single_process(run, reference):
     name, pp_ranks = run
     grads = merged(pp_ranks, "grads")
@@ -419,6 +427,7 @@ def test_pipeline_gradients_match_single_process(run, reference):
         assert error < TOL, f"{name}: grad of {param} off by {error:.2e}"
 
 
+@needs_pipeline_torch
 def test_pipeline_parameters_after_sgd_steps_match_single_process(run, reference, case):
     name, pp_ranks = run
     params, initial = merged(pp_ranks, "params"), case["data"]["state"]
@@ -428,6 +437,7 @@ def test_pipeline_parameters_after_sgd_steps_match_single_process(run, reference
         assert error < TOL, f"{name}: update of {param} off by {error:.2e}"
 
 
+@needs_pipeline_torch
 def test_pipeline_stage_state_dicts_form_the_model_checkpoint(run, case):
     name, pp_ranks = run
     keys = [k for peers in pp_ranks for k in peers[0]["state_keys"]]
@@ -436,6 +446,7 @@ def test_pipeline_stage_state_dicts_form_the_model_checkpoint(run, case):
     fresh.load_state_dict(merged(pp_ranks, "params"), strict=True)
 
 
+@needs_pipeline_torch
 def test_pipeline_stages_are_split_over_tp(run, case):
     name, pp_ranks = run
     norms = {n for n in case["data"]["state"] if "norm" in n}
@@ -443,6 +454,7 @@ def test_pipeline_stages_are_split_over_tp(run, case):
     assert sorted(n for peers in pp_ranks for n in peers[0]["sharded"]) == expected, name
 
 
+@needs_pipeline_torch
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_pipeline_splits_follow_the_request(pipelines, layout):
     expected = {
@@ -454,3 +466,12 @@ def test_pipeline_splits_follow_the_request(pipelines, layout):
     }
     for name, pp_ranks in pipelines(layout).items():
         assert [list(s.layers) for s in pp_ranks[0][0]["splits"]] == expected[name], name
+
+
+@pytest.mark.skipif(not OLD_TORCH, reason="runs on a torch older than the pipeline needs")
+def test_an_older_torch_is_refused_before_any_communication(tmp_path):
+    # refused before the process group is needed: none is initialised here
+    with pytest.raises(ParallelConfigError, match="needs torch>="):
+        build_pipeline(
+            Llama(small_config()), schedule="1F1B", n_microbatches=2, loss_fn=cross_entropy_loss
+        )

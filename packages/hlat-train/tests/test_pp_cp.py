@@ -20,10 +20,15 @@ import torch
 from train_helpers import tiny_config, torchrun, write_config
 
 from hlat_ckpt import consolidate
+from hlat_parallel.dims import PIPELINE_MIN_TORCH, _torch_version
 from hlat_train import ConfigError, Trainer, read_metrics
 from hlat_train.validation import validate
 
 pytestmark = pytest.mark.slow
+needs_pipeline_torch = pytest.mark.skipif(
+    _torch_version() < PIPELINE_MIN_TORCH,
+    reason="pipeline parallelism needs torch>={}.{}".format(*PIPELINE_MIN_TORCH),
+)
 
 # 2 micro-batches of 2 rows per step: the pipeline's micro-batches
 COMMON = ("--optim.decay_steps=30", "--train.global_batch_size=4", "--model.n_layers=4")
@@ -72,6 +77,7 @@ def single_plain(corpus, tmp_path_factory) -> Path:
     return _single(corpus, tmp_path_factory.mktemp("single") / "run", "--train.eval_every=2")
 
 
+@needs_pipeline_torch
 def test_pp2_matches_one_process(corpus, tmp_path, single_plain):
     out = tmp_path / "pp2"
     config = tiny_config(
@@ -90,7 +96,11 @@ def test_pp2_matches_one_process(corpus, tmp_path, single_plain):
     [
         (2, ("--parallel.cp=2",)),
         # FSDP over the flattened dp x cp mesh inside each stage, blocks recomputed
-        (4, ("--parallel.cp=2", "--parallel.pp=2", "--model.checkpointing=full")),
+        pytest.param(
+            4,
+            ("--parallel.cp=2", "--parallel.pp=2", "--model.checkpointing=full"),
+            marks=needs_pipeline_torch,
+        ),
     ],
     ids=["cp2", "pp2-cp2-full-checkpointing"],
 )
@@ -105,6 +115,7 @@ def test_context_parallel_runs_match_one_process(corpus, tmp_path, single_plain,
     _assert_close_state(ckpt["model"], ref["model"], rtol=1e-4, atol=1e-6)
 
 
+@needs_pipeline_torch
 def test_pp2_tp2_documents_and_resharding(corpus, tmp_path):
     docs = ("--data.document_mask=true",)
     single = _single(corpus, tmp_path / "single", *docs)
@@ -183,3 +194,14 @@ def test_bad_pipeline_settings_are_refused_by_validation(corpus, tmp_path, overr
     world = 2 if "--parallel.pp=3" not in overrides else 4
     with pytest.raises(ConfigError, match=needle):
         validate(config, world)
+
+
+@pytest.mark.skipif(
+    _torch_version() >= PIPELINE_MIN_TORCH, reason="runs on a torch older than the pipeline needs"
+)
+def test_an_older_torch_refuses_a_pipeline_before_any_work(corpus, tmp_path, monkeypatch):
+    config = tiny_config(corpus, tmp_path / "run", *COMMON, "--parallel.pp=2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="needs torch>="):
+        Trainer(config)
+    assert not (tmp_path / "run").exists()

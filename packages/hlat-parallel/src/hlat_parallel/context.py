@@ -191,9 +191,26 @@ class ContextParallelAttention:
             return k, v
         # one collective for both, gathered along dim 0: [S, 2, B, H, D]
         kv = torch.stack((k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)), dim=1)
-        gathered = _all_gather(kv, self.group)
+        gathered = _ContiguousGrad.apply(_all_gather(kv, self.group))
         k_all, v_all = gathered.permute(1, 2, 3, 0, 4).unbind(0)
         return k_all, v_all
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient.
+
+    Note: the gradient reaching the gathered k/v comes through a permute and is strided;
+    torch 2.9's gloo reduce-scatter (the all-gather's backward) refuses strided input
+    ("Expected input.is_contiguous()"), where 2.13 copies it itself.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 def _all_gather(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

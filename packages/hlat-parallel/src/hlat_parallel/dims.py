@@ -32,6 +32,28 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+PIPELINE_MIN_TORCH = (2, 13)
+"""The oldest torch pipeline parallelism runs on here: the release its tests pass with.
+torch 2.9's ``torch.distributed.pipelining`` fails on gloo ("Received data size doesn't
+match expected size") with the same stages."""
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def check_pipeline_torch() -> None:
+    """Raise :class:`ParallelConfigError` when this torch is older than
+    :data:`PIPELINE_MIN_TORCH`."""
+    if _torch_version() < PIPELINE_MIN_TORCH:
+        need = ".".join(map(str, PIPELINE_MIN_TORCH))
+        raise ParallelConfigError(
+            f"pipeline parallelism (pp > 1) needs torch>={need}, the oldest release it is "
+            f"tested with; this is torch {torch.__version__}. Upgrade torch or set pp=1"
+        )
+
+
 def check_parallel_config(
     world_size: int,
     tp: int,

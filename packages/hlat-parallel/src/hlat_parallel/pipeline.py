@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hlat_parallel.dims import ParallelConfigError
+from hlat_parallel.dims import ParallelConfigError, check_pipeline_torch
 from hlat_parallel.plan import computes_sequence_first
 
 ScheduleName = Literal["1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]
@@ -540,6 +540,7 @@ def build_pipeline(
     parallelism (``parallelize(m, dims, stage_plan(plan, m))``) or to materialise it. Every
     check runs before any communication.
     """
+    check_pipeline_torch()
     if virtual is None:
         virtual = default_virtual(schedule)
     pg = _pp_group(group)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hlat_train import neuron
-from hlat_train.config import TrainConfig
+from hlat_train.config import ConfigError, TrainConfig
 from hlat_train.metrics import (
     MetricsWriter,
     Progress,
@@ -123,6 +123,13 @@ class Trainer:
         self.llama_config = validate(
             config, self.world_size, local_world_size=int(local) if local else None
         )
+        if config.parallel.pp > 1:
+            from hlat_parallel.dims import check_pipeline_torch
+
+            try:  # this torch must run the pipeline; a plan for a cluster need not
+                check_pipeline_torch()
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
         self.preempted = False
         self.out_of_time = False
         self._deadline = math.inf

@@ -29,7 +29,19 @@ def _load_module():
 def quick_campaign(tmp_path_factory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("campaign") / "out"
     doc = out.parent / "reliability.md"
-    args = ["--quick", "--faults", "2", "--seed", "3", "--out", str(out), "--doc", str(doc)]
+    args = [
+        "--quick",
+        "--faults",
+        "2",
+        "--steps",
+        "60",
+        "--seed",
+        "3",
+        "--out",
+        str(out),
+        "--doc",
+        str(doc),
+    ]
     done = subprocess.run(
         [sys.executable, str(SCRIPT), *args],
         capture_output=True,

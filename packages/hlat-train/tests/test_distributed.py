@@ -64,6 +64,11 @@ def test_tp2_and_dp2_runs_agree_with_one_process(corpus, tmp_path, dp2_reference
     # agree as statistics of the same model, not digit for digit
     assert dp2 == pytest.approx(single, rel=0.03)
     assert dp2[-1] < dp2[0] and tp2[-1] < tp2[0]
+    # every logged step reports the ranks' compute-time spread (the straggler hint)
+    for record in read_metrics(str(tmp_path / "tp2" / "metrics.jsonl")):
+        if record["kind"] == "train":
+            assert 0 < record["compute_s_min"] <= record["compute_s"] <= record["compute_s_max"]
+            assert record["slowest_rank"] in (0, 1)
     full_single = consolidate(str(tmp_path / "single" / "checkpoints"))["model"]
     full_tp2 = consolidate(str(tmp_path / "tp2" / "checkpoints"))["model"]
     for name, value in full_single.items():

@@ -207,6 +207,23 @@ class LoggingConfig:
     param_norm: bool = True
     """Log the global parameter norm at logged steps (a pass over every weight and one
     all-reduce per layout; the large presets turn it off)."""
+    wandb: bool = False
+    """Log to Weights & Biases on rank 0 (``pip install 'hlat-train[wandb]'``): the metrics
+    and the whole config; a resumed run logs into the same W&B run (its id is kept in
+    ``<out_dir>/wandb_run_id``). Mode and credentials come from W&B's environment
+    (``WANDB_MODE=offline``, ``WANDB_API_KEY``)."""
+    wandb_project: str = "hlat"
+    """W&B project."""
+    wandb_name: str = ""
+    """W&B run name (empty: W&B picks one)."""
+    profile_steps: list[int] = field(default_factory=list)
+    """Trace these steps with ``torch.profiler`` on every rank: ``[first, last]`` (or
+    ``[step]``), written to ``<out_dir>/profile`` as Chrome traces (TensorBoard's profiler
+    plugin, Perfetto). Empty: no tracing."""
+    memory_snapshot_step: int = 0
+    """Record the CUDA allocator's history and dump a snapshot after this step and on an
+    out-of-memory error, to ``<out_dir>/memory`` (open in pytorch.org/memory_viz); 0: off.
+    Other devices have no allocator history: the run logs that none is taken."""
 
 
 @dataclass

@@ -167,7 +167,14 @@ class MetricsWriter:
     """Writes one record per logged step to ``metrics.jsonl`` and, when asked and installed,
     to TensorBoard. Only rank 0 should create one."""
 
-    def __init__(self, out_dir: str, jsonl: bool = True, tensorboard: bool = False) -> None:
+    def __init__(
+        self,
+        out_dir: str,
+        jsonl: bool = True,
+        tensorboard: bool = False,
+        sinks: list[Any] | None = None,
+    ) -> None:
+        self._sinks = list(sinks or [])  # more destinations: objects with log() and close()
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self._file = open(self.path, "a") if jsonl else None  # noqa: SIM115 - closed in close()
@@ -192,6 +199,8 @@ class MetricsWriter:
             for key, value in record.items():
                 if key != "step" and isinstance(value, int | float):
                     self._tb.add_scalar(key, value, record["step"])
+        for sink in self._sinks:
+            sink.log(record)
 
     def close(self) -> None:
         """Flush and close."""
@@ -201,6 +210,9 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:

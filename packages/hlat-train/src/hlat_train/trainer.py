@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import signal
@@ -20,6 +21,7 @@ from hlat_train.config import ConfigError, TrainConfig
 from hlat_train.metrics import (
     MetricsWriter,
     Progress,
+    _synchronize,
     device_peak_tflops,
     memory_gib,
     plot_metrics,
@@ -266,8 +268,20 @@ class Trainer:
             "loader": self.loader,
             "trainer": self.state,
         }
+        sinks: list[Any] = []
+        if self.rank0 and c.logging.wandb:
+            from hlat_train.observe import WandbLogger
+
+            sinks.append(
+                WandbLogger(
+                    c.train.out_dir,
+                    c.logging.wandb_project,
+                    c.logging.wandb_name,
+                    dataclasses.asdict(c),
+                )
+            )
         self.writer = (
-            MetricsWriter(c.train.out_dir, c.logging.jsonl, c.logging.tensorboard)
+            MetricsWriter(c.train.out_dir, c.logging.jsonl, c.logging.tensorboard, sinks)
             if self.rank0
             else None
         )
@@ -420,9 +434,22 @@ class Trainer:
             self._deadline = time.monotonic() + c.train.time_limit
         last_saved = start if resumed is not None else -1
         window = _Window(self.device, start)
+        from hlat_train.observe import MemorySnapshot, StepProfiler
+
+        profiler = StepProfiler(
+            c.train.out_dir, self.dims.rank, c.logging.profile_steps, self.device
+        )
+        snapshot = MemorySnapshot(
+            c.train.out_dir, self.dims.rank, c.logging.memory_snapshot_step, self.device
+        )
+        if snapshot.note:
+            self._log(snapshot.note)
         try:
             while self.state.step < c.train.steps:
                 step = self.state.step + 1
+                profiler.begin(step)
+                step_start = time.perf_counter()
+                logged = step % c.logging.every == 0 or step == c.train.steps
 
                 # forward and backward over the micro-batches of one optimizer step
                 loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -439,6 +466,11 @@ class Trainer:
                     last_micro = micro == self.grad_accum - 1
                     loss = self._forward_backward(batch, last_micro)
                     loss_sum += loss.detach()
+                compute_s = math.nan
+                if logged:  # this step's device work, timed on the steps that read the device
+                    if self.dims.backend == "torch":  # XLA runs the step at mark_step instead
+                        _synchronize(self.device)
+                    compute_s = time.perf_counter() - step_start
                 loss_value = self._mean_over_dp(loss_sum)
                 if step in self._spike_injections:  # a drill: see SpikeConfig.inject_at
                     self._spike_injections.discard(step)
@@ -471,7 +503,7 @@ class Trainer:
                         window = _Window(self.device, self.state.step)
                         continue
                 if log:
-                    record = self._metrics(step, seen, lr, window, tokens_per_step)
+                    record = self._metrics(step, seen, lr, window, tokens_per_step, compute_s)
                     if self.writer:
                         self.writer.write(record)
                     progress.update(
@@ -503,6 +535,8 @@ class Trainer:
                     self.checkpointer.save(step, self.checkpoint_state)
                     last_saved = step
                 self._log_saves()
+                profiler.end(step)
+                snapshot.after(step)
                 if stop:
                     reason = "time limit" if self.out_of_time else "SIGTERM"
                     self._log(f"{reason}: saved step {step}, exiting")
@@ -511,7 +545,11 @@ class Trainer:
                 self.checkpointer.save(self.state.step, self.checkpoint_state)
             self.checkpointer.wait()
             self._log_saves()
+        except torch.OutOfMemoryError:
+            snapshot.on_oom()
+            raise
         finally:
+            profiler.close()
             self._finish_stop_flag()
             progress.close()
             signal.signal(signal.SIGTERM, previous_handler)
@@ -747,10 +785,18 @@ class Trainer:
         return dict(zip(values, stacked.cpu().tolist(), strict=True))
 
     def _metrics(
-        self, step: int, seen: dict[str, float], lr: float, window: _Window, tokens: int
+        self,
+        step: int,
+        seen: dict[str, float],
+        lr: float,
+        window: _Window,
+        tokens: int,
+        compute_s: float,
     ) -> dict[str, Any]:
         """The ``"train"`` record of a logged step; throughput over the steps since the last
-        logged one (the device was just read, so their work is done)."""
+        logged one (the device was just read, so their work is done). ``compute_s``: this
+        rank's forward and backward of this step; with several ranks, their spread (a
+        collective every rank joins)."""
         steps = max(step - window.start_step, 1)
         seconds = (time.perf_counter() - window.start_time) / steps
         tokens_per_s = tokens / seconds
@@ -773,6 +819,11 @@ class Trainer:
         }
         if "param_norm" in seen:
             record["param_norm"] = seen["param_norm"]
+        record["compute_s"] = compute_s
+        if self.world_size > 1 and self.dims.backend == "torch":
+            from hlat_train.observe import rank_compute_spread
+
+            record.update(rank_compute_spread(compute_s, self.device))
         return record
 
     @torch.no_grad()

@@ -62,9 +62,11 @@ def validate(
         ("parallel.cp", par.cp, 1),
         ("parallel.pp_virtual", par.pp_virtual, 0),
         ("parallel.pp_microbatches", par.pp_microbatches, 0),
+        ("logging.memory_snapshot_step", config.logging.memory_snapshot_step, 0),
     ):
         if value < low:
             raise ConfigError(f"{key} must be at least {low}, got {value}")
+    _check_observability(config)
     if run.init not in ("auto", "full", "sharded"):
         raise ConfigError(f"train.init must be 'auto', 'full' or 'sharded', got {run.init!r}")
     try:
@@ -270,3 +272,24 @@ def _check_pipeline(config: TrainConfig, llama: Any, world_size: int | None) -> 
         raise ConfigError(
             f"parallel (pp {par.pp}, schedule {par.pp_schedule}, virtual {virtual}): {e}"
         ) from None
+
+
+def _check_observability(config: TrainConfig) -> None:
+    """logging.profile_steps is a range of steps; W&B is installed when asked for."""
+    import importlib.util
+
+    log = config.logging
+    steps = log.profile_steps
+    if steps and (
+        len(steps) > 2 or any(s < 1 for s in steps) or (len(steps) == 2 and steps[0] > steps[1])
+    ):
+        raise ConfigError(
+            f"logging.profile_steps must be [first, last] (or [step]) with 1 <= first <= last, "
+            f"got {steps}"
+        )
+    if log.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            "logging.wandb = true needs the wandb package: pip install 'hlat-train[wandb]'"
+        )
+    if log.wandb and not log.wandb_project:
+        raise ConfigError("logging.wandb_project must not be empty when logging.wandb = true")

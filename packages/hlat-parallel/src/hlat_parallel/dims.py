@@ -316,6 +316,12 @@ def _attempt_store(
     try to connect to them ("Connection refused"). Prefixing every
     key with ``TORCHELASTIC_RESTART_COUNT`` gives each attempt a clean namespace. Rank 0
     hosts the store only when torchrun's agent does not (``TORCHELASTIC_USE_AGENT_STORE``).
+
+    Note: torch's own handling is not enough here. Its env:// rendezvous reuses the agent's
+    store without a per-attempt prefix (it assumes a new store per retry), and its dynamic
+    rendezvous prefixes only the agents' keys. With a plain ``init_process_group`` instead
+    of this store, ``tests/test_restart.py`` fails on torch 2.13 ("Gloo connectFullMesh
+    failed ... Connection refused": the dead worker's address).
     """
     attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"

@@ -32,9 +32,18 @@ def main() -> None:
 
     # Plain gradients sharded over a process group: each rank holds a slice of one vector.
     full = globals_(0, 10 * world)
+    # (marked as NeuronX Distributed marks its tensor-parallel shards), beside a plain
+    # replicated gradient that every rank holds whole (counted once).
     p = torch.nn.Parameter(torch.zeros(10))
+    p.tensor_model_parallel = True
     p.grad = full[rank * 10 : (rank + 1) * 10].clone()
-    result["group_norm"] = clip_grad_norm_([p], max_norm=1e9, groups=[dist.group.WORLD])
+    whole = torch.nn.Parameter(torch.zeros(4))
+    whole.grad = globals_(7, 4)
+    result["group_norm"] = clip_grad_norm_([p, whole], max_norm=1e9, groups=[dist.group.WORLD])
+    # pipeline stages: each rank holds other parameters; the squares add up over the group
+    stage = torch.nn.Parameter(torch.zeros(5))
+    stage.grad = globals_(20 + rank, 5)
+    result["stage_norm"] = clip_grad_norm_([stage], 1e9, stage_groups=[dist.group.WORLD])
 
     # DTensor gradients: one sharded on dim 0, one replicated (must count once).
     sharded = torch.nn.Parameter(distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)]))

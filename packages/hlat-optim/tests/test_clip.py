@@ -1,7 +1,21 @@
+"""`clip_grad_norm_` and `global_norm` on one process: the exact L2 norm, scaling only
+above max_norm, non-finite norms, no host read. Sharded, replicated and pipeline-stage
+layouts run in real gloo groups: tests/test_distributed.py here, and hlat-parallel's
+parity and pipeline tests."""
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from hlat_optim import NonFiniteGradNormError, clip_grad_norm_
+from hlat_optim import NonFiniteGradNormError, clip_grad_norm_, global_norm
+
+
+class NoHostRead(TorchDispatchMode):
+    """Fails on any operator that reads a tensor's value on the host."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        assert func not in (torch.ops.aten._local_scalar_dense.default,), f"host read: {func}"
+        return func(*args, **(kwargs or {}))
 
 
 def _params(*shapes, seed=0, dtype=torch.float32):
@@ -36,14 +50,15 @@ def test_bf16_gradient_norm_is_accumulated_in_fp32():
     torch.testing.assert_close(norm, torch.linalg.vector_norm(params[0].grad.float()))
 
 
-def test_non_finite_norm_warns_and_leaves_gradients_for_the_caller_to_skip():
+def test_non_finite_norm_leaves_gradients_for_the_caller_to_skip_without_a_host_read():
     params = _params((3,), (2,))
     params[1].grad[0] = float("nan")
     before = [p.grad.clone() for p in params]
-    with pytest.warns(RuntimeWarning, match=r"non-finite gradients: #1 \(2,\)"):
+    with NoHostRead():
         norm = clip_grad_norm_(params, max_norm=1.0)
     assert not norm.isfinite()
-    assert torch.equal(params[0].grad, before[0])
+    for p, b in zip(params, before, strict=True):
+        assert torch.equal(p.grad.nan_to_num(), b.nan_to_num())
 
 
 def test_non_finite_norm_raises_when_asked():
@@ -56,3 +71,39 @@ def test_non_finite_norm_raises_when_asked():
 def test_non_positive_max_norm_is_rejected():
     with pytest.raises(ValueError, match="max_norm must be > 0, got 0"):
         clip_grad_norm_(_params((3,)), max_norm=0)
+
+
+def test_non_finite_norm_names_the_parameters_when_asked_to_raise():
+    params = _params((3,), (2,))
+    params[1].grad[0] = float("nan")
+    with pytest.raises(NonFiniteGradNormError, match=r"non-finite gradients: #1 \(2,\)"):
+        clip_grad_norm_(params, max_norm=1.0, error_if_nonfinite=True)
+
+
+def test_returned_norm_is_the_float64_norm_of_large_gradients():
+    params = _params((1000,), (2_000_000,), (7,), seed=3)
+    exact = torch.cat([p.grad.double().flatten() for p in params]).norm()
+    norm = clip_grad_norm_(params, max_norm=1e9)
+    assert abs(norm.double() - exact) / exact < 1e-6
+
+
+def test_parameters_without_gradients_are_skipped():
+    params = [*_params((5,)), torch.nn.Parameter(torch.ones(3))]
+    clip_grad_norm_(params, max_norm=1.0)
+    assert params[-1].grad is None
+
+
+def test_infinite_max_norm_measures_without_clipping():
+    params = _params((50,))
+    before = params[0].grad.clone()
+    norm = clip_grad_norm_(params, max_norm=float("inf"))
+    assert torch.equal(params[0].grad, before)
+    torch.testing.assert_close(norm, torch.linalg.vector_norm(before))
+
+
+def test_global_norm_of_the_parameters_themselves():
+    params = _params((6, 4), (9,))
+    for p in params:
+        p.data.normal_()
+    exact = torch.cat([p.detach().double().flatten() for p in params]).norm()
+    assert abs(global_norm(params).double() - exact) / exact < 1e-6

@@ -42,10 +42,16 @@ def ranks(tmp_path_factory):
 pytestmark = pytest.mark.slow
 
 
-def test_plain_gradient_norm_is_summed_over_the_process_group(ranks):
-    expected = torch.linalg.vector_norm(globals_(0, 10 * WORLD))
+def test_plain_sharded_gradients_sum_over_the_group_and_replicated_ones_count_once(ranks):
+    expected = torch.linalg.vector_norm(torch.cat([globals_(0, 10 * WORLD), globals_(7, 4)]))
     for r in ranks:
         torch.testing.assert_close(r["group_norm"], expected)
+
+
+def test_pipeline_stage_norms_add_up_over_the_stage_group(ranks):
+    expected = torch.linalg.vector_norm(torch.cat([globals_(20 + i, 5) for i in range(WORLD)]))
+    for r in ranks:
+        torch.testing.assert_close(r["stage_norm"], expected)
 
 
 def test_dtensor_norm_covers_shards_once_and_replicas_once(ranks):

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from hlat_model import Llama, LlamaConfig, cross_entropy_loss
+from hlat_optim import clip_grad_norm_
 from hlat_parallel import (
-    clip_grad_norm_,
     init_parallel,
     loss_parallel,
     parallelize,
@@ -40,7 +40,7 @@ def main() -> None:
         with loss_parallel(dims):
             loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
             loss.backward()
-        clip_grad_norm_(model.parameters(), 1.0, dims)
+        clip_grad_norm_(model.parameters(), 1.0, **dims.norm_groups())
         optimizer.step()
         optimizer.zero_grad()
 

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hlat_model import Llama, LlamaConfig, cross_entropy_loss
+from hlat_optim import clip_grad_norm_
 from hlat_parallel import (
     ParallelConfigError,
-    clip_grad_norm_,
     init_parallel,
     loss_parallel,
     no_grad_sync,
@@ -80,10 +80,10 @@ def run_case(case: dict, dims, accumulate: int, optimizer_cls) -> dict:
         if step == 0:
             out["loss"] = loss / dims.dp
             out["grads"] = {n: full(p.grad) for n, p in model.named_parameters()}
-            out["norm"] = clip_grad_norm_(model.parameters(), MAX_NORM, dims)
+            out["norm"] = clip_grad_norm_(model.parameters(), MAX_NORM, **dims.norm_groups())
             out["clipped"] = {n: full(p.grad) for n, p in model.named_parameters()}
         else:
-            clip_grad_norm_(model.parameters(), MAX_NORM, dims)
+            clip_grad_norm_(model.parameters(), MAX_NORM, **dims.norm_groups())
         optimizer.step()
         optimizer.zero_grad()
     out["params"] = {n: full(p) for n, p in model.named_parameters()}

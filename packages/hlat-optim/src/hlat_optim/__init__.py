@@ -4,7 +4,7 @@
 """
 
 from hlat_optim.adamw import AdamW, adamw_update
-from hlat_optim.clip import NonFiniteGradNormError, clip_grad_norm_
+from hlat_optim.clip import NonFiniteGradNormError, clip_grad_norm_, global_norm
 from hlat_optim.rounding import stochastic_round, stochastic_round_
 from hlat_optim.schedule import CosineWithWarmup, cosine_with_warmup
 
@@ -17,6 +17,7 @@ __all__ = [
     "adamw_update",
     "clip_grad_norm_",
     "cosine_with_warmup",
+    "global_norm",
     "stochastic_round",
     "stochastic_round_",
 ]

@@ -1,9 +1,22 @@
-"""Global gradient-norm clipping across plain tensors, DTensors and process groups."""
+"""Global L2 norms and gradient clipping for any layout: plain tensors, DTensors (tensor-,
+sequence- and data-parallel shards, FSDP2's ``_StridedShard`` under TP), replicas, pipeline
+stages, and NeuronX Distributed's plain tensor-parallel shards.
+
+Note: this is hlat's one clipping implementation. It lives in hlat-optim because clipping
+belongs to the optimizer step that every trainer runs, and the layout it needs is either in
+the tensors themselves (a DTensor's placements say which mesh dimensions hold distinct
+shards) or a few process groups the caller passes; so it needs no knowledge of
+``hlat_parallel`` (no hlat package imports another, hlat-train aside). hlat-parallel's
+``ParallelDims.norm_groups()`` gives those groups for its layouts.
+
+Nothing is read on the host: the norm stays a device tensor, and a non-finite norm leaves
+the gradients unscaled so the caller can skip the update on the device
+(``AdamW.step(skip=~norm.isfinite())``). ``error_if_nonfinite=True`` opts into one host read.
+"""
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -11,119 +24,145 @@ import torch.distributed as dist
 
 from hlat_optim.rounding import _is_dtensor, _local
 
-__all__ = ["NonFiniteGradNormError", "clip_grad_norm_"]
+__all__ = ["NonFiniteGradNormError", "clip_grad_norm_", "global_norm"]
 
 
 class NonFiniteGradNormError(RuntimeError):
     """Raised by ``clip_grad_norm_(..., error_if_nonfinite=True)`` on an inf or NaN norm."""
 
 
-def _sq_norm(t: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(t, 2, dtype=torch.float32).square()
+def nxd_tensor_parallel(param: torch.Tensor) -> bool:
+    """NeuronX Distributed marks the parameters its layers split over TP with
+    ``tensor_model_parallel = True``; everything else is replicated across TP."""
+    return bool(getattr(param, "tensor_model_parallel", False))
 
 
-def _dtensor_sq_norms(grads: list[Any], device: torch.device) -> torch.Tensor:
-    """Sum of squared norms of DTensor gradients, complete on every rank.
+def _square(t: torch.Tensor) -> torch.Tensor:
+    # Note: fp32 squares summed by ``sum``'s cascaded reduction: within 1e-6 of the float64
+    # norm on millions of elements, where ``vector_norm(..., dtype=float32)`` drifts by 3e-5
+    # on the CPU (the parity tests compare layouts at 1e-5).
+    return t.detach().float().square().sum()
 
-    Shards of one placement layout are summed locally and all-reduced once over the mesh
-    dimensions they are sharded on; replicated dimensions are not reduced, so a replicated
-    gradient is counted once.
-    """
-    from torch.distributed.tensor import Replicate, Shard
 
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    layouts: dict[tuple[Any, tuple[Any, ...]], list[torch.Tensor]] = {}
-    for g in grads:
-        if all(isinstance(pl, (Shard, Replicate)) for pl in g.placements):
-            layouts.setdefault((g.device_mesh, tuple(g.placements)), []).append(g.to_local())
-        else:
-            # Partial (pending-reduction) gradients: let DTensor finish the norm itself.
-            total = (
-                total + torch.linalg.vector_norm(g, 2, dtype=torch.float32).full_tensor().square()
+def _square_and_groups(
+    param: torch.Tensor,
+    tensor: torch.Tensor,
+    groups: Sequence[Any],
+    sharded: Callable[[torch.Tensor], bool],
+) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    """This rank's sum of squares of ``tensor`` and the groups over which it is summed."""
+    if _is_dtensor(tensor):
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        assert isinstance(tensor, DTensor)
+        if any(isinstance(p, Partial) for p in tensor.placements):  # pending reduction
+            tensor = tensor.redistribute(
+                placements=[Replicate() if isinstance(p, Partial) else p for p in tensor.placements]
             )
-    for (mesh, placements), locals_ in layouts.items():
-        sq = torch.stack([_sq_norm(t) for t in locals_]).sum().to(device)
-        for mesh_dim, placement in enumerate(placements):
-            if isinstance(placement, Shard):
-                dist.all_reduce(sq, group=mesh.get_group(mesh_dim))
-        total = total + sq
-    return total
+        mesh = tensor.device_mesh
+        # every placement but Replicate holds distinct elements per rank (Shard and FSDP's
+        # _StridedShard alike): their squares add up over that mesh dimension
+        held = tuple(
+            mesh.get_group(i) for i, p in enumerate(tensor.placements) if not p.is_replicate()
+        )
+        return _square(tensor.to_local()), held
+    return _square(tensor), tuple(groups) if sharded(param) else ()
 
 
+@torch.no_grad()
+def global_norm(
+    params: Iterable[torch.Tensor],
+    tensors: Iterable[torch.Tensor] | None = None,
+    *,
+    groups: Sequence[Any] = (),
+    stage_groups: Sequence[Any] = (),
+    sharded: Callable[[torch.Tensor], bool] = nxd_tensor_parallel,
+) -> torch.Tensor:
+    """The L2 norm over ``tensors`` (default: ``params`` themselves; or their gradients, each
+    laid out like the parameter beside it), complete on every rank, as a 0-d fp32 tensor on
+    the tensors' device.
+
+    - DTensors add up their shards' squares over the mesh dimensions they are not
+      replicated on (one all-reduce per distinct set of groups); replicas count once.
+    - Plain tensors whose parameter ``sharded(param)`` says is split (NxD's
+      ``tensor_model_parallel`` by default) add up over each process group of ``groups``;
+      other plain tensors are whole on every rank and count once.
+    - ``stage_groups``: groups whose ranks hold *different* parameters (pipeline stages);
+      the totals add up over them.
+
+    Every rank of every group involved must call it, in the same parameter order.
+
+    Note: ``torch.nn.utils.clip_grad_norm_`` cannot mix DTensors on different meshes (2-D
+    TP x FSDP weights beside 1-D FSDP-only norm weights); summing squares per group of ranks
+    can, with at most one all-reduce per distinct group.
+    """
+    params = list(params)
+    tensors = params if tensors is None else list(tensors)
+    if len(tensors) != len(params):
+        raise ValueError(f"global_norm: {len(params)} params but {len(tensors)} tensors")
+    device = _local(tensors[0]).device if tensors else torch.device("cpu")
+    totals: dict[tuple[Any, ...], torch.Tensor] = {}
+    for param, tensor in zip(params, tensors, strict=True):
+        square, held = _square_and_groups(param, tensor, groups, sharded)
+        square = square.to(device)
+        totals[held] = totals[held] + square if held in totals else square
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    # insertion order follows the parameter order, the same on every rank, so the
+    # all-reduces pair up
+    for held, square in totals.items():
+        for group in held:
+            dist.all_reduce(square, group=group)
+        total = total + square
+    for group in stage_groups:
+        dist.all_reduce(total, group=group)
+    return total.sqrt()
+
+
+@torch.no_grad()
 def clip_grad_norm_(
     params: torch.Tensor | Iterable[torch.Tensor],
     max_norm: float,
-    groups: Sequence[dist.ProcessGroup] | None = None,
+    groups: Sequence[Any] = (),
     *,
+    stage_groups: Sequence[Any] = (),
+    sharded: Callable[[torch.Tensor], bool] = nxd_tensor_parallel,
     error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
-    """Scale gradients in place so that their global L2 norm is at most ``max_norm``;
-    return the norm before clipping (a float32 0-d tensor).
+    """Scale gradients in place so their global L2 norm is at most ``max_norm``; return the
+    norm before clipping (a 0-d fp32 tensor on the device, the same on every rank).
 
-    The norm covers every gradient of ``params``: plain tensors, whose squared norm is
-    summed over each process group in ``groups`` (the groups the plain gradients are
-    sharded over, e.g. the tensor-parallel group of NxD-style layers), and DTensors, whose
-    norm is computed over their global tensor from the local shards (one all-reduce per
-    placement layout, never a gather of gradients). Every rank of ``groups`` must call it.
-
-    If the norm is inf or NaN the gradients are left untouched, a ``RuntimeWarning`` names
-    the problem, and the returned norm lets the caller skip the step
-    (``if not norm.isfinite(): optimizer.zero_grad(); continue``); with
-    ``error_if_nonfinite=True`` a ``NonFiniteGradNormError`` naming the offending local
-    parameters is raised instead.
-
-    Note: checking finiteness reads the norm on the host, one device sync per call; a
-    trainer that logs the norm every step pays it anyway.
+    The norm is :func:`global_norm` over the gradients (``groups``, ``stage_groups`` and
+    ``sharded`` as there; ``hlat_parallel.ParallelDims.norm_groups()`` gives them for its
+    layouts). Data-parallel gradients are already averaged across replicas, so they count
+    once. A non-finite norm leaves every gradient as it is, without a host read; the
+    returned norm lets the caller skip the update (``AdamW.step(skip=~norm.isfinite())``).
+    ``error_if_nonfinite=True`` reads the norm on the host and raises
+    :class:`NonFiniteGradNormError` naming the local parameters with non-finite gradients.
+    ``max_norm = inf`` measures without clipping.
     """
     if isinstance(params, torch.Tensor):
         params = [params]
-    params = list(params)
     if not max_norm > 0:
         raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
-    grads = [p.grad for p in params if p.grad is not None]
-    plain = [g for g in grads if not _is_dtensor(g)]
-    dtensors = [g for g in grads if _is_dtensor(g)]
-    if grads:
-        device = _local(grads[0]).device
-    elif params:
-        device = params[0].device
-    else:
-        device = torch.device("cpu")
-
-    total_sq = torch.zeros((), dtype=torch.float32, device=device)
-    if plain:
-        total_sq = torch.stack([_sq_norm(g).to(device) for g in plain]).sum()
-    for group in groups or ():
-        # Called even with no local gradients: every member must join the collective.
-        dist.all_reduce(total_sq, group=group)
-    if dtensors:
-        total_sq = total_sq + _dtensor_sq_norms(dtensors, device)
-    total = total_sq.sqrt()
-
-    if not bool(torch.isfinite(total)):
+    with_grad = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in with_grad]
+    norm = global_norm(with_grad, grads, groups=groups, stage_groups=stage_groups, sharded=sharded)  # type: ignore[arg-type]
+    if error_if_nonfinite and not bool(norm.isfinite()):
         bad = [
             f"#{i} {tuple(p.shape)}"
-            for i, p in enumerate(params)
-            if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all())
+            for i, p in enumerate(with_grad)
+            if not bool(torch.isfinite(_local(p.grad)).all())  # type: ignore[arg-type]
         ]
         where = (
             f"local parameters with non-finite gradients: {', '.join(bad)}"
             if bad
-            else (
-                "no local gradient is non-finite, so the norm overflowed float32 or another rank "
-                "holds the bad values"
-            )
+            else "no local gradient is non-finite: the norm overflowed float32, or another "
+            "rank holds the bad values"
         )
-        message = f"clip_grad_norm_: gradient norm is {total.item()}; {where}"
-        if error_if_nonfinite:
-            raise NonFiniteGradNormError(message)
-        warnings.warn(
-            message + "; gradients left unscaled, skip this step", RuntimeWarning, stacklevel=2
-        )
-        return total
-
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        local = _local(g)
+        raise NonFiniteGradNormError(f"clip_grad_norm_: gradient norm is {norm.item()}; {where}")
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    coef = torch.where(norm.isfinite(), coef, torch.ones_like(coef))
+    for grad in grads:
+        local = _local(grad)  # type: ignore[arg-type]
         local.mul_(coef.to(local.device, local.dtype))
-    return total
+    return norm

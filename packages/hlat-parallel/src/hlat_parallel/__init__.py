@@ -5,7 +5,6 @@ data.
 """
 
 from hlat_parallel.apply import parallelize
-from hlat_parallel.clip import clip_grad_norm_, global_norm, param_norm
 from hlat_parallel.context import (
     ContextParallelAttention,
     apply_context_parallel,
@@ -70,18 +69,15 @@ __all__ = [
     "check_device",
     "check_parallel_config",
     "check_schedule",
-    "clip_grad_norm_",
     "compile_backend_for",
     "cp_indices",
     "default_virtual",
     "dist_backend_for",
-    "global_norm",
     "init_parallel",
     "loss_parallel",
     "match_plan",
     "no_grad_sync",
     "parallelize",
-    "param_norm",
     "parse_plan",
     "pins_memory",
     "rank_module",

@@ -214,6 +214,17 @@ class ParallelDims:
             return self.dp_group
         return self.dp_cp_mesh.get_group()
 
+    def norm_groups(self) -> dict[str, Any]:
+        """The process groups a global norm of this layout's parameters or gradients sums
+        over, as keyword arguments of ``hlat_optim.clip_grad_norm_`` / ``global_norm``:
+        ``groups`` for the plain tensor-parallel shards of NxD layers (trn1; DTensors carry
+        their own layout), ``stage_groups`` for pipeline stages, whose ranks hold different
+        layers. ``clip_grad_norm_(model.parameters(), 1.0, **dims.norm_groups())``."""
+        return {
+            "groups": (self.tp_group,) if self.backend == "neuron" and self.tp > 1 else (),
+            "stage_groups": (self.pp_group,) if self.pp > 1 else (),
+        }
+
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)

@@ -726,7 +726,7 @@ class Trainer:
         ``rollback`` read its verdict on the host before the step (one XLA graph execution
         per step, the price of those policies on trn1).
         """
-        from hlat_parallel import clip_grad_norm_
+        from hlat_optim import clip_grad_norm_
 
         if self.dims.backend == "neuron":
             spike, skip = self._judge(loss, torch.zeros_like(loss))
@@ -737,7 +737,7 @@ class Trainer:
             grad_norm = norm if norm is not None else torch.full_like(loss, math.nan)
             return grad_norm, spike, torch.full_like(spike, skipped)
         max_norm = self.config.optim.clip or math.inf
-        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, self.dims)
+        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, **self.dims.norm_groups())
         spike, skip = self._judge(loss, grad_norm)
         self.optimizer.step(skip=skip)  # type: ignore[call-overload]
         return grad_norm, spike, skip
@@ -768,7 +768,7 @@ class Trainer:
     ) -> dict[str, float]:
         """Everything the host needs from the device at a logged or checkpoint step, in one
         transfer."""
-        from hlat_parallel import param_norm
+        from hlat_optim import global_norm
 
         values = {
             "first_spike": window.first_spike,
@@ -780,7 +780,7 @@ class Trainer:
             "skipped": window.skipped,
         }
         if log and self.config.logging.param_norm:
-            values["param_norm"] = param_norm(self.model.parameters(), self.dims)
+            values["param_norm"] = global_norm(self.model.parameters(), **self.dims.norm_groups())
         stacked = torch.stack([v.detach().to(self.device, torch.float64) for v in values.values()])
         return dict(zip(values, stacked.cpu().tolist(), strict=True))
 

@@ -108,3 +108,16 @@ def test_command_line_reports_bad_input_in_one_line_with_status_2(tmp_path):
         result.stderr.strip()
         == f"hlat-data stats: {tmp_path / 'missing.arrow'}: no such file or directory"
     )
+
+
+def test_help_is_plain_text_and_every_option_has_help():
+    from hlat_data.cli import build_parser
+
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    for name, sub in commands.items():
+        for action in sub._actions:
+            assert action.help, f"hlat-data {name} {action.option_strings or action.dest}"
+        text = sub.format_help()
+        assert "``" not in text and ":func:" not in text and ":class:" not in text, name
+    assert "``" not in parser.format_help()

@@ -14,35 +14,48 @@ from hlat_data.tokenizer import Tokenizer, train_tokenizer
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``hlat-data``."""
-    parser = argparse.ArgumentParser(prog="hlat-data", description=__doc__)
+    """The argument parser of ``hlat-data`` (help in plain text, defaults shown)."""
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="hlat-data",
+        description="Prepare pre-training text: convert it to Arrow, train a SentencePiece "
+        "tokenizer, count documents and tokens.",
+        formatter_class=fmt,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     convert = commands.add_parser(
         "convert",
         help="jsonl, jsonl.gz, parquet, plain text, datasets directories -> one Arrow file",
+        formatter_class=fmt,
     )
     convert.add_argument("inputs", nargs="+", help="files, globs or directories")
     convert.add_argument("-o", "--output", required=True, help="the Arrow file to write")
-    convert.add_argument("--text-field", default="text", help="field/column with the text")
+    convert.add_argument("--text-field", default="text", help="field or column with the text")
     convert.add_argument("--batch-rows", type=int, default=8192, help="rows per record batch")
     convert.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     train = commands.add_parser(
-        "train-tokenizer", help="SentencePiece BPE with Llama-2 settings from Arrow or text"
+        "train-tokenizer",
+        help="SentencePiece BPE with Llama-2 settings from Arrow or text",
+        formatter_class=fmt,
     )
     train.add_argument("inputs", nargs="+", help="Arrow/Parquet files, directories, text files")
     train.add_argument("-o", "--output", required=True, help="model path (.model appended)")
-    train.add_argument("--vocab-size", type=int, default=32000)
-    train.add_argument("--text-column", default="text")
+    train.add_argument("--vocab-size", type=int, default=32000, help="pieces in the vocabulary")
+    train.add_argument("--text-column", default="text", help="column with the text (Arrow input)")
     train.add_argument(
         "--max-chars", type=int, default=200_000_000, help="characters fed to the trainer at most"
     )
 
-    stats = commands.add_parser("stats", help="documents, characters, tokens, length histogram")
+    stats = commands.add_parser(
+        "stats", help="documents, characters, tokens, length histogram", formatter_class=fmt
+    )
     stats.add_argument("inputs", nargs="+", help="anything ArrowSource reads")
-    stats.add_argument("--tokenizer", help="a .model or tokenizer.json to count tokens")
-    stats.add_argument("--text-column", default="text")
+    stats.add_argument(
+        "--tokenizer", help="a SentencePiece .model or a tokenizer.json, to count tokens"
+    )
+    stats.add_argument("--text-column", default="text", help="column with the text")
     stats.add_argument("--max-documents", type=int, help="read only the first N documents")
     return parser
 

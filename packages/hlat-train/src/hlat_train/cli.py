@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import sys
+from typing import Any
 
 from hlat_train.config import ConfigError, TrainConfig, preset_names
 
@@ -28,7 +29,11 @@ EXIT_PREEMPTED = 143  # 128 + SIGTERM, what a scheduler expects from a terminate
 
 
 def _overrides(extra: list[str]) -> list[str]:
-    """``--section.key=value`` or ``--section.key value`` items, as ``section.key=value``."""
+    """``--section.key=value``, ``--section.key value``, and for boolean keys a bare
+    ``--section.key`` (true) or ``--no-section.key`` (false), as ``section.key=value``."""
+    from hlat_train.confighelp import bool_keys
+
+    booleans = bool_keys(TrainConfig)
     out: list[str] = []
     i = 0
     while i < len(extra):
@@ -36,13 +41,23 @@ def _overrides(extra: list[str]) -> list[str]:
         if not item.startswith("--") or "." not in item.split("=", 1)[0]:
             raise ConfigError(
                 f"unexpected argument {item!r}; overrides look like --section.key=value "
-                "(see hlat-train print-config)"
+                "(hlat-train train --help lists the keys)"
             )
         if "=" not in item:
-            if i + 1 >= len(extra):
-                raise ConfigError(f"override {item} has no value")
-            item = f"{item}={extra[i + 1]}"
-            i += 1
+            key = item[2:]
+            has_value = i + 1 < len(extra) and not extra[i + 1].startswith("--")
+            if key.startswith("no-") and key[3:] in booleans:
+                item = f"--{key[3:]}=false"
+            elif has_value:
+                item = f"{item}={extra[i + 1]}"
+                i += 1
+            elif key in booleans:
+                item = f"{item}=true"
+            else:
+                raise ConfigError(
+                    f"override {item} has no value; only boolean keys may stand alone "
+                    "(hlat-train train --help lists every key with its type)"
+                )
         out.append(item)
         i += 1
     return out
@@ -52,7 +67,9 @@ def _load(args: argparse.Namespace, extra: list[str]) -> TrainConfig:
     return TrainConfig.from_toml(args.config, _overrides(extra))
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(keys: bool = False) -> argparse.ArgumentParser:
+    """The command line; ``keys``: list every config key in the help of the commands that
+    take overrides (built only for ``--help``: it reads the config's source)."""
     parser = argparse.ArgumentParser(
         prog="hlat-train",
         description="Pre-train Llama-family models the HLAT way. Any --section.key=value "
@@ -60,11 +77,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     config_help = f"a TOML file or a preset ({', '.join(preset_names())})"
+    epilog = None
+    if keys:
+        from hlat_train.confighelp import keys_help
 
-    train = sub.add_parser("train", help="train (under torchrun for many processes)")
+        epilog = keys_help(TrainConfig)
+    with_keys: dict[str, Any] = {
+        "epilog": epilog,
+        "formatter_class": argparse.RawDescriptionHelpFormatter,
+    }
+
+    train = sub.add_parser("train", help="train (under torchrun for many processes)", **with_keys)
     train.add_argument("--config", required=True, help=config_help)
 
-    show = sub.add_parser("print-config", help="print the merged config as TOML and validate it")
+    show = sub.add_parser(
+        "print-config", help="print the merged config as TOML and validate it", **with_keys
+    )
     show.add_argument("--config", required=True, help=config_help)
     show.add_argument(
         "--no-check-files", action="store_true", help="do not check data and tokenizer paths"
@@ -76,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
         "plan",
         help="dry run of the layout at full size: memory, communication and checkpoint "
         "bytes per rank, and whether it fits the device (exit 1 when it does not)",
+        **with_keys,
     )
     plan.add_argument("--config", required=True, help=config_help)
     plan.add_argument("--nodes", type=int, default=None, help="nodes (default: the config's)")
@@ -124,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         from hlat_train.preflight import main as preflight
 
         return preflight(words[1:])
-    args, extra = _parser().parse_known_args(argv)
+    args, extra = _parser(keys="-h" in words or "--help" in words).parse_known_args(words)
     try:
         if args.command == "presets":
             print("\n".join(preset_names()))

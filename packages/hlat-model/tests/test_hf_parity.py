@@ -106,3 +106,12 @@ def test_non_llama_or_biased_configs_are_refused():
         config_from_hf({**base, "attention_bias": True})
     with pytest.raises(ValueError, match="rope_scaling"):
         config_from_hf({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+
+
+def test_bos_and_eos_come_from_the_caller_and_are_never_guessed():
+    config = config_from_hf(_hf_model("gqa").config)
+    assert "bos_token_id" not in config_to_hf(config)
+    assert "eos_token_id" not in config_to_hf(config)
+    llama3 = config_to_hf(config, bos_token_id=128000, eos_token_id=128001)
+    rebuilt = transformers.LlamaConfig(**llama3)
+    assert (rebuilt.bos_token_id, rebuilt.eos_token_id) == (128000, 128001)

@@ -66,9 +66,20 @@ def _rope_theta(get: Any) -> float:
     return float(theta)
 
 
-def config_to_hf(config: LlamaConfig, torch_dtype: str = "bfloat16") -> dict[str, Any]:
-    """A Hugging Face ``config.json`` dict for ``LlamaForCausalLM``."""
-    return {
+def config_to_hf(
+    config: LlamaConfig,
+    torch_dtype: str = "bfloat16",
+    *,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+) -> dict[str, Any]:
+    """A Hugging Face ``config.json`` dict for ``LlamaForCausalLM``.
+
+    The BOS and EOS ids belong to the tokenizer, not the model (Llama-2's are 1 and 2,
+    Llama-3's 128000 and 128001): pass them, or they are left out of the dict rather than
+    guessed.
+    """
+    out: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": config.vocab_size,
@@ -88,9 +99,12 @@ def config_to_hf(config: LlamaConfig, torch_dtype: str = "bfloat16") -> dict[str
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": torch_dtype,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
     }
+    if bos_token_id is not None:
+        out["bos_token_id"] = bos_token_id
+    if eos_token_id is not None:
+        out["eos_token_id"] = eos_token_id
+    return out
 
 
 def state_dict_from_hf(

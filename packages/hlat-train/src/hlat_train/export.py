@@ -102,8 +102,9 @@ def export_hf(
 
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    hf_config = config_to_hf(llama, torch_dtype=dtype)
-    hf_config.update(bos_token_id=sp.bos_id(), eos_token_id=sp.eos_id())
+    hf_config = config_to_hf(
+        llama, torch_dtype=dtype, bos_token_id=sp.bos_id(), eos_token_id=sp.eos_id()
+    )
     _write_json(os.path.join(out_dir, "config.json"), hf_config)
     _write_json(
         os.path.join(out_dir, "generation_config.json"),

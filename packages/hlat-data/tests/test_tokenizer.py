@@ -67,3 +67,24 @@ def test_trained_tokenizer_keeps_code_layout_exactly(tokenizer_path):
     code = "def f(x):\n    if x:\n\t\treturn  x  # two  spaces\n\n    return 12345\n"
     assert sp.decode(sp.encode(code)) == code
     assert all(sum(c.isdigit() for c in piece) <= 1 for piece in sp.encode_as_pieces("x = 12345"))
+
+
+def test_encoding_threads_default_to_the_cores_shared_by_the_node_s_processes(monkeypatch):
+    from hlat_data import default_threads
+    from hlat_data.tokenizer import usable_cores
+
+    cores = usable_cores()
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert default_threads() == cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert default_threads() == max(1, cores // 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores * 32))  # more ranks than cores
+    assert default_threads() == 1
+
+
+def test_a_tokenizer_takes_the_default_unless_told(tokenizer_path, monkeypatch):
+    from hlat_data import Tokenizer, default_threads
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert Tokenizer.from_file(tokenizer_path).num_threads == default_threads()
+    assert Tokenizer.from_file(tokenizer_path, num_threads=3).num_threads == 3

@@ -9,7 +9,7 @@ from hlat_data.errors import DataError
 from hlat_data.loader import PackedLoader, merge_states
 from hlat_data.packer import IGNORE_INDEX, Batch
 from hlat_data.source import ArrowSource
-from hlat_data.tokenizer import Tokenizer, train_tokenizer
+from hlat_data.tokenizer import Tokenizer, default_threads, train_tokenizer
 
 __version__ = "0.4.0"
 
@@ -22,6 +22,7 @@ __all__ = [
     "Tokenizer",
     "convert_to_arrow",
     "corpus_stats",
+    "default_threads",
     "merge_states",
     "train_tokenizer",
 ]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import multiprocessing
-import os
 import queue
 import threading
 import time
@@ -19,7 +18,7 @@ from hlat_data.errors import DataError
 from hlat_data.order import RankShare, ResumedShare, check_layout
 from hlat_data.packer import Batch, Chunk, Packer
 from hlat_data.source import ArrowSource
-from hlat_data.tokenizer import Tokenizer
+from hlat_data.tokenizer import Tokenizer, usable_cores
 
 STATE_FORMAT = "hlat-data/1"
 
@@ -240,7 +239,7 @@ class PackedLoader:
         # Note: once the workers run, this process helps only if they leave a core free;
         # on a machine they fill, a third encoder would compete for the cores and meet
         # every word anew in a word cache of its own
-        helps = self.num_workers < _usable_cores()
+        helps = self.num_workers < usable_cores()
         try:
             tasks = enumerate(self._tasks())
             in_flight = 0
@@ -479,11 +478,6 @@ def _shut_down(workers: list[Any], inbox: Any, results: Any, stop: Any) -> None:
     for q in (inbox, results):
         q.cancel_join_thread()
         q.close()
-
-
-def _usable_cores() -> int:
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 def _next_result(

@@ -17,6 +17,26 @@ _HF_EOS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
 _HF_BOS = ("<s>", "<|begin_of_text|>", "<bos>")
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
+def default_threads() -> int:
+    """Encoding threads per process: this process's cores shared by the processes of its node
+    (torchrun's ``LOCAL_WORLD_SIZE``), at least 1.
+
+    Note: every rank tokenizes; 32 ranks on a 128-core trn1 node each starting 128 threads
+    would oversubscribe the node 32 times over.
+    """
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, usable_cores() // local)
+
+
 class Tokenizer:
     """Batch encoding with the BOS/EOS ids the model defines.
 
@@ -59,7 +79,7 @@ class Tokenizer:
         self._model = model
         self._bos_token = bos_token
         self._eos_token = eos_token
-        self.num_threads = num_threads or os.cpu_count() or 1
+        self.num_threads = num_threads or default_threads()
         self.cache_size = cache_size
         self._impl: Any = None
         self._words_impl: Any = None  # the model without its dummy prefix, for single words

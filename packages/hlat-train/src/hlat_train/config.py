@@ -85,6 +85,9 @@ class DataConfig:
     """Restart positions at each packed document and block attention across documents.
     HLAT attends across documents (``false``, the default of every preset); masking is a
     known improvement. On the tiny demo model on CPU it costs about 3 % per step."""
+    tokenizer_threads: int = 0
+    """Threads each process encodes with; 0: its cores shared by the processes of its node
+    (``hlat_data.default_threads``)."""
     num_workers: int = 0
     """Tokenizer processes per rank (0: tokenize in the training process)."""
     seed: int = 1234

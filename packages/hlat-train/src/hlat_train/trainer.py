@@ -224,7 +224,9 @@ class Trainer:
             min_lr_ratio=c.optim.min_lr_ratio,
             constant_steps=c.optim.constant_steps,
         )
-        self.tokenizer = Tokenizer.from_file(c.data.tokenizer)
+        self.tokenizer = Tokenizer.from_file(
+            c.data.tokenizer, num_threads=c.data.tokenizer_threads or None
+        )
         self.loader = PackedLoader(
             ArrowSource(c.data.paths, text_column=c.data.text_column),
             self.tokenizer,

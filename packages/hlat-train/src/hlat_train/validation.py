@@ -57,6 +57,7 @@ def validate(
         ("train.global_batch_size", run.global_batch_size, 0),
         ("train.eval_every", run.eval_every, 0),
         ("data.num_workers", data.num_workers, 0),
+        ("data.tokenizer_threads", data.tokenizer_threads, 0),
         ("optim.warmup_steps", optim.warmup_steps, 0),
         ("parallel.pp", par.pp, 1),
         ("parallel.cp", par.cp, 1),

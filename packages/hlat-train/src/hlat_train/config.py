@@ -61,6 +61,10 @@ class ModelConfig:
     """Activation checkpointing: ``none``, ``selective`` (HLAT) or ``full``."""
     attention: str | None = None
     """``auto``, ``sdpa`` or ``flex``."""
+    init_from_hf: str = ""
+    """A Hugging Face Llama ``save_pretrained`` directory (safetensors) to start from, for
+    continued pre-training; its shape must be the model's (checked before any work). Each
+    rank reads only the slices it holds. On resume the checkpoint's weights win."""
 
 
 @dataclass
@@ -439,7 +443,7 @@ class TrainConfig:
         fields = {
             f.name: getattr(self.model, f.name)
             for f in dataclasses.fields(self.model)
-            if f.name != "preset" and getattr(self.model, f.name) is not None
+            if f.name not in ("preset", "init_from_hf") and getattr(self.model, f.name) is not None
         }
         if fields.get("vocab_size") == 0:
             if tokenizer_vocab is None:

@@ -210,6 +210,14 @@ class Trainer:
 
             apply_context_parallel(model, dims.cp_mesh)
         self.model = model
+        if c.model.init_from_hf:
+            from hlat_model.hf_load import load_hf_weights
+
+            read = load_hf_weights(model, c.model.init_from_hf, self.llama_config)
+            self._log(
+                f"weights from {c.model.init_from_hf} ({read / 1e6:.1f} M elements read by "
+                "this rank; a checkpoint to resume from replaces them)"
+            )
         # the modules that run (the pipeline stages, or the model) for FSDP's bookkeeping
         self.model_parts = self.pipeline.modules if self.pipeline is not None else [model]
         if dims.backend == "neuron":

@@ -226,7 +226,41 @@ def validate(
                 f"data.micro_batch_size x dp = {data.micro_batch_size} x {dp} = {per_step}; "
                 "gradient accumulation needs a whole number of micro-steps"
             )
+    if config.model.init_from_hf and check_files:
+        _check_hf_init(config.model.init_from_hf, llama)
     return llama
+
+
+def _check_hf_init(path: str, llama: Any) -> None:
+    """model.init_from_hf names a safetensors ``save_pretrained`` directory whose config is
+    the model's, field by field."""
+    import json
+
+    from hlat_model.hf import config_from_hf
+    from hlat_model.hf_load import hf_files
+
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isdir(path) or not os.path.exists(config_path):
+        raise ConfigError(
+            f"model.init_from_hf {path!r} is not a Hugging Face save_pretrained directory "
+            "(no config.json there)"
+        )
+    try:
+        hf_files(path)
+        with open(config_path) as f:
+            theirs = config_from_hf(json.load(f))
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"model.init_from_hf {path!r}: {e}") from None
+    for field in (
+        "vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "ffn_dim", "rope_theta",
+        "norm_eps", "tie_embeddings",
+    ):  # fmt: skip
+        mine, hf = getattr(llama, field), getattr(theirs, field)
+        if mine != hf:
+            raise ConfigError(
+                f"model.init_from_hf {path!r}: its {field} is {hf}, the model's is {mine}; "
+                "set the model section (preset and overrides) to the checkpoint's shape"
+            )
 
 
 def _check_pipeline(config: TrainConfig, llama: Any, world_size: int | None) -> None:

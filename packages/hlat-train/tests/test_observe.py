@@ -4,7 +4,9 @@ compute time of each logged step."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import struct
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,42 @@ from train_helpers import tiny_config
 
 from hlat_train import ConfigError, Trainer, read_metrics
 from hlat_train.validation import validate
+
+
+def _wandb_records(path: Path) -> list:
+    """The protobuf records of an offline ``run-*.wandb`` file.
+
+    The file is a LevelDB-format log (W&B's own): a 7-byte file header, then 32 KiB blocks
+    of chunks, each ``crc32 (4) | length (2) | type (1) | data``; a record longer than the
+    rest of its block continues in the next block (types FIRST/MIDDLE/LAST), so the bytes
+    of one record are not contiguous in the file and must be joined before parsing.
+    """
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    raw = path.read_bytes()
+    assert raw[:4] == b":W&B"
+    block, pos, chunks, records = 32768, 7, b"", []
+    while pos + 7 <= len(raw):
+        left = block - pos % block
+        if left < 7:  # too little room for a chunk header: the block is padded
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+        if kind == 0 and length == 0:
+            break
+        chunks += raw[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST: one record is complete
+            record = pb.Record()
+            record.ParseFromString(chunks)
+            records.append(record)
+            chunks = b""
+    return records
+
+
+def _item_key(item) -> str:
+    """A W&B record item's name: ``key``, or ``nested_key`` joined by ``/``."""
+    return item.key or "/".join(item.nested_key)
 
 
 def _fit(config) -> dict:
@@ -35,15 +73,26 @@ def test_wandb_profiler_and_compute_time_on_a_run_that_resumes(
         "--logging.profile_steps=[2, 3]",
         "--logging.memory_snapshot_step=2",
     )
-    _fit(tiny_config(corpus, out, *extra, steps=4))
+    config = tiny_config(corpus, out, *extra, steps=4)
+    _fit(config)
     run_id = (out / "wandb_run_id").read_text().strip()
     runs = sorted((out / "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(runs) == 1
-    logged = b"".join(p.read_bytes() for p in runs[0].glob("run-*.wandb"))
-    # the metrics and the whole config reach the run (W&B's records carry them as JSON text)
-    for needle in (b"tokens_per_s", b"grad_norm", b"compute_s", b"valid/loss", b"precision"):
-        assert needle in logged, needle
-    assert run_id.encode() in logged
+    records = [r for p in runs[0].glob("run-*.wandb") for r in _wandb_records(p)]
+    # the metrics and the whole config reach the run
+    history = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            values = {_item_key(i): json.loads(i.value_json) for i in r.history.item}
+            history[values["_step"]] = values
+    assert sorted(history) == [1, 2, 3, 4]
+    assert {"tokens_per_s", "grad_norm", "compute_s", "loss"} <= set(history[4])
+    assert any("valid/loss" in values for values in history.values())
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run.run_id == run_id
+    logged = {_item_key(i): json.loads(i.value_json) for i in run.config.update}
+    assert logged["model"] == dataclasses.asdict(config.model)
+    assert set(logged) - {"_wandb"} == {f.name for f in dataclasses.fields(config)}
 
     # the profiler traced steps 2 and 3 only, as a Chrome trace of real operators
     traces = sorted((out / "profile").glob("rank0*.pt.trace.json"))

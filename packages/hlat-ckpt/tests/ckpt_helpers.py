@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -56,3 +62,36 @@ def snapshot(state: dict) -> dict[str, torch.Tensor]:
         for k, v in s.items():
             out[f"optimizer.{pid}.{k}"] = v.clone()
     return out
+
+
+WORKERS = Path(__file__).with_name("ckpt_workers.py")
+
+
+def launch(scenario: str, root: Path, world_size: int = 2) -> None:
+    """Run ``ckpt_workers.py <scenario> <root>`` as ``world_size`` ranks on loopback and
+    fail with a rank's output if any rank fails."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(world_size):
+        env = os.environ | {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKERS), scenario, str(root)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"{scenario} rank {rank} failed:\n{out[-3000:]}"

@@ -1,5 +1,6 @@
 """Worker processes of the hlat-ckpt tests: a TP=2 DTensor job that saves, a DP=2 job that
-loads, a job that resumes from the newest undamaged checkpoint, and a trainer that
+loads, a job that resumes from the newest undamaged checkpoint, a job that resumes from an
+older step (a new lineage), and a trainer that
 checkpoints in a loop until it is killed.
 
 Run as ``python ckpt_workers.py <scenario> <root>`` with torchrun's environment variables
@@ -95,6 +96,49 @@ def latest(root: str) -> None:
         json.dump({"step": step, "warnings": messages}, f)
 
 
+def fork(root: str) -> None:
+    """Two DP ranks: a run saves steps 1-3, a second resumes from step 1 (a new lineage),
+    saves 2 (beside the abandoned 2) and 3; every rank writes what it then loads. The weights
+    of a step are the step number plus 100 in the second run."""
+    rank = dist.get_rank()
+    model = nn.Linear(4, 4)
+
+    def fill(value: float) -> None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(value)
+
+    first = Checkpointer(root, keep_last=3, async_save=False)
+    for step in (1, 2, 3):
+        fill(step)
+        first.save(step, {"model": model, "progress": {"rank": rank, "step": step}})
+    first.close()
+    second = Checkpointer(root, keep_last=2, async_save=True)
+    progress: dict = {}
+    second.load(1, {"model": model, "progress": progress})
+    assert progress == {"rank": rank, "step": 1} and float(model.weight[0, 0]) == 1
+    for step in (2, 3):
+        fill(100 + step)
+        second.save(step, {"model": model, "progress": {"rank": rank, "step": step}})
+        second.wait()
+        if step == 2:
+            listed = [(c.step, c.current) for c in second.list()]
+    second.close()
+    fill(0)
+    resumed = Checkpointer(root).load_latest({"model": model, "progress": progress})
+    with open(os.path.join(root, f"fork_rank{rank}.json"), "w") as f:
+        json.dump(
+            {
+                "resumed": resumed,
+                "weight": float(model.weight[0, 0]),
+                "progress": progress,
+                "listed_after_2": listed,
+                "lineages": [first.lineage, second.lineage],
+            },
+            f,
+        )
+
+
 def save_forever(root: str, async_save: bool) -> None:
     """Resume from the newest checkpoint, then save every step until killed. The weights of
     step N are all N, so a loaded checkpoint shows which step's data it holds."""
@@ -116,6 +160,6 @@ if __name__ == "__main__":
     scenario, root_dir = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     try:
-        {"tp_save": tp_save, "dp_load": dp_load, "latest": latest}[scenario](root_dir)
+        {"tp_save": tp_save, "dp_load": dp_load, "latest": latest, "fork": fork}[scenario](root_dir)
     finally:
         dist.destroy_process_group()

@@ -2,49 +2,16 @@
 each rank checks the checksums of its own shard files."""
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from ckpt_helpers import launch
 from ckpt_workers import tp_model
 
 from hlat_ckpt import MANIFEST_NAME, Checkpointer
 
-WORKERS = Path(__file__).with_name("ckpt_workers.py")
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
-
-
-def launch(scenario: str, root: Path, world_size: int = 2) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = []
-    for rank in range(world_size):
-        env = os.environ | {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKERS), scenario, str(root)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    outputs = [p.communicate(timeout=240)[0] for p in procs]
-    for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"{scenario} rank {rank} failed:\n{out[-3000:]}"
 
 
 @pytest.fixture(scope="module")

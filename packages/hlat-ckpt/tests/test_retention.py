@@ -1,3 +1,6 @@
+"""The keep-last / keep-every rule on one lineage's commits (which commits count: see
+test_lineage.py)."""
+
 import pytest
 
 from hlat_ckpt.retention import incomplete_to_delete, steps_to_delete
@@ -17,11 +20,6 @@ def test_keeps_every_mth_step_permanently():
         700,
         800,
     ]
-
-
-def test_never_deletes_the_checkpoint_just_committed_even_if_older_steps_exist_above_it():
-    # A run restarted from step 20 commits 30 while 40 and 50 of the old run remain.
-    assert 30 not in steps_to_delete([10, 20, 40, 50], committed=30, keep_last=1)
 
 
 def test_keep_all_when_keep_last_is_none():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -10,6 +11,7 @@ from train_helpers import tiny_config
 
 from hlat_ckpt import consolidate
 from hlat_train import SpikeGuard, Trainer, read_metrics
+from hlat_train.spike import GUARD_FILE
 
 
 def _t(x: float) -> torch.Tensor:
@@ -119,3 +121,47 @@ def test_rollback_policy_reloads_the_checkpoint_and_skips_the_spiking_batches(co
 def test_rollback_without_any_checkpoint_fails_clearly(corpus, tmp_path):
     with pytest.raises(RuntimeError, match="no checkpoint exists yet"):
         _run(corpus, tmp_path, "rollback", inject=4)
+
+
+@pytest.mark.slow
+def test_a_crash_after_a_rollback_keeps_the_bad_batches_and_the_spent_rollbacks(
+    corpus, tmp_path, monkeypatch
+):
+    from hlat_ckpt import Checkpointer
+
+    original = Checkpointer.save
+
+    def dies_at_step_8(self, step, state):
+        if step == 8:
+            raise KeyboardInterrupt("the node died before the next checkpoint")
+        return original(self, step, state)
+
+    monkeypatch.setattr(Checkpointer, "save", dies_at_step_8)
+    with pytest.raises(KeyboardInterrupt):
+        _run(corpus, tmp_path, "rollback")  # rolls back from the spike at 6 to step 4
+    monkeypatch.setattr(Checkpointer, "save", original)
+    side = json.loads((tmp_path / "checkpoints" / GUARD_FILE).read_text())
+    assert side["rollbacks"] == 1 and side["last_spike_step"] == 6
+    assert side["bad_micro_batches"] == [5]  # step 6's one micro-batch (counted from 0)
+
+    # the restarted run resumes from step 4 (which knows nothing of the rollback) and gets
+    # the rollback state from the side file: the budget of 1 is spent, so the same spike
+    # now stops the run instead of rolling back again
+    config = tiny_config(
+        corpus,
+        tmp_path,
+        "--spike.policy=rollback",
+        "--spike.min_history=3",
+        "--spike.inject_at=[6]",
+        "--spike.max_rollbacks=1",
+        "--checkpoint.every=4",
+        "--optim.decay_steps=8",
+        steps=8,
+    )
+    trainer = Trainer(config)
+    try:
+        with pytest.raises(RuntimeError, match="after 1 rollbacks"):
+            trainer.fit()
+        assert 5 in trainer.state.bad_micro_batches  # restored: never trained on again
+    finally:
+        trainer.close()

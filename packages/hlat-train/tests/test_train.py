@@ -88,6 +88,48 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(corpus, tmp_path):
     assert json.loads(output.strip().splitlines()[-1])["preempted"] is True
 
 
+@pytest.mark.parametrize("budget", ["1e-6", "600"], ids=["no-time-left", "ample"])
+def test_sigterm_saves_only_if_the_measured_save_fits_the_preemption_budget(
+    corpus, tmp_path, budget
+):
+    config = tiny_config(
+        corpus,
+        tmp_path,
+        "--checkpoint.every=2",
+        "--checkpoint.async_save=false",
+        f"--checkpoint.preempt_budget={budget}",
+        steps=5000,
+    )
+    path = write_config(config, tmp_path / "run.toml")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hlat_train", "train", "--config", path],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    wait_for_step(tmp_path / "metrics.jsonl", 3, proc)  # a save of step 2 was measured
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143, output
+    records = read_metrics(str(tmp_path / "metrics.jsonl"))
+    last = max(r["step"] for r in records if r["kind"] == "train")
+    saves = [r for r in records if r["kind"] == "checkpoint"]
+    newest = Checkpointer(str(tmp_path / "checkpoints"), async_save=False).list()[-1].step
+    if budget == "600":
+        assert newest == last and "exiting without saving" not in output
+    else:
+        assert newest == max(s["step"] for s in saves) < last
+        assert _names_the_lost_steps(output, last, newest)
+
+
+def _names_the_lost_steps(output: str, last: int, newest: int) -> bool:
+    """The log names the step not saved and the steps lost since the newest checkpoint."""
+    return (
+        f"exiting without saving step {last}" in output
+        and f"Lost: the {last - newest} step(s) since the checkpoint of step {newest}" in output
+    )
+
+
 def test_bf16_kahan_mode_keeps_a_compensation_per_parameter(corpus, tmp_path):
     trainer = Trainer(tiny_config(corpus, tmp_path, "--optim.precision=bf16-kahan", steps=4))
     try:

@@ -22,7 +22,6 @@ from .policy import CheckpointInfo as CheckpointInfo
 from .policy import CheckpointPolicy, Written
 from .policy import SaveStats as SaveStats
 from .rng import RNGState
-from .storage import step_dirname
 
 if TYPE_CHECKING:
     import torch.distributed.checkpoint as dcp
@@ -157,15 +156,16 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         entries = self._classify(state)
         self.wait()
         wait_s = time.perf_counter() - started
+        name = ""
         if not self.async_save:
-            self._prepare(step)
+            name = self._prepare(step)
         else:
             self._refuse_saved(step)
         flat = self._collect(state, entries)
         layout = self._layout(flat)
         kinds = {name: kind for name, (kind, _) in entries.items()}
         if not self.async_save:
-            self._write(step, flat, kinds, layout, started, None, wait_s)
+            self._write(step, name, flat, kinds, layout, started, None, wait_s)
             return
         staged = self._stage(flat)
         self._pending_step = step
@@ -182,8 +182,7 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         async save blocks for; the staged copy already holds the state, and nothing is
         written before they pass.
         """
-        self._prepare(step)
-        self._write(step, *args)
+        self._write(step, self._prepare(step), *args)
 
     def close(self) -> None:
         """Wait for the last save and stop the background writer."""
@@ -211,10 +210,11 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
     def _checksum_share(self, names: builtins.list[str]) -> builtins.list[str]:
         return [n for n in names if _owner(n, self.world_size) == self.rank]
 
-    def _read(self, step: int, manifest: Manifest, entries: dict[str, tuple[str, Any]]) -> None:
+    def _read(
+        self, step: int, dirname: str, manifest: Manifest, entries: dict[str, tuple[str, Any]]
+    ) -> None:
         import torch.distributed.checkpoint as dcp
 
-        dirname = step_dirname(step)
         where = self._storage.url_of(dirname)
         if RNG_ENTRY not in manifest.entries and entries.get(RNG_ENTRY, ("",))[0] == "rank":
             del entries[RNG_ENTRY]  # saved with save_rng=False: keep this rank's RNG as it is
@@ -481,6 +481,7 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
     def _write(
         self,
         step: int,
+        name: str,
         flat: dict[str, torch.Tensor],
         kinds: dict[str, str],
         layout: dict[str, Any],
@@ -493,9 +494,8 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         import torch.distributed.checkpoint as dcp
 
         write_start = time.perf_counter()
-        dirname = self._storage.write_dirname(step)
-        final = step_dirname(step)
-        where = self._storage.url_of(final)
+        dirname = self._storage.write_dirname(name)
+        where = self._storage.url_of(name)
         try:
             self._storage.makedirs(dirname)
             dcp.save(
@@ -513,7 +513,8 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
             ) from e
         # DCP's final collective returns only after every rank's files and the metadata are
         # written, so the commit can list and checksum them.
-        self._commit(dirname, Written(step, kinds, layout, started, stall_s, wait_s, write_start))
+        written = Written(step, kinds, layout, started, stall_s, wait_s, write_start, name)
+        self._commit(dirname, written)
 
     def _abandon(self, dirname: str) -> None:
         self._discard(dirname)

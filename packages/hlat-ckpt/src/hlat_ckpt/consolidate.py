@@ -9,8 +9,9 @@ from typing import Any
 import torch
 
 from . import state_json
-from .manifest import MANIFEST_NAME, IncompleteCheckpointError, validate
-from .storage import Storage
+from .lineage import current_ancestry
+from .manifest import MANIFEST_NAME, IncompleteCheckpointError, scan, validate
+from .storage import Storage, parse_dirname
 
 
 def consolidate(
@@ -21,7 +22,7 @@ def consolidate(
     state in torch's nested form, keyed by parameter name (:func:`nest_optimizer_state`).
 
     ``url`` is a checkpoint directory (``.../step_0000001000``) or a root, in which case the
-    newest complete checkpoint under it is used. Every file is checked against the checksum
+    newest complete checkpoint of its current run lineage is used (what resume would load). Every file is checked against the checksum
     in the manifest first (a root skips a damaged checkpoint, with a warning, for the one
     before it). Runs in one process without a process group; it needs memory for the whole
     model and optimizer state. Per-rank entries (data loaders, RNG states) are left out: they
@@ -36,15 +37,15 @@ def consolidate(
         parent, name = storage.url.rsplit("/", 1) if "/" in storage.url else (".", storage.url)
         storage = Storage(parent, storage_options)
         dirname = name
-        step = int(name.removeprefix("step_")) if name.startswith("step_") else -1
+        parsed = parse_dirname(name)
+        step = -1 if parsed is None else parsed
     else:
-        final, _ = storage.list_steps()
-        newest = next(
-            (s for s in sorted(final, reverse=True) if _is_complete(storage, final[s], s)), None
-        )
+        manifests, _ = scan(storage)
+        chain = current_ancestry(m.commit(d) for d, m in manifests.items())
+        newest = next((c for c in chain if _is_complete(storage, c.dirname, c.step)), None)
         if newest is None:
             raise FileNotFoundError(f"no complete checkpoint under {storage.url}")
-        step, dirname = newest, final[newest]
+        step, dirname = newest.step, newest.dirname
         verified = True
     if step >= 0 and not verified:
         try:

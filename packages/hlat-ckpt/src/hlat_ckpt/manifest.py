@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
+from .lineage import Commit, commit_from_record
 from .storage import Storage
 
 MANIFEST_NAME = "hlat-checkpoint.json"
@@ -63,6 +64,9 @@ class Manifest:
     versions: dict[str, str] = field(default_factory=dict)
     time: float = field(default_factory=time.time)
     checksums: dict[str, str] = field(default_factory=dict)
+    lineage: dict[str, Any] = field(default_factory=dict)
+    """The run lineage (:mod:`hlat_ckpt.lineage`): ``{"id", "seq", "parent"}``; empty in
+    manifests written before hlat-ckpt 0.5."""
 
     @property
     def total_bytes(self) -> int:
@@ -82,6 +86,7 @@ class Manifest:
             "entries": self.entries,
             "files": self.files,
             "checksums": self.checksums,
+            "lineage": self.lineage,
         }
         return json.dumps(record, indent=1, sort_keys=True).encode()
 
@@ -120,6 +125,13 @@ class Manifest:
             isinstance(k, str) and isinstance(v, str) for k, v in checksums.items()
         ):
             raise IncompleteCheckpointError(f"{where}: field 'checksums' mistyped")
+        lineage = record.get("lineage", {})  # absent in manifests before hlat-ckpt 0.5
+        try:
+            if not isinstance(lineage, dict):
+                raise ValueError(f"not an object: {lineage!r}")
+            commit_from_record(record["step"], "", lineage)
+        except ValueError as e:
+            raise IncompleteCheckpointError(f"{where}: field 'lineage' mistyped ({e})") from None
         return cls(
             step=record["step"],
             world_size=record["world_size"],
@@ -129,7 +141,12 @@ class Manifest:
             versions=record["versions"],
             time=float(record["time"]),
             checksums=checksums,
+            lineage=lineage,
         )
+
+    def commit(self, dirname: str) -> Commit:
+        """This checkpoint as :mod:`hlat_ckpt.lineage` sees it."""
+        return commit_from_record(self.step, dirname, self.lineage)
 
 
 def package_versions() -> dict[str, str]:
@@ -232,3 +249,22 @@ def validate(storage: Storage, dirname: str, step: int, *, checksums: bool = Fal
     if checksums:
         verify_checksums(storage, dirname, manifest)
     return manifest
+
+
+def scan(storage: Storage) -> tuple[dict[str, Manifest], dict[str, int]]:
+    """Every checkpoint directory under the root, read: ``({dirname: manifest}, {dirname:
+    step})``, the second for directories without a valid manifest naming their step
+    (interrupted saves, write directories). The files themselves are not checked."""
+    final, leftovers = storage.list_dirs()
+    manifests: dict[str, Manifest] = {}
+    for dirname, step in final.items():
+        try:
+            manifest = read_manifest(storage, dirname)
+        except IncompleteCheckpointError:
+            leftovers[dirname] = step
+            continue
+        if manifest.step != step:
+            leftovers[dirname] = step
+            continue
+        manifests[dirname] = manifest
+    return manifests, leftovers

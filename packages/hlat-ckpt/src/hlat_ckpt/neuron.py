@@ -127,8 +127,10 @@ def save_checkpoint_kwargs(
     async_save: bool = True,
     use_xser: bool = True,
     num_workers: int = 8,
+    tag: str = "",
 ) -> dict[str, Any]:
-    """Keyword arguments of ``neuronx_distributed.save_checkpoint`` for ``state``.
+    """Keyword arguments of ``neuronx_distributed.save_checkpoint`` for ``state``, into the
+    checkpoint directory ``tag`` (default ``step_<N>``).
 
     Note: ``num_kept_ckpts`` is ``None``: NxD would count the checkpoints it marked
     ``done``, including ones hlat-ckpt never committed or found damaged, and delete the
@@ -137,7 +139,7 @@ def save_checkpoint_kwargs(
     model, optimizer, scheduler, _ = split_state(state)
     return {
         "checkpoint_dir_str": root,
-        "tag": step_dirname(step),
+        "tag": tag or step_dirname(step),
         "model": model,
         "optimizer": optimizer,
         "scheduler": scheduler,
@@ -150,9 +152,10 @@ def save_checkpoint_kwargs(
 
 
 def load_checkpoint_kwargs(
-    root: str, step: int, state: Mapping[str, Any], *, num_workers: int = 8
+    root: str, step: int, state: Mapping[str, Any], *, num_workers: int = 8, tag: str = ""
 ) -> dict[str, Any]:
-    """Keyword arguments of ``neuronx_distributed.load_checkpoint`` for step ``step``.
+    """Keyword arguments of ``neuronx_distributed.load_checkpoint`` for step ``step``, from
+    the checkpoint directory ``tag`` (default ``step_<N>``).
 
     Note: the tag is always given: without one NxD takes the newest tag with a ``done``
     file (by modification time), which may be one hlat-ckpt has not committed or has found
@@ -161,7 +164,7 @@ def load_checkpoint_kwargs(
     model, optimizer, scheduler, _ = split_state(state)
     return {
         "path": root,
-        "tag": step_dirname(step),
+        "tag": tag or step_dirname(step),
         "model": model,
         "optimizer": optimizer,
         "scheduler": scheduler,
@@ -322,8 +325,7 @@ class NeuronCheckpointer(CheckpointPolicy[Written]):
         self.wait()
         wait_s = time.perf_counter() - started
         self._refuse_saved(step)
-        self._prepare(step)
-        dirname = step_dirname(step)
+        dirname = self._prepare(step)
         where = self._storage.url_of(dirname)
         write_start = time.perf_counter()
         try:
@@ -341,6 +343,7 @@ class NeuronCheckpointer(CheckpointPolicy[Written]):
                     async_save=self.async_save,
                     use_xser=self.use_xser,
                     num_workers=self.num_workers,
+                    tag=dirname,
                 )
             )
         except BaseException as e:
@@ -348,7 +351,7 @@ class NeuronCheckpointer(CheckpointPolicy[Written]):
                 f"saving step {step} to {where} failed: {type(e).__name__}: {e}; earlier "
                 "checkpoints are untouched"
             ) from e
-        written = Written(step, entries, self.layout, started, None, wait_s, write_start)
+        written = Written(step, entries, self.layout, started, None, wait_s, write_start, dirname)
         if self.async_save:
             written.stall_s = time.perf_counter() - started
             self._pending = written
@@ -368,7 +371,7 @@ class NeuronCheckpointer(CheckpointPolicy[Written]):
                 f"saving step {pending.step} to {self.url} failed in the background: "
                 f"{type(e).__name__}: {e}; earlier checkpoints are untouched"
             ) from e
-        self._commit(step_dirname(pending.step), pending)
+        self._commit(pending.name, pending)
 
     def _resolve(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
         split_state(state)
@@ -381,8 +384,7 @@ class NeuronCheckpointer(CheckpointPolicy[Written]):
         if DONE not in sizes:
             raise CheckpointError(f"NxD did not mark {where} {DONE}")
 
-    def _read(self, step: int, manifest: Manifest, state: Mapping[str, Any]) -> None:
-        dirname = step_dirname(step)
+    def _read(self, step: int, dirname: str, manifest: Manifest, state: Mapping[str, Any]) -> None:
         where = self._storage.url_of(dirname)
         _, _, _, others = split_state(state)
         self._check_entries(where, manifest, manifest_entries(state, save_rng=False))
@@ -394,7 +396,9 @@ class NeuronCheckpointer(CheckpointPolicy[Written]):
             )
         try:
             content = self._nxd.load_checkpoint(
-                **load_checkpoint_kwargs(self.root, step, state, num_workers=self.num_workers)
+                **load_checkpoint_kwargs(
+                    self.root, step, state, num_workers=self.num_workers, tag=dirname
+                )
             )
         except Exception as e:
             raise CheckpointError(f"NxD could not load {where}: {type(e).__name__}: {e}") from e

@@ -25,20 +25,21 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 
+from . import lineage as lineages
+from .lineage import Commit, Parent
 from .manifest import (
     MANIFEST_NAME,
-    DamagedCheckpointError,
     IncompleteCheckpointError,
     Manifest,
     checksum_files,
     package_versions,
-    read_manifest,
+    scan,
     validate,
     verify_checksums,
     write_manifest,
 )
-from .retention import incomplete_to_delete, steps_to_delete
-from .storage import Storage, step_dirname
+from .retention import incomplete_to_delete
+from .storage import Storage, parse_dirname, step_dirname
 
 
 class CheckpointError(RuntimeError):
@@ -53,6 +54,13 @@ class CheckpointInfo:
     url: str
     time: float
     world_size: int
+    lineage: str = ""
+    """The run lineage that committed it (:mod:`hlat_ckpt.lineage`; ``""`` before 0.5)."""
+    seq: int = 0
+    """Its commit number under the root (commit order, whatever the steps)."""
+    current: bool = True
+    """Whether it is in the current lineage's ancestry: ``False`` for a checkpoint of an
+    abandoned lineage, which resume never picks and retention deletes once passed."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,8 @@ class Written:
     """How long save() blocked; ``None`` for a synchronous save (it blocked throughout)."""
     wait_s: float
     write_start: float
+    name: str = ""
+    """The checkpoint's final directory name (``step_<N>``, or ``step_<N>-<lineage>``)."""
 
 
 PendingT = TypeVar("PendingT")
@@ -162,7 +172,11 @@ class CheckpointPolicy(Generic[PendingT]):
             self.rank, self.world_size, self._src = 0, 1, 0
         self._pending: PendingT | None = None
         self._saved_steps: set[int] = set()  # committed by this object (storage is checked too)
-        self._damaged: set[int] = set()  # steps load_latest skipped for a checksum mismatch
+        self._damaged: set[str] = set()  # directories load_latest skipped for their checksums
+        # rank 0's view of the run lineage (hlat_ckpt.lineage), set by a load or the first save
+        self._lineage: str | None = None
+        self._parent: Parent | None = None
+        self._seq = 0  # the next commit's sequence number
         self._stats_lock = threading.Lock()  # commits may run in an engine's background thread
         self._finished: builtins.list[SaveStats] = []
         self.last_save: SaveStats | None = None
@@ -181,8 +195,9 @@ class CheckpointPolicy(Generic[PendingT]):
         and return what :meth:`_read` takes."""
         raise NotImplementedError
 
-    def _read(self, step: int, manifest: Manifest, resolved: Any) -> None:
-        """Read checkpoint ``step``, checked against ``manifest``, into the state (collective)."""
+    def _read(self, step: int, dirname: str, manifest: Manifest, resolved: Any) -> None:
+        """Read checkpoint ``step`` from directory ``dirname``, checked against ``manifest``,
+        into the state (collective)."""
         raise NotImplementedError
 
     def _checksum_share(self, names: builtins.list[str]) -> builtins.list[str]:
@@ -206,6 +221,12 @@ class CheckpointPolicy(Generic[PendingT]):
         if pending is not None:
             self._finish(pending)
 
+    @property
+    def saving(self) -> bool:
+        """Whether a save has been started and not yet committed (an async save in the
+        background, or NxD's pending finalize); :meth:`wait` completes it."""
+        return self._pending is not None
+
     def pop_save_stats(self) -> builtins.list[SaveStats]:
         """The :class:`~hlat_ckpt.SaveStats` of the saves committed since the last call,
         oldest first (an async save appears once it has committed)."""
@@ -214,77 +235,125 @@ class CheckpointPolicy(Generic[PendingT]):
         return finished
 
     def load_latest(self, state: Mapping[str, Any]) -> int | None:
-        """Load the newest complete checkpoint into ``state``; return its step, or ``None``
-        when there is none (a fresh start).
+        """Load the newest complete checkpoint of the current run lineage into ``state``;
+        return its step, or ``None`` when there is none (a fresh start).
 
-        Incomplete checkpoints (no manifest, missing or truncated files; an engine's own
-        marker alone does not make one complete) and, with ``verify_checksums``, damaged
-        ones (a file whose checksum differs from the manifest's) are skipped with a warning.
-        Rank 0 chooses and every rank loads the same step.
+        The candidates are the newest commit and its ancestry (:mod:`hlat_ckpt.lineage`):
+        checkpoints of a lineage abandoned by an earlier resume are never picked, whatever
+        their step. Incomplete checkpoints (no manifest, missing or truncated files; an
+        engine's own marker alone does not make one complete) and, with
+        ``verify_checksums``, damaged ones (a file whose checksum differs from the
+        manifest's) are skipped with a warning; resuming from an older checkpoint than the
+        newest starts a new lineage. Rank 0 chooses and every rank loads the same step.
         """
         resolved = self._resolve(state)
         self.wait()
-        rejected: set[int] = set()
+        rejected: set[str] = set()
         while True:
-            step = -1
+            chosen: builtins.list[Any] = [-1, ""]
+            commits: builtins.list[Commit] = []
             if self.rank == 0:
-                final, _ = self._storage.list_steps()
-                for candidate in sorted(final, reverse=True):
-                    if candidate in rejected:
+                manifests, leftovers = scan(self._storage)
+                if not rejected:
+                    self._warn_uncommitted(leftovers)
+                commits = [m.commit(d) for d, m in manifests.items() if d not in self._damaged]
+                for candidate in lineages.current_ancestry(commits):
+                    if candidate.dirname in rejected:
                         continue
                     try:
-                        validate(self._storage, final[candidate], candidate)
+                        validate(self._storage, candidate.dirname, candidate.step)
                     except IncompleteCheckpointError as e:
                         warnings.warn(f"skipping incomplete checkpoint: {e}", stacklevel=2)
-                        rejected.add(candidate)
+                        rejected.add(candidate.dirname)
                         continue
-                    step = candidate
+                    chosen = [candidate.step, candidate.dirname]
                     break
             if self._group is not None:
-                chosen = torch.tensor([step], dtype=torch.int64)
-                dist.broadcast(chosen, src=self._src, group=self._group)
-                step = int(chosen.item())
+                dist.broadcast_object_list(chosen, src=self._src, group=self._group)
+            step, dirname = int(chosen[0]), str(chosen[1])
             if step < 0:
+                if self.rank == 0:
+                    self._begin_lineage(commits, None)
                 return None
-            manifest, problem = self._check(step)
+            manifest, problem = self._check(step, dirname)
             if manifest is not None and problem is None:
-                self._read(step, manifest, resolved)
+                self._read(step, dirname, manifest, resolved)
+                if self.rank == 0:
+                    self._begin_lineage(commits, manifest.commit(dirname))
                 return step
             if self.rank == 0:
                 warnings.warn(f"skipping damaged checkpoint: {problem}", stacklevel=2)
-            self._damaged.add(step)
-            rejected.add(step)
+            self._damaged.add(dirname)
+            rejected.add(dirname)
+
+    def _warn_uncommitted(self, leftovers: dict[str, int]) -> None:
+        """Warn about checkpoint directories that were never committed (a save that died
+        before its manifest), which resume skips."""
+        for dirname, step in sorted(leftovers.items(), key=lambda item: item[1]):
+            if parse_dirname(dirname) is None:  # a write directory: in progress or torn
+                continue
+            try:
+                validate(self._storage, dirname, step)
+            except IncompleteCheckpointError as e:
+                warnings.warn(f"skipping incomplete checkpoint: {e}", stacklevel=3)
 
     def load(self, step: int, state: Mapping[str, Any]) -> None:
         """Load checkpoint ``step`` into ``state`` (collective).
 
         Entries of the checkpoint that ``state`` does not name are ignored, so a model alone
         can be loaded from a full training checkpoint. Per-rank entries need a rank of the
-        same number in the saving job.
+        same number in the saving job. Where two lineages saved ``step``, the current
+        lineage's is loaded. Saving after loading a step older than the newest commit starts
+        a new lineage (:mod:`hlat_ckpt.lineage`).
         """
         resolved = self._resolve(state)
         self.wait()
-        manifest, problem = self._check(step)
+        chosen: builtins.list[Any] = [""]
+        commits: builtins.list[Commit] = []
+        if self.rank == 0:
+            manifests, _ = scan(self._storage)
+            commits = [m.commit(d) for d, m in manifests.items()]
+            current = {c.dirname for c in lineages.current_ancestry(commits)}
+            matches = sorted(
+                (c for c in commits if c.step == step),
+                key=lambda c: (c.dirname in current, c.order),
+            )
+            chosen = [matches[-1].dirname if matches else ""]
+        if self._group is not None:
+            dist.broadcast_object_list(chosen, src=self._src, group=self._group)
+        dirname = str(chosen[0]) or step_dirname(step)
+        manifest, problem = self._check(step, dirname)
         if manifest is None or problem is not None:
             raise CheckpointError(f"cannot load step {step}: {problem}")
-        self._read(step, manifest, resolved)
+        self._read(step, dirname, manifest, resolved)
+        if self.rank == 0:
+            self._begin_lineage(commits, manifest.commit(dirname))
 
     def list(self) -> builtins.list[CheckpointInfo]:
-        """The committed checkpoints under the root, oldest first (manifests are read; the
-        files are not checked, see :meth:`load_latest`)."""
-        final, _ = self._storage.list_steps()
-        found = []
-        for step in sorted(final):
-            try:
-                manifest = read_manifest(self._storage, final[step])
-            except IncompleteCheckpointError:
-                continue
-            found.append(
-                CheckpointInfo(
-                    step, self._storage.url_of(final[step]), manifest.time, manifest.world_size
-                )
+        """The committed checkpoints under the root, in commit order (manifests are read;
+        the files are not checked, see :meth:`load_latest`). ``current`` is ``False`` for
+        those of abandoned lineages."""
+        manifests, _ = scan(self._storage)
+        commits = {d: m.commit(d) for d, m in manifests.items()}
+        current = {c.dirname for c in lineages.current_ancestry(commits.values())}
+        return [
+            CheckpointInfo(
+                step=c.step,
+                url=self._storage.url_of(c.dirname),
+                time=manifests[c.dirname].time,
+                world_size=manifests[c.dirname].world_size,
+                lineage=c.lineage,
+                seq=c.seq,
+                current=c.dirname in current,
             )
-        return found
+            for c in sorted(commits.values(), key=lambda c: c.order)
+        ]
+
+    @property
+    def lineage(self) -> str | None:
+        """The lineage id this checkpointer commits under (rank 0; ``None`` before its first
+        load or save)."""
+        return self._lineage
 
     def close(self) -> None:
         """Wait for the last save to commit."""
@@ -298,7 +367,7 @@ class CheckpointPolicy(Generic[PendingT]):
 
     # --- resume ----------------------------------------------------------------------------
 
-    def _check(self, step: int) -> tuple[Manifest | None, str | None]:
+    def _check(self, step: int, dirname: str) -> tuple[Manifest | None, str | None]:
         """``(manifest, None)`` when checkpoint ``step`` is complete and, with
         ``verify_checksums``, undamaged; ``(manifest or None, what is wrong)`` otherwise.
 
@@ -306,7 +375,6 @@ class CheckpointPolicy(Generic[PendingT]):
         :meth:`_checksum_share`), and all ranks get the same answer. A read error other than
         a mismatch raises :class:`CheckpointError` on every rank (the checkpoint may be fine).
         """
-        dirname = step_dirname(step)
         manifest: Manifest | None = None
         outcome: tuple[str, str] | None = None
         try:
@@ -353,50 +421,115 @@ class CheckpointPolicy(Generic[PendingT]):
                 f"{self._storage.url_of(step_dirname(step))}; save each step once"
             )
 
-    def _prepare(self, step: int) -> None:
-        """Refuse a step already committed; clear leftovers of an interrupted save of it
-        (rank 0, before anyone writes). Collective."""
-        exists = 0
+    def _begin_lineage(self, commits: builtins.list[Commit], resumed: Commit | None) -> None:
+        """Decide the lineage this checkpointer commits under, after resuming from
+        ``resumed`` (``None``: nothing was loaded) among ``commits`` (rank 0).
+
+        Resuming from the newest commit continues its lineage; from any other (an older
+        step, or the newest failed its checks), or from nothing, starts a new one whose
+        parent is the checkpoint resumed from. A legacy head (no lineage recorded) is
+        continued under a new id whose parent is that head.
+        """
+        tip = lineages.head(commits)
+        if resumed is not None and tip is not None and resumed.dirname == tip.dirname:
+            if tip.lineage != lineages.LEGACY_LINEAGE:
+                self._lineage, self._parent = tip.lineage, tip.parent
+            else:
+                self._lineage, self._parent = lineages.new_lineage_id(), tip.as_parent()
+        else:
+            self._lineage = lineages.new_lineage_id()
+            self._parent = None if resumed is None else resumed.as_parent()
+        self._seq = lineages.next_seq(commits)
+        self._saved_steps.clear()
+
+    def _ensure_lineage(self) -> None:
+        """Before the first save of a checkpointer that loaded nothing (rank 0): continue the
+        newest commit's lineage, as if resumed from it."""
+        if self._lineage is not None:
+            return
+        manifests, _ = scan(self._storage)
+        commits = [m.commit(d) for d, m in manifests.items()]
+        self._begin_lineage(commits, lineages.head(commits))
+
+    def _prepare(self, step: int) -> str:
+        """Refuse a step already committed in this run's lineage; choose the directory name
+        of ``step`` and clear leftovers of an interrupted save into it (rank 0, before
+        anyone writes). Returns the name on every rank. Collective.
+
+        The name is ``step_<N>``, or ``step_<N>-<lineage>`` when an abandoned lineage
+        committed ``step_<N>`` (it is kept until this lineage gets past it).
+        """
+        name, refusal = step_dirname(step), ""
         if self.rank == 0:
-            final, tmp = self._storage.list_steps()
-            if step in final:
-                try:
-                    # Note: a damaged checkpoint (a file cut short, or one whose checksum
-                    # no longer matches) was skipped by load_latest, so the resumed run
-                    # reaches this step again: replace it.
-                    if step in self._damaged:
-                        raise DamagedCheckpointError(f"step {step} failed its checksums")
-                    validate(self._storage, final[step], step)
-                    exists = 1
-                except IncompleteCheckpointError:
-                    # Note: the engine's files and markers (NxD's done) would otherwise
-                    # survive into the new save, and a stale marker would mark it finished
-                    # too early.
-                    self._storage.remove_dir(final[step])
-            if step in tmp:
-                self._storage.remove_dir(tmp[step])
+            self._ensure_lineage()
+            name, refusal = self._choose_dirname(step)
+            if not refusal:
+                self._storage.remove_dir(self._storage.write_dirname(name))
         steps = [step]
         if self._group is not None:
-            mine = torch.tensor([step, exists], dtype=torch.int64)
+            mine = torch.tensor([step], dtype=torch.int64)
             gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
             dist.all_gather(gathered, mine, group=self._group)
             steps = [int(t[0]) for t in gathered]
-            exists = int(gathered[0][1])
+            decision: builtins.list[Any] = [name, refusal]
+            dist.broadcast_object_list(decision, src=self._src, group=self._group)
+            name, refusal = decision
         if len(set(steps)) != 1:
             raise CheckpointError(f"ranks called save() with different steps: {steps}")
-        if exists:
-            raise CheckpointError(
-                f"a checkpoint of step {step} already exists at "
-                f"{self._storage.url_of(step_dirname(step))}; save each step once (delete it "
-                "to save it again)"
-            )
+        if refusal:
+            raise CheckpointError(refusal)
+        return name
+
+    def _choose_dirname(self, step: int) -> tuple[str, str]:
+        """``(directory name, "")`` for a new checkpoint of ``step``, or ``("", why not)``
+        (rank 0)."""
+        assert self._lineage is not None
+        free: builtins.list[str] = []
+        for name in (step_dirname(step), step_dirname(step, self._lineage)):
+            if not self._storage.exists(name):
+                free.append(name)
+                continue
+            try:
+                # Note: a damaged checkpoint (a file cut short, or one whose checksum no
+                # longer matches) was skipped by load_latest, so the resumed run reaches
+                # this step again: replace it.
+                if name in self._damaged:
+                    raise IncompleteCheckpointError(f"{name} failed its checksums")
+                manifest = validate(self._storage, name, step)
+            except IncompleteCheckpointError:
+                # Note: the engine's files and markers (NxD's done) would otherwise survive
+                # into the new save, and a stale marker would mark it finished too early.
+                self._storage.remove_dir(name)
+                self._damaged.discard(name)
+                free.append(name)
+                continue
+            if self._in_ancestry(manifest.commit(name)):
+                return "", (
+                    f"a checkpoint of step {step} already exists at "
+                    f"{self._storage.url_of(name)}; save each step once (delete it to save "
+                    "it again)"
+                )
+            # otherwise an abandoned lineage's, kept until this lineage gets past it
+        if free:
+            return free[0], ""
+        return "", f"step {step} has checkpoints of two other lineages; delete one to save it"
+
+    def _in_ancestry(self, other: Commit) -> bool:
+        """Whether ``other`` is one of this run's own commits or ancestors (rank 0)."""
+        assert self._lineage is not None
+        if other.lineage == self._lineage:
+            return True
+        manifests, _ = scan(self._storage)
+        tip = Commit(-1, "", self._lineage, self._seq, self._parent)
+        commits = [*(m.commit(d) for d, m in manifests.items()), tip]
+        return other.dirname in {c.dirname for c in lineages.ancestry(commits, tip)}
 
     def _commit(self, dirname: str, written: Written) -> None:
         """Checksum the files every rank wrote into ``dirname`` for ``written.step``, write
         the manifest (the commit), make the directory final, apply retention and record the
         :class:`SaveStats`. Collective; once every rank's files are written."""
         step = written.step
-        final = step_dirname(step)
+        final = written.name or step_dirname(step)
         where = self._storage.url_of(final)
         checksum_start = time.perf_counter()
         error: BaseException | None = None
@@ -445,6 +578,7 @@ class CheckpointPolicy(Generic[PendingT]):
                     layout=written.layout,
                     versions=package_versions(),
                     checksums=checksums,
+                    lineage=lineages.lineage_record(self._lineage or "", self._seq, self._parent),
                 )
                 write_manifest(self._storage, dirname, manifest)
                 self._storage.commit_dir(dirname, final)
@@ -465,8 +599,9 @@ class CheckpointPolicy(Generic[PendingT]):
                 f"committing step {step} to {where} failed: {detail}; {self._after_failed_commit}"
             ) from error
         if self.rank == 0:
-            self._damaged.discard(step)
-            self._retain(step)
+            self._damaged.discard(final)
+            self._seq += 1
+            self._retain(Commit(step, final, self._lineage or "", self._seq - 1, self._parent))
         end = time.perf_counter()
         synchronous = written.stall_s is None
         stats = SaveStats(
@@ -487,25 +622,29 @@ class CheckpointPolicy(Generic[PendingT]):
 
     # --- retention -------------------------------------------------------------------------
 
-    def _retain(self, committed: int) -> None:
-        """Delete what keep_last/keep_every no longer keep and leftovers of other saves,
-        just after ``committed`` was committed (rank 0)."""
-        final, tmp = self._storage.list_steps()
-        complete: dict[int, str] = {}
-        leftovers: dict[int, str] = {s: d for s, d in tmp.items() if s != committed}
-        for s, d in final.items():
-            try:
-                read_manifest(self._storage, d)
-                if s in self._damaged:  # skipped by load_latest: not one to keep
-                    raise DamagedCheckpointError(f"step {s} failed its checksums")
-                complete[s] = d
-            except IncompleteCheckpointError:
-                leftovers.setdefault(s, d)
+    def _retain(self, committed: Commit) -> None:
+        """Delete what keep_last/keep_every no longer keep, abandoned lineages' checkpoints
+        this lineage has got past, and leftovers of other saves, just after ``committed``
+        was committed (rank 0; the rule is :func:`hlat_ckpt.lineage.to_delete`)."""
+        manifests, leftovers = scan(self._storage)
+        commits: builtins.list[Commit] = []
+        for dirname, manifest in manifests.items():
+            if dirname in self._damaged and dirname != committed.dirname:
+                leftovers[dirname] = manifest.step  # skipped by load_latest: not one to keep
+            else:
+                commits.append(manifest.commit(dirname))
+        if committed.dirname not in manifests:  # listing lags on some object stores
+            commits.append(committed)
         doomed = [
-            complete[s]
-            for s in steps_to_delete(complete, committed, self.keep_last, self.keep_every)
+            c.dirname
+            for c in lineages.to_delete(commits, committed, self.keep_last, self.keep_every)
         ]
-        doomed += [leftovers[s] for s in incomplete_to_delete(leftovers, committed)]
+        by_step: dict[int, builtins.list[str]] = {}
+        for dirname, step in leftovers.items():
+            if dirname != self._storage.write_dirname(committed.dirname):
+                by_step.setdefault(step, []).append(dirname)
+        for step in incomplete_to_delete(by_step, committed.step):
+            doomed += by_step[step]
         for dirname in doomed:
             try:
                 # Markers first: a deletion cut short leaves an incomplete checkpoint that
@@ -514,6 +653,7 @@ class CheckpointPolicy(Generic[PendingT]):
                 for marker in self._markers:
                     self._storage.remove_file(dirname, marker)
                 self._storage.remove_dir(dirname)
+                self._damaged.discard(dirname)
             except Exception as e:
                 warnings.warn(
                     f"retention could not delete {self._storage.url_of(dirname)}: {e}",

@@ -16,15 +16,24 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-_TMP_DIR = re.compile(r"^step_(\d+)\.tmp$")
+_STEP_DIR = re.compile(r"^step_(\d+)(?:-([0-9a-z]+))?$")
+_TMP_SUFFIX = ".tmp"
 STEP_DIGITS = 10
 
 
-def step_dirname(step: int) -> str:
+def step_dirname(step: int, tag: str = "") -> str:
     """The directory name of ``step``: ``step_`` and the step zero-padded to 10 digits, so that
-    names sort like steps."""
-    return f"step_{step:0{STEP_DIGITS}d}"
+    names sort like steps; ``step_<N>-<tag>`` for a second checkpoint of the same step (a new
+    lineage saving a step that an abandoned one also saved, see :mod:`hlat_ckpt.lineage`)."""
+    name = f"step_{step:0{STEP_DIGITS}d}"
+    return f"{name}-{tag}" if tag else name
+
+
+def parse_dirname(name: str) -> int | None:
+    """The step of a checkpoint directory name (``step_<N>`` or ``step_<N>-<tag>``), or
+    ``None`` for any other name."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
 
 
 class Storage:
@@ -57,24 +66,24 @@ class Storage:
             return self.path(*parts)
         return "/".join([self.url, *parts])
 
-    def write_dirname(self, step: int) -> str:
-        """Where the shards of ``step`` are written before the commit."""
-        name = step_dirname(step)
-        return f"{name}.tmp" if self.is_local else name
+    def write_dirname(self, name: str) -> str:
+        """Where the shards of the checkpoint directory ``name`` are written before the commit."""
+        return f"{name}{_TMP_SUFFIX}" if self.is_local else name
 
-    def list_steps(self) -> tuple[dict[int, str], dict[int, str]]:
-        """``({step: dirname}, {step: tmp dirname})`` of the checkpoint directories under the root."""
+    def list_dirs(self) -> tuple[dict[str, int], dict[str, int]]:
+        """``({dirname: step}, {tmp dirname: step})`` of the checkpoint directories under the
+        root (several directories may hold the same step, see :func:`step_dirname`)."""
         try:
             names = [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
         except FileNotFoundError:
             return {}, {}
-        final: dict[int, str] = {}
-        tmp: dict[int, str] = {}
+        final: dict[str, int] = {}
+        tmp: dict[str, int] = {}
         for name in names:
-            if m := _STEP_DIR.match(name):
-                final[int(m.group(1))] = name
-            elif m := _TMP_DIR.match(name):
-                tmp[int(m.group(1))] = name
+            if (step := parse_dirname(name)) is not None:
+                final[name] = step
+            elif (step := parse_dirname(name.removesuffix(_TMP_SUFFIX))) is not None:
+                tmp[name] = step
         return final, tmp
 
     # --- files -----------------------------------------------------------------------------

@@ -191,6 +191,12 @@ class CheckpointConfig:
     verify_checksums: bool = True
     """Before resuming, read the checkpoint's files back and compare them with the checksums
     its manifest recorded; a damaged checkpoint is skipped for the one before it."""
+    preempt_budget: float = 25.0
+    """Seconds a scheduler grants between SIGTERM and SIGKILL that a save may use (Slurm
+    and Kubernetes give 30 s by default; see docs/cluster/preemption.md). On SIGTERM the
+    run saves only if the slowest of its recent measured saves fits in what is left of the
+    budget; otherwise it exits at once and logs the steps that will be lost. 0: always
+    save on SIGTERM (the budget is the scheduler's business)."""
 
 
 @dataclass

@@ -91,3 +91,56 @@ class SpikeGuard:
         self._losses[: len(losses)] = torch.tensor(losses, dtype=torch.float32)
         self._count.fill_(len(losses))
         self._next.fill_(len(losses) % self.window)
+
+
+GUARD_FILE = "spike-guard.json"
+"""Next to the checkpoints: the rollback state, written the moment a rollback changes it."""
+
+
+def write_guard_file(
+    checkpoint_dir: str, bad_micro_batches: list[int], rollbacks: int, spike_step: int
+) -> None:
+    """Persist the rollback state at once, atomically (a complete file or the previous one).
+
+    A rollback changes what the run must skip and how many rollbacks it has left, but the
+    next checkpoint may be many steps away; a crash in between would otherwise replay the
+    spiking micro-batches and reset the ``spike.max_rollbacks`` budget.
+    """
+    import json
+    import time
+
+    from hlat_ckpt.storage import Storage
+
+    record = {
+        "format": "hlat-spike-guard",
+        "bad_micro_batches": sorted(set(bad_micro_batches)),
+        "rollbacks": rollbacks,
+        "last_spike_step": spike_step,
+        "time": time.time(),
+    }
+    storage = Storage(checkpoint_dir)
+    storage.makedirs()
+    storage.write_bytes_durable(json.dumps(record, indent=1).encode(), GUARD_FILE)
+
+
+def read_guard_file(checkpoint_dir: str) -> dict[str, Any] | None:
+    """The rollback state of :func:`write_guard_file`, or ``None`` when there is none.
+    A file that does not parse is an error naming it (it is never silently ignored)."""
+    import json
+
+    from hlat_ckpt.storage import Storage
+
+    storage = Storage(checkpoint_dir)
+    if not storage.exists(GUARD_FILE):
+        return None
+    where = storage.url_of(GUARD_FILE)
+    try:
+        record = json.loads(storage.read_bytes(GUARD_FILE))
+        bad = [int(x) for x in record["bad_micro_batches"]]
+        rollbacks = int(record["rollbacks"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise RuntimeError(
+            f"{where} is not a spike-guard file ({type(e).__name__}: {e}); delete it to "
+            "resume without it"
+        ) from None
+    return {"bad_micro_batches": bad, "rollbacks": rollbacks}

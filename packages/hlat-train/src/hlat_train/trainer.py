@@ -28,7 +28,7 @@ from hlat_train.metrics import (
     read_metrics,
 )
 from hlat_train.neuron import apply_neuron_env, mark_step
-from hlat_train.spike import SpikeGuard
+from hlat_train.spike import GUARD_FILE, SpikeGuard, read_guard_file, write_guard_file
 from hlat_train.validation import validate
 
 PEAK_CACHE_NAME = "peak_tflops.json"  # in train.out_dir: the measured peak, for restarts
@@ -134,6 +134,8 @@ class Trainer:
                 raise ConfigError(str(error)) from None
         self.preempted = False
         self.out_of_time = False
+        self._sigterm_at: float | None = None
+        self._save_seconds: list[float] = []  # the last three measured saves (save_s)
         self._deadline = math.inf
         self._last_index = -1
         self._spike_injections = set(config.spike.inject_at)
@@ -433,6 +435,7 @@ class Trainer:
         )
         if resumed is not None:
             self._log(f"resumed from step {resumed} of {c.checkpoint_dir}")
+        self._restore_guard_file()
         start = self.state.step
         previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         progress = Progress(c.train.steps, start, c.logging.progress and self.rank0)
@@ -443,6 +446,7 @@ class Trainer:
         if c.train.time_limit:
             self._deadline = time.monotonic() + c.train.time_limit
         last_saved = start if resumed is not None else -1
+        skip_final_save = False  # SIGTERM with no time left for a save
         window = _Window(self.device, start)
         from hlat_train.observe import MemorySnapshot, StepProfiler
 
@@ -502,6 +506,8 @@ class Trainer:
 
                 stop = self._stop_requested(step == c.train.steps)
                 save = step % c.checkpoint.every == 0 or step == c.train.steps or stop
+                if stop and self.preempted and not self._preempt_save_fits(step, last_saved):
+                    save, skip_final_save = False, True
                 log = step % c.logging.every == 0 or step == c.train.steps
                 if log or save:
                     # The device is read here, once. The verdicts since the last read come
@@ -549,9 +555,10 @@ class Trainer:
                 snapshot.after(step)
                 if stop:
                     reason = "time limit" if self.out_of_time else "SIGTERM"
-                    self._log(f"{reason}: saved step {step}, exiting")
+                    saved = "no save (see above)" if skip_final_save else f"saved step {step}"
+                    self._log(f"{reason}: {saved}, exiting")
                     break
-            if self.state.step > last_saved and self.state.step > 0:
+            if self.state.step > last_saved and self.state.step > 0 and not skip_final_save:
                 self.checkpointer.save(self.state.step, self.checkpoint_state)
             self.checkpointer.wait()
             self._log_saves()
@@ -685,6 +692,7 @@ class Trainer:
         for ``async_save``), ``save_s`` from the call to the commit, and the ``bytes`` and
         ``files`` of the whole checkpoint."""
         for s in self.checkpointer.pop_save_stats():
+            self._save_seconds = [*self._save_seconds[-2:], s.save_s]
             if self.writer:
                 self.writer.write(
                     {
@@ -928,16 +936,69 @@ class Trainer:
             )
         self.state.bad_micro_batches = bad_all
         self.state.rollbacks = rollbacks
+        if self.rank0:
+            write_guard_file(c.checkpoint_dir, bad_all, rollbacks, spike_step)
         self._log(
             f"loss spike at step {spike_step}: rolled back to step {restored}; skipping "
             f"micro-batches {bad} from now on"
         )
         return self._batches()
 
+    def _restore_guard_file(self) -> None:
+        """Merge the rollback state persisted since the checkpoint (``spike-guard.json``):
+        the micro-batches to skip and the rollbacks spent only grow, so the union and the
+        maximum are right whichever of the two is newer."""
+        saved = read_guard_file(self.config.checkpoint_dir)
+        if saved is None:
+            return
+        bad = sorted({*self.state.bad_micro_batches, *saved["bad_micro_batches"]})
+        rollbacks = max(self.state.rollbacks, saved["rollbacks"])
+        if bad != self.state.bad_micro_batches or rollbacks != self.state.rollbacks:
+            self._log(
+                f"spike guard: {len(bad)} bad micro-batch(es) to skip and {rollbacks} "
+                f"rollback(s) spent, from {GUARD_FILE} (newer than the checkpoint)"
+            )
+        self.state.bad_micro_batches, self.state.rollbacks = bad, rollbacks
+
     # --- preemption ------------------------------------------------------------------------
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self.preempted = True
+        if self._sigterm_at is None:
+            self._sigterm_at = time.monotonic()
+
+    def _preempt_save_fits(self, step: int, last_saved: int) -> bool:
+        """On SIGTERM: whether a save of ``step`` fits in what is left of
+        ``checkpoint.preempt_budget`` (all ranks agree: every rank must save, or none).
+
+        The estimate is the slowest of the last three measured saves, from the call to the
+        commit (an async save must also finish writing before the process may exit), plus
+        the wait for a save still in flight, taken as one more save. With no save measured
+        yet there is nothing to estimate from, and the run saves. When the save does not
+        fit, the run exits at once and says what is lost: the steps since the newest
+        committed checkpoint, which the next run trains again.
+        """
+        budget = self.config.checkpoint.preempt_budget
+        if not budget or not self._save_seconds:
+            return True
+        elapsed = time.monotonic() - (self._sigterm_at or time.monotonic())
+        in_flight = self.checkpointer.saving
+        estimate = max(self._save_seconds) * (2 if in_flight else 1)
+        fits = estimate <= budget - elapsed
+        if self._control is not None:
+            flag = torch.tensor([int(fits)], dtype=torch.int32)
+            dist.all_reduce(flag, dist.ReduceOp.MIN, self._control)
+            fits = bool(flag.tolist()[0])
+        if not fits:
+            lost = step - max(last_saved, 0)
+            self._log(
+                f"SIGTERM: a save takes about {estimate:.1f} s but {budget - elapsed:.1f} s of "
+                f"checkpoint.preempt_budget ({budget:.0f} s) are left; exiting without saving "
+                f"step {step}. Lost: the {lost} step(s) since "
+                + (f"the checkpoint of step {last_saved}" if last_saved > 0 else "the start")
+                + ", trained again by the next run"
+            )
+        return fits
 
     def _stop_requested(self, final: bool) -> bool:
         """Whether to stop after this step because a rank got SIGTERM (1) or ran out of time

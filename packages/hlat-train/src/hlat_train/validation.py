@@ -64,6 +64,7 @@ def validate(
         ("parallel.pp_virtual", par.pp_virtual, 0),
         ("parallel.pp_microbatches", par.pp_microbatches, 0),
         ("logging.memory_snapshot_step", config.logging.memory_snapshot_step, 0),
+        ("checkpoint.preempt_budget", config.checkpoint.preempt_budget, 0),
     ):
         if value < low:
             raise ConfigError(f"{key} must be at least {low}, got {value}")

@@ -1,0 +1,231 @@
+"""Run lineage: a run resumed from an older step starts a new lineage, may save the steps the
+abandoned one saved, never resumes the abandoned one, and retention deletes the abandoned
+checkpoints only once the new lineage has got past them. The rule (pure) first, then real
+checkpoints on disk and S3, two gloo ranks, legacy manifests and the NxD engine."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from ckpt_helpers import launch, make_state, snapshot, train_step
+from nxd_standin import NxdStandIn
+
+from hlat_ckpt import MANIFEST_NAME, Checkpointer, CheckpointError
+from hlat_ckpt.lineage import Commit, Parent, abandoned, ancestry, current_ancestry, to_delete
+from hlat_ckpt.neuron import NeuronCheckpointer
+
+# --- the rule ------------------------------------------------------------------------------
+
+A = [Commit(s, f"a{s}", "a", seq) for seq, s in enumerate((10, 20, 30, 40), start=1)]
+FORK = Parent("a", 20, 2)  # the run resumed from a's step 20
+B = [Commit(s, f"b{s}", "b", seq, FORK) for s, seq in ((30, 5), (40, 6), (50, 7))]
+
+
+def names(commits) -> list[str]:
+    return [c.dirname for c in commits]
+
+
+def test_the_ancestry_of_a_fork_is_its_own_lineage_then_the_parent_up_to_the_fork():
+    assert names(ancestry(A + B, B[1])) == ["b40", "b30", "a20", "a10"]
+    assert names(current_ancestry(A + B)) == ["b50", "b40", "b30", "a20", "a10"]
+    assert names(abandoned(A + B, B[2])) == ["a30", "a40"]
+
+
+def test_a_fork_of_a_fork_reaches_back_through_both_parents():
+    c = [Commit(60, "c60", "c", 8, Parent("b", 40, 6))]
+    assert names(current_ancestry(A + B + c)) == ["c60", "b40", "b30", "a20", "a10"]
+
+
+def test_abandoned_checkpoints_go_only_once_the_new_lineage_has_passed_their_step():
+    # b commits 30: a's 30 is passed, a's 40 is newer and stays for now
+    assert names(to_delete(A + B[:1], B[0], keep_last=10)) == ["a30"]
+    # b commits 40: a's 40 goes too
+    assert names(to_delete(A + B[:2], B[1], keep_last=10)) == ["a30", "a40"]
+
+
+def test_keep_last_counts_the_current_ancestry_and_keep_every_keeps_its_multiples():
+    assert names(to_delete(A + B, B[2], keep_last=2)) == ["a10", "a20", "a30", "a40", "b30"]
+    assert names(to_delete(A + B, B[2], keep_last=2, keep_every=20)) == ["a10", "a30", "a40", "b30"]
+    assert to_delete(A + B, B[2], keep_last=None) == []  # keep everything
+
+
+def test_legacy_manifests_order_by_step_before_every_recorded_commit():
+    legacy = [Commit(s, f"l{s}", "", 0) for s in (5, 15)]
+    new = Commit(25, "n25", "n", 1, Parent("", 15, 0))
+    assert names(current_ancestry([*legacy, new])) == ["n25", "l15", "l5"]
+
+
+# --- real checkpoints ----------------------------------------------------------------------
+
+
+def weights(state) -> torch.Tensor:
+    return state["model"][0].weight.detach().clone()
+
+
+def dirs(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir())
+
+
+def test_a_run_resumed_from_an_older_step_saves_its_steps_again_and_resumes_its_own(tmp_path):
+    root = tmp_path / "ckpt"
+    first = Checkpointer(root, keep_last=3, async_save=False)
+    a = make_state(0)
+    for step in (10, 20, 30, 40):
+        train_step(a)
+        first.save(step, a)
+    assert dirs(root) == ["step_0000000020", "step_0000000030", "step_0000000040"]
+
+    second = Checkpointer(root, keep_last=3, async_save=True)
+    b = make_state(1)
+    second.load(20, b)  # go back: a new lineage whose parent is step 20
+    assert second.lineage != first.lineage
+    torch.manual_seed(123)  # a different history from here on
+    train_step(b)
+    second.save(30, b)  # step 30 exists in the abandoned lineage: saved beside it
+    second.wait()
+    tagged = f"step_0000000030-{second.lineage}"
+    # a's 30 is passed and deleted; a's 40 stays until the new lineage gets past it
+    assert dirs(root) == ["step_0000000020", tagged, "step_0000000040"]
+    listed = [(c.step, c.current) for c in second.list()]
+    assert listed == [(20, True), (40, False), (30, True)]
+    saved_30 = weights(b)
+
+    # resume picks the new lineage's 30, not the abandoned 40
+    c = make_state(2)
+    resumed = Checkpointer(root, keep_last=3, async_save=False)
+    assert resumed.load_latest(c) == 30
+    assert torch.equal(weights(c), saved_30)
+    assert resumed.lineage == second.lineage  # resuming the head continues its lineage
+
+    train_step(c)
+    resumed.save(40, c)
+    assert dirs(root) == [
+        "step_0000000020",
+        tagged,
+        f"step_0000000040-{second.lineage}",
+    ]
+    with pytest.raises(CheckpointError, match="step 40 already exists"):
+        resumed.save(40, c)  # a lineage saves each step once
+
+
+def test_a_run_cannot_save_a_step_of_its_own_ancestry_again(tmp_path):
+    ck = Checkpointer(tmp_path, async_save=False)
+    a = make_state(0)
+    for step in (1, 2, 3):
+        ck.save(step, a)
+    again = Checkpointer(tmp_path, async_save=False)
+    again.load(2, make_state(1))
+    again.save(3, a)  # the abandoned 3: allowed, beside it
+    with pytest.raises(CheckpointError, match="step 2 already exists"):
+        again.save(2, a)  # its own parent
+    with pytest.raises(CheckpointError, match="step 1 already exists"):
+        again.save(1, a)  # an ancestor further back
+
+
+def test_lineage_is_recorded_in_the_manifest(tmp_path):
+    ck = Checkpointer(tmp_path, keep_last=None, async_save=False)
+    a = make_state(0)
+    ck.save(1, a)
+    ck.save(2, a)
+    again = Checkpointer(tmp_path, keep_last=None, async_save=False)
+    again.load(1, a)
+    again.save(2, a)
+
+    def lineage(name: str) -> dict:
+        return json.loads((tmp_path / name / MANIFEST_NAME).read_text())["lineage"]
+
+    assert lineage("step_0000000001") == {"id": ck.lineage, "seq": 1, "parent": None}
+    assert lineage("step_0000000002")["seq"] == 2
+    assert lineage(f"step_0000000002-{again.lineage}") == {
+        "id": again.lineage,
+        "seq": 3,
+        "parent": {"id": ck.lineage, "step": 1, "seq": 1},
+    }
+
+
+def test_retention_keeps_the_current_lineage_on_s3(s3_bucket):
+    url, options = s3_bucket
+    url = f"{url}/lineage"
+    ck = Checkpointer(url, keep_last=2, async_save=False, storage_options=options)
+    a = make_state(0)
+    for step in (1, 2, 3):
+        train_step(a)
+        ck.save(step, a)
+    again = Checkpointer(url, keep_last=2, async_save=False, storage_options=options)
+    b = make_state(1)
+    again.load(2, b)
+    train_step(b)
+    again.save(3, b)
+    assert [(c.step, c.current) for c in again.list()] == [(2, True), (3, True)]
+    assert [c.url.rsplit("/", 1)[-1] for c in again.list()] == [
+        "step_0000000002",
+        f"step_0000000003-{again.lineage}",
+    ]
+    c = make_state(2)
+    assert Checkpointer(url, storage_options=options).load_latest(c) == 3
+    assert all(torch.equal(t, snapshot(b)[n]) for n, t in snapshot(c).items())
+
+
+def test_checkpoints_without_lineage_resume_and_are_continued(tmp_path):
+    ck = Checkpointer(tmp_path, keep_last=2, async_save=False)
+    a = make_state(0)
+    for step in (1, 2):
+        train_step(a)
+        ck.save(step, a)
+    for step in (1, 2):  # as hlat-ckpt 0.4 wrote them
+        path = tmp_path / f"step_{step:010d}" / MANIFEST_NAME
+        record = json.loads(path.read_text())
+        del record["lineage"]
+        path.write_text(json.dumps(record))
+    again = Checkpointer(tmp_path, keep_last=2, async_save=False)
+    b = make_state(1)
+    assert again.load_latest(b) == 2
+    train_step(b)
+    again.save(3, b)
+    assert [(c.step, c.lineage, c.current) for c in again.list()] == [
+        (2, "", True),
+        (3, again.lineage, True),
+    ]
+
+
+@pytest.mark.slow
+def test_two_ranks_fork_and_resume_the_new_lineage(tmp_path):
+    launch("fork", tmp_path)
+    results = [json.loads((tmp_path / f"fork_rank{r}.json").read_text()) for r in (0, 1)]
+    for rank, result in enumerate(results):
+        assert result["resumed"] == 3 and result["weight"] == 103.0
+        assert result["progress"] == {"rank": rank, "step": 3}
+    first, second = results[0]["lineages"]
+    assert first != second and results[1]["lineages"] == [None, None]  # rank 0 decides
+    assert results[0]["listed_after_2"] == [[1, True], [3, False], [2, True]]
+    assert dirs(tmp_path) == [
+        "fork_rank0.json",
+        "fork_rank1.json",
+        f"step_0000000002-{second}",
+        f"step_0000000003-{second}",
+    ]
+
+
+def test_the_nxd_engine_saves_a_forked_step_under_its_tagged_name(tmp_path):
+    nxd = NxdStandIn()
+
+    def neuron() -> NeuronCheckpointer:
+        return NeuronCheckpointer(tmp_path, async_save=False, use_xser=False, nxd=nxd)
+
+    first = neuron()
+    a = make_state(0)
+    first.save(1, a)
+    first.save(2, a)
+    second = neuron()
+    second.load(1, make_state(1))
+    b = make_state(2)
+    second.save(2, b)
+    tagged = f"step_0000000002-{second.lineage}"
+    assert os.path.exists(tmp_path / tagged / MANIFEST_NAME)
+    c = make_state(3)
+    assert neuron().load_latest(c) == 2
+    assert all(torch.equal(t, snapshot(b)[n]) for n, t in snapshot(c).items())

@@ -57,7 +57,7 @@ def test_hlat_7b_preset_is_the_papers_recipe():
         500000,
         "bf16-sr",
     )
-    assert (c.checkpoint.every, c.checkpoint.keep_last) == (1000, 5)
+    assert (c.checkpoint.every, c.checkpoint.keep_last) == ("auto", 5)
     assert llama.checkpointing == "selective"
 
 

@@ -180,8 +180,11 @@ class CheckpointConfig:
 
     dir: str = ""
     """Directory or ``s3://`` URL; empty means ``<train.out_dir>/checkpoints``."""
-    every: int = 1000
-    """Save every this many steps (and at the end, and on SIGTERM)."""
+    every: int | str = 1000
+    """Save every this many steps (and at the end, and on SIGTERM). ``"auto"``: the first
+    save after 50 steps, then an interval re-estimated at every save from the run's own
+    measured save stall, background write and step time and ``mtbf_hours`` (Young/Daly,
+    see ``hlat_train.interval``), logged as a ``checkpoint_interval`` record."""
     keep_last: int = 5
     """Complete checkpoints kept."""
     async_save: bool = True
@@ -191,6 +194,10 @@ class CheckpointConfig:
     verify_checksums: bool = True
     """Before resuming, read the checkpoint's files back and compare them with the checksums
     its manifest recorded; a damaged checkpoint is skipped for the one before it."""
+    mtbf_hours: float = 12.0
+    """Mean time between failures that stop the whole job, for ``every = "auto"``. An
+    assumption until you know your cluster's: its own history of interrupted jobs is the
+    figure to put here."""
     preempt_budget: float = 25.0
     """Seconds a scheduler grants between SIGTERM and SIGKILL that a save may use (Slurm
     and Kubernetes give 30 s by default; see docs/cluster/preemption.md). On SIGTERM the
@@ -498,9 +505,16 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+        if len(args) < len(typing.get_args(hint)) and (
+            value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
+        ):
             return None
-        return _convert(value, args[0], where)
+        for arg in args[:-1]:  # the first type the value converts to (int before str)
+            try:
+                return _convert(value, arg, where)
+            except ConfigError:
+                continue
+        return _convert(value, args[-1], where)
     if origin is list:
         (inner,) = typing.get_args(hint)
         if isinstance(value, str):

@@ -1505,10 +1505,31 @@ def make_plan(
         + (", point-to-point sends" if layout.pp > 1 else "")
         + "), device memory (vendor tables)"
     )
+    plan.notes.append(checkpoint_interval_note(config))
     if not plan.fits:
         say("hlat-train plan: searching for a layout that fits")
         plan.suggestion = suggest(llama, layout, plan.usable_bytes)
     return plan
+
+
+def checkpoint_interval_note(config: TrainConfig) -> str:
+    """What ``checkpoint.every`` means for this run: a fixed step count, or ``auto`` with
+    Daly's interval for a range of save stalls (the stall itself is measured by the run)."""
+    every = config.checkpoint.every
+    if every != "auto":
+        return f"checkpoint.every: every {every} steps (fixed)"
+    from hlat_train.interval import daly_interval
+
+    hours = config.checkpoint.mtbf_hours
+    examples = ", ".join(
+        f"{stall:g} s -> {daly_interval(stall, hours * 3600) / 60:.0f} min"
+        for stall in (1, 10, 30, 120)
+    )
+    return (
+        f"checkpoint.every: auto (Young/Daly, hlat_train.interval), re-estimated at every save "
+        f"from the measured save stall and step time with mtbf_hours {hours:g}; the first "
+        f"save after 50 steps. Interval by save stall: {examples}"
+    )
 
 
 def failure_text(plan: Plan) -> str:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from hlat_train import neuron
 from hlat_train.config import ConfigError, TrainConfig
+from hlat_train.interval import AUTO, FIRST_SAVE_STEPS, plan_interval
 from hlat_train.metrics import (
     MetricsWriter,
     Progress,
@@ -135,6 +136,9 @@ class Trainer:
         self.preempted = False
         self.out_of_time = False
         self._sigterm_at: float | None = None
+        self._created = time.monotonic()
+        self._restart_s = math.nan  # construction to the end of this process's first step
+        self._last_stats: Any = None  # the newest committed save's SaveStats
         self._save_seconds: list[float] = []  # the last three measured saves (save_s)
         self._deadline = math.inf
         self._last_index = -1
@@ -447,6 +451,15 @@ class Trainer:
             self._deadline = time.monotonic() + c.train.time_limit
         last_saved = start if resumed is not None else -1
         skip_final_save = False  # SIGTERM with no time left for a save
+        auto_every = c.checkpoint.every == AUTO
+        next_save = start + FIRST_SAVE_STEPS  # with checkpoint.every = "auto"
+        since = (start, time.monotonic())  # (step, time) the current interval began
+
+        def checkpoint_step(step: int) -> bool:
+            if auto_every:
+                return step >= next_save
+            return step % int(c.checkpoint.every) == 0
+
         window = _Window(self.device, start)
         from hlat_train.observe import MemorySnapshot, StepProfiler
 
@@ -505,7 +518,9 @@ class Trainer:
                 last_loss = loss_value
 
                 stop = self._stop_requested(step == c.train.steps)
-                save = step % c.checkpoint.every == 0 or step == c.train.steps or stop
+                if math.isnan(self._restart_s):
+                    self._restart_s = time.monotonic() - self._created
+                save = checkpoint_step(step) or step == c.train.steps or stop
                 if stop and self.preempted and not self._preempt_save_fits(step, last_saved):
                     save, skip_final_save = False, True
                 log = step % c.logging.every == 0 or step == c.train.steps
@@ -542,15 +557,15 @@ class Trainer:
                 if c.train.eval_every and step % c.train.eval_every == 0:
                     self._validate(step, progress)
                 if save:
-                    if (
-                        not c.train.eval_every
-                        and c.data.valid_paths
-                        and step % c.checkpoint.every == 0
-                    ):
+                    if not c.train.eval_every and c.data.valid_paths and checkpoint_step(step):
                         self._validate(step, progress)
                     self.checkpointer.save(step, self.checkpoint_state)
                     last_saved = step
                 self._log_saves()
+                if save and auto_every and not stop and step < c.train.steps:
+                    step_s = (time.monotonic() - since[1]) / max(1, step - since[0])
+                    next_save = step + self._auto_interval(step, step_s)
+                    since = (step, time.monotonic())
                 profiler.end(step)
                 snapshot.after(step)
                 if stop:
@@ -693,6 +708,7 @@ class Trainer:
         ``files`` of the whole checkpoint."""
         for s in self.checkpointer.pop_save_stats():
             self._save_seconds = [*self._save_seconds[-2:], s.save_s]
+            self._last_stats = s
             if self.writer:
                 self.writer.write(
                     {
@@ -966,6 +982,53 @@ class Trainer:
         self.preempted = True
         if self._sigterm_at is None:
             self._sigterm_at = time.monotonic()
+
+    def _auto_interval(self, step: int, step_s: float) -> int:
+        """Steps to the next checkpoint under ``checkpoint.every = "auto"``, from the newest
+        committed save's stall and write, the measured step time and the restart time of
+        this process (``hlat_train.interval``); logged. Until a save has committed (an
+        async first save still writing) the first interval is used again. All ranks take
+        the largest answer (one small all-reduce per checkpoint), so they save together."""
+        c = self.config
+        every = FIRST_SAVE_STEPS
+        planned = None
+        if self._last_stats is not None and step_s > 0:
+            planned = plan_interval(
+                stall_s=self._last_stats.stall_s,
+                write_s=self._last_stats.write_s if self._last_stats.async_save else 0.0,
+                step_s=step_s,
+                restart_s=self._restart_s,
+                mtbf_hours=c.checkpoint.mtbf_hours,
+            )
+            every = planned.every
+        if self._control is not None:
+            agreed = torch.tensor([every], dtype=torch.int64)
+            dist.all_reduce(agreed, dist.ReduceOp.MAX, self._control)
+            every = int(agreed.tolist()[0])
+        if planned is not None:
+            self._log(
+                f"checkpoint.every auto at step {step}: save stall {planned.stall_s:.3g} s, "
+                f"background write {planned.write_s:.3g} s, step {step_s:.3g} s, restart "
+                f"{planned.restart_s:.3g} s, MTBF {c.checkpoint.mtbf_hours:g} h -> next save "
+                f"in {every} steps ({every * step_s:.3g} s); expected utilisation "
+                f"{planned.utilisation:.2%}"
+            )
+            if self.writer:
+                self.writer.write(
+                    {
+                        "kind": "checkpoint_interval",
+                        "step": step,
+                        "every": every,
+                        "interval_s": every * step_s,
+                        "stall_s": planned.stall_s,
+                        "write_s": planned.write_s,
+                        "step_s": step_s,
+                        "restart_s": planned.restart_s,
+                        "mtbf_hours": c.checkpoint.mtbf_hours,
+                        "utilisation": planned.utilisation,
+                    }
+                )
+        return every
 
     def _preempt_save_fits(self, step: int, last_saved: int) -> bool:
         """On SIGTERM: whether a save of ``step`` fits in what is left of

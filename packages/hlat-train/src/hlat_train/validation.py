@@ -50,7 +50,6 @@ def validate(
         ("train.eval_batches", run.eval_batches, 1),
         ("data.seq_len", data.seq_len, 1),
         ("data.micro_batch_size", data.micro_batch_size, 1),
-        ("checkpoint.every", config.checkpoint.every, 1),
         ("checkpoint.keep_last", config.checkpoint.keep_last, 1),
         ("logging.every", config.logging.every, 1),
         ("spike.window", config.spike.window, 2),
@@ -68,6 +67,13 @@ def validate(
     ):
         if value < low:
             raise ConfigError(f"{key} must be at least {low}, got {value}")
+    every = config.checkpoint.every
+    if isinstance(every, str) and every != "auto":
+        raise ConfigError(f"checkpoint.every must be a number of steps or 'auto', got {every!r}")
+    if isinstance(every, int) and every < 1:
+        raise ConfigError(f"checkpoint.every must be at least 1, got {every}")
+    if not config.checkpoint.mtbf_hours > 0:
+        raise ConfigError(f"checkpoint.mtbf_hours must be > 0, got {config.checkpoint.mtbf_hours}")
     _check_observability(config)
     if run.init not in ("auto", "full", "sharded"):
         raise ConfigError(f"train.init must be 'auto', 'full' or 'sharded', got {run.init!r}")

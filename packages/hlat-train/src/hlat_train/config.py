@@ -270,6 +270,10 @@ class SpikeConfig:
     inject_at: list[int] = field(default_factory=list)
     """Fire drill: report the loss of these steps 100x too high, once each, to see the
     policy act on a real run (leave empty in production)."""
+    inject_nan_at: list[int] = field(default_factory=list)
+    """Fire drill: report the loss of these steps as NaN, once each per process, to see a
+    non-finite loss handled on a real run: the update is dropped whatever the policy
+    (``rollback`` also rolls back). Leave empty in production."""
 
 
 @dataclass
@@ -321,6 +325,18 @@ class RunConfig:
     the model is built on the meta device, split, and each rank initialises only its shard
     (needed when the model does not fit in host memory; weights then depend on the
     layout). ``auto``: ``full`` below 2B parameters, else ``sharded``."""
+    hang_timeout: float = 0.0
+    """Hang watchdog (``hlat_train.watchdog``): seconds a rank may go without progress (a
+    new step, or a new region of one: forward/backward, optimizer step, stop-flag
+    all-reduce, checkpoint save, validation) before it prints its rank, step, last activity
+    and every thread's Python stack and exits with status 124, so that torchrun restarts
+    the job instead of waiting forever on a stopped rank or a hung collective. 0 (auto):
+    1800 s until a few steps are timed, then max(300 s, 10 x the slowest step so far);
+    checkpoint saves and validation get at least 1800 s. A positive value: that many
+    seconds everywhere (keep it above the slowest checkpoint save). In both modes set-up,
+    checkpoint loads and the first step of each process (compilation) get at least
+    1800 s. Negative: no watchdog. The process group's own timeout is set above it:
+    max(1800 s, this) + 300 s (torch's default without a watchdog)."""
     eval_every: int = 0
     """Validation loss every this many steps (0: at checkpoints only, when valid data exists)."""
     eval_batches: int = 8

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import math
 import os
 import signal
@@ -31,6 +32,7 @@ from hlat_train.metrics import (
 from hlat_train.neuron import apply_neuron_env, mark_step
 from hlat_train.spike import GUARD_FILE, SpikeGuard, read_guard_file, write_guard_file
 from hlat_train.validation import validate
+from hlat_train.watchdog import HangWatchdog, process_group_timeout
 
 PEAK_CACHE_NAME = "peak_tflops.json"  # in train.out_dir: the measured peak, for restarts
 
@@ -143,6 +145,8 @@ class Trainer:
         self._deadline = math.inf
         self._last_index = -1
         self._spike_injections = set(config.spike.inject_at)
+        self._nan_injections = set(config.spike.inject_nan_at)
+        self._watchdog = HangWatchdog(-1.0, 0)  # fit() starts the configured one
         self._pending: tuple[Any, torch.Tensor] | None = None
 
     # --- setup -----------------------------------------------------------------------------
@@ -159,6 +163,18 @@ class Trainer:
             multi_node = self.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
             apply_neuron_env(c.neuron, c.optim.precision, multi_node)
         backend: Any = c.parallel.backend
+        # Note: torch's own collective timeout (30 min on gloo, 10 min on NCCL by default)
+        # must not fire before the hang watchdog (train.hang_timeout): it would end a rank
+        # that waits while another compiles its first step (the watchdog allows 30 min for
+        # it), or report a hang with a less clear error (no rank, step or stacks of the
+        # hung region). It must not be infinite either: it is the backstop for a rank
+        # whose watchdog cannot run. So the process group waits the longest limit the
+        # watchdog can apply plus a margin (hlat_train.watchdog.process_group_timeout);
+        # without a watchdog, torch's default. The device mesh's sub-groups (tp, dp, ... on
+        # layouts with several dimensions) keep torch's default, which torch does not let
+        # a mesh inherit.
+        pg_seconds = process_group_timeout(c.train.hang_timeout)
+        self._pg_timeout = None if pg_seconds is None else datetime.timedelta(seconds=pg_seconds)
         # Note: init_parallel creates the process group on a store namespace of this
         # torchrun attempt, so workers restarted by --max-restarts rendezvous afresh.
         self.dims = dims = init_parallel(
@@ -169,6 +185,7 @@ class Trainer:
             cp=c.parallel.cp,
             device=c.train.device,
             dist_backend=c.parallel.dist_backend,
+            timeout=self._pg_timeout,
         )
         self.rank0 = dims.rank == 0
         self.device = device = dims.device
@@ -176,13 +193,21 @@ class Trainer:
             f"parallel backend {dims.backend} ({dims.backend_reason}); device {device}, "
             f"process group {dims.dist_backend or 'none'}, {dims.world_size} process(es)"
         )
+        from hlat_train.watchdog import describe
+
+        self._log(
+            describe(c.train.hang_timeout)
+            + (f"; process-group timeout {pg_seconds:g} s" if pg_seconds is not None else "")
+        )
         self._pin = pins_memory(device)
         self._control = None
         if self.world_size > 1:
             # Note: the stop flag travels on a host-side gloo group, so agreeing on it never
             # waits for the accelerator; on CPU runs the default group is already gloo.
             self._control = (
-                dist.group.WORLD if dims.dist_backend == "gloo" else dist.new_group(backend="gloo")
+                dist.group.WORLD
+                if dims.dist_backend == "gloo"
+                else dist.new_group(backend="gloo", timeout=self._pg_timeout)
             )
 
         self.grad_accum = c.grad_accum(dims.dp)
@@ -431,9 +456,27 @@ class Trainer:
         device-side skip. They are read on the host only on logged steps (every
         ``logging.every``), before a checkpoint and at the end. The ranks agree on stopping
         (SIGTERM, time limit) through a host-side all-reduce that is one step behind.
+
+        A hang watchdog (``train.hang_timeout``, :mod:`hlat_train.watchdog`) runs from the
+        start of set-up to the end: the loop tells it when each step and each region of a
+        step begins, and a rank that stays in one region too long (a stopped peer, a hung
+        collective) prints where it was and exits, so torchrun restarts the job.
         """
+        # Note: RANK from torchrun's environment, as the process group does not exist yet
+        self._watchdog = HangWatchdog(
+            self.config.train.hang_timeout, int(os.environ.get("RANK", "0"))
+        ).start()
+        try:
+            return self._fit(self._watchdog)
+        finally:
+            self._watchdog.close()
+
+    def _fit(self, watchdog: HangWatchdog) -> dict[str, Any]:
+        """:meth:`fit`, its progress reported to ``watchdog``."""
         c = self.config
+        watchdog.activity("set-up (process group, model, data)", region="startup")
         self._setup()
+        watchdog.activity("checkpoint load", region="startup")
         resumed = (
             self.checkpointer.load_latest(self.checkpoint_state) if c.checkpoint.resume else None
         )
@@ -474,6 +517,7 @@ class Trainer:
         try:
             while self.state.step < c.train.steps:
                 step = self.state.step + 1
+                watchdog.beat(step, "forward/backward")
                 profiler.begin(step)
                 step_start = time.perf_counter()
                 logged = step % c.logging.every == 0 or step == c.train.steps
@@ -498,11 +542,16 @@ class Trainer:
                     if self.dims.backend == "torch":  # XLA runs the step at mark_step instead
                         _synchronize(self.device)
                     compute_s = time.perf_counter() - step_start
+                watchdog.activity("loss all-reduce")
                 loss_value = self._mean_over_dp(loss_sum)
                 if step in self._spike_injections:  # a drill: see SpikeConfig.inject_at
                     self._spike_injections.discard(step)
                     loss_value = loss_value * 100.0
+                if step in self._nan_injections:  # a drill: see SpikeConfig.inject_nan_at
+                    self._nan_injections.discard(step)
+                    loss_value = loss_value * math.nan
 
+                watchdog.activity("optimizer step")
                 grad_norm, spike, skip = self._update(loss_value)
                 if self.state.guard is not None:
                     self.state.guard.accept(loss_value, ~spike)
@@ -517,6 +566,7 @@ class Trainer:
                     first_loss = loss_value
                 last_loss = loss_value
 
+                watchdog.activity("stop-flag all-reduce")
                 stop = self._stop_requested(step == c.train.steps)
                 if math.isnan(self._restart_s):
                     self._restart_s = time.monotonic() - self._created
@@ -525,11 +575,13 @@ class Trainer:
                     save, skip_final_save = False, True
                 log = step % c.logging.every == 0 or step == c.train.steps
                 if log or save:
+                    watchdog.activity("metrics (device read, all-reduces)")
                     # The device is read here, once. The verdicts since the last read come
                     # first, so a rollback never saves or logs a state past a spike.
                     seen = self._read(window, loss_value, grad_norm, spike, skip, log)
                     if seen["first_spike"] and c.spike.policy == "rollback":
                         first = int(seen["first_spike"])
+                        watchdog.activity("spike rollback (checkpoint load)", region="startup")
                         batches = self._rollback(first, window.batches[first], batches)
                         window = _Window(self.device, self.state.step)
                         continue
@@ -555,17 +607,23 @@ class Trainer:
                         )
                     window = _Window(self.device, step)
                 if c.train.eval_every and step % c.train.eval_every == 0:
+                    watchdog.activity("validation", region="long")
                     self._validate(step, progress)
                 if save:
                     if not c.train.eval_every and c.data.valid_paths and checkpoint_step(step):
+                        watchdog.activity("validation", region="long")
                         self._validate(step, progress)
+                    watchdog.activity("checkpoint save", region="long")
                     self.checkpointer.save(step, self.checkpoint_state)
                     last_saved = step
                 self._log_saves()
                 if save and auto_every and not stop and step < c.train.steps:
+                    watchdog.activity("checkpoint interval all-reduce", region="long")
                     step_s = (time.monotonic() - since[1]) / max(1, step - since[0])
                     next_save = step + self._auto_interval(step, step_s)
                     since = (step, time.monotonic())
+                if c.logging.profile_steps or c.logging.memory_snapshot_step:
+                    watchdog.activity("profiler and memory snapshot", region="long")
                 profiler.end(step)
                 snapshot.after(step)
                 if stop:
@@ -574,13 +632,16 @@ class Trainer:
                     self._log(f"{reason}: {saved}, exiting")
                     break
             if self.state.step > last_saved and self.state.step > 0 and not skip_final_save:
+                watchdog.activity("checkpoint save (final)", region="long")
                 self.checkpointer.save(self.state.step, self.checkpoint_state)
+            watchdog.activity("checkpoint wait (final)", region="long")
             self.checkpointer.wait()
             self._log_saves()
         except torch.OutOfMemoryError:
             snapshot.on_oom()
             raise
         finally:
+            watchdog.activity("end of the run (profiler, stop flag, metrics)", region="long")
             profiler.close()
             self._finish_stop_flag()
             progress.close()

@@ -4,6 +4,7 @@ tensor or file is created. Pure arithmetic plus file-existence checks."""
 from __future__ import annotations
 
 import glob
+import math
 import os
 from typing import Any
 
@@ -75,6 +76,10 @@ def validate(
     if not config.checkpoint.mtbf_hours > 0:
         raise ConfigError(f"checkpoint.mtbf_hours must be > 0, got {config.checkpoint.mtbf_hours}")
     _check_observability(config)
+    _check_hang_timeout(run.hang_timeout)
+    bad_drill = [s for s in config.spike.inject_nan_at if s < 1]
+    if bad_drill:
+        raise ConfigError(f"spike.inject_nan_at: steps start at 1, got {bad_drill}")
     if run.init not in ("auto", "full", "sharded"):
         raise ConfigError(f"train.init must be 'auto', 'full' or 'sharded', got {run.init!r}")
     try:
@@ -335,3 +340,21 @@ def _check_observability(config: TrainConfig) -> None:
         )
     if log.wandb and not log.wandb_project:
         raise ConfigError("logging.wandb_project must not be empty when logging.wandb = true")
+
+
+MIN_HANG_TIMEOUT = 1.0
+
+
+def _check_hang_timeout(value: float) -> None:
+    """train.hang_timeout: 0 (auto), negative (off) or a fixed timeout of at least 1 s."""
+    if not math.isfinite(value):
+        raise ConfigError(
+            f"train.hang_timeout must be a finite number of seconds (0: auto, a negative "
+            f"value: no watchdog), got {value}"
+        )
+    if 0 < value < MIN_HANG_TIMEOUT:
+        raise ConfigError(
+            f"train.hang_timeout = {value:g} s is too short for a hang timeout (a rank that "
+            f"is merely busy would be ended): give at least {MIN_HANG_TIMEOUT:g} s, 0 for the "
+            "automatic timeout, or a negative value to turn the watchdog off"
+        )

@@ -178,6 +178,16 @@ class HangWatchdog:
         """Whether the watchdog thread is alive."""
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def where(self) -> str:
+        """The region the loop is in now."""
+        return self._state[1]
+
+    @property
+    def limit(self) -> float:
+        """Seconds the current region may last (``inf`` when disabled)."""
+        return self._state[3]
+
     def start(self) -> HangWatchdog:
         """Start the thread (nothing when disabled); the clock of the first region starts now."""
         if self.enabled and self._thread is None:
@@ -254,8 +264,7 @@ class HangWatchdog:
         if self.steps_timed < MIN_STEPS:
             return f"auto: start-up allowance until {MIN_STEPS} steps are timed"
         return (
-            f"auto: max({FLOOR_S:g} s, {FACTOR:g} x the slowest step, "
-            f"{self.slowest_step_s:.3g} s)"
+            f"auto: max({FLOOR_S:g} s, {FACTOR:g} x the slowest step, {self.slowest_step_s:.3g} s)"
         )
 
     # --- the thread -----------------------------------------------------------------------

@@ -12,6 +12,17 @@ Runs ``torchrun --nproc-per-node 2 --max-restarts N -m hlat_train train`` on a t
   torn write on shared storage: a DCP shard by default, the manifest with ``--corrupt
   manifest``), and the campaign relaunches torchrun; resume must skip the damaged checkpoint
   and take the one before.
+- ``hang-rank``: SIGSTOP of one worker (a wedged node, a hung collective): the other rank
+  waits in a collective until its hang watchdog (``train.hang_timeout``, ``--hang-timeout``
+  here) prints where it was and exits, and torchrun restarts the workers; the stopped
+  process, which cannot act on torchrun's SIGTERM, is then SIGKILLed so it does not linger.
+  Its *detection latency* is the time from the SIGSTOP to the watchdog's message.
+- ``nan``: a non-finite loss at a step (``spike.inject_nan_at``, a drill key set to the same
+  step in both runs, since it is configuration, not a signal): the trainer must drop that
+  update (``action: skip``) and go on without a restart; the final state still equals the
+  uninterrupted run's, which drops the same update.
+
+``--kinds`` picks the kinds (all by default).
 
 It measures wall time, productive time, effective utilisation, restart latency, lost work
 per fault and checkpoint stall per save, checks that the final model and optimizer equal an
@@ -40,7 +51,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-KINDS = ("kill-rank", "kill-during-save", "sigterm", "corrupt-newest")
+KINDS = ("kill-rank", "kill-during-save", "sigterm", "corrupt-newest", "hang-rank", "nan")
+HANG_TIMEOUT_S = 5.0  # train.hang_timeout of both runs: the watchdog's limit per region
 TORCHRUN_2 = (
     sys.executable,
     "-m",
@@ -74,6 +86,8 @@ class Fault:
     lost_work_s: float = math.nan  # wall time of work after `resumed_from` that was redone
     lost_steps: int = 0
     checkpoint_write_in_progress: bool | None = None
+    detection_latency_s: float = math.nan  # hang-rank: SIGSTOP -> the watchdog's message
+    at_step: int = 0  # nan: the step whose loss is made NaN (configured in both runs)
     detail: str = ""
 
 
@@ -145,7 +159,14 @@ def model_overrides(quick: bool) -> list[str]:
 
 
 def write_config(
-    corpus: dict[str, str], run_dir: Path, steps: int, every: int, quick: bool, async_save: bool
+    corpus: dict[str, str],
+    run_dir: Path,
+    steps: int,
+    every: int,
+    quick: bool,
+    async_save: bool,
+    hang_timeout: float = HANG_TIMEOUT_S,
+    nan_steps: list[int] | None = None,
 ) -> Path:
     """A TOML config for one run (validated by hlat-train as it is built)."""
     from hlat_train import TrainConfig
@@ -167,6 +188,8 @@ def write_config(
         f"--checkpoint.async_save={'true' if async_save else 'false'}",
         "--logging.progress=false",
         "--logging.plot=false",
+        f"--train.hang_timeout={hang_timeout}",
+        f"--spike.inject_nan_at=[{', '.join(map(str, nan_steps or []))}]",
         *model_overrides(quick),
     ]
     config = TrainConfig.preset("tiny-demo", overrides)
@@ -314,7 +337,9 @@ def _wait_exit(attempt: Attempt, tail: MetricsTail, timeout: float = 120) -> int
 # --- the campaign ----------------------------------------------------------------------------
 
 
-def schedule(n: int, seed: int, span_steps: int, min_gap: int) -> list[Fault]:
+def schedule(
+    n: int, seed: int, span_steps: int, min_gap: int, kinds: tuple[str, ...] = KINDS
+) -> list[Fault]:
     """``n`` faults of mixed kinds (every kind once before any repeats, in a seeded order),
     spread over ``span_steps`` steps of progress: exponentially distributed gaps of at least
     ``min_gap`` steps (so every attempt trains and checkpoints), scaled to fill the span.
@@ -323,17 +348,33 @@ def schedule(n: int, seed: int, span_steps: int, min_gap: int) -> list[Fault]:
     run whatever the speed of the machine, and never after the run has finished.
     """
     rng = random.Random(seed)
-    kinds: list[str] = []
-    while len(kinds) < n:
-        block = list(KINDS)
+    drawn: list[str] = []
+    while len(drawn) < n:
+        block = list(kinds)
         rng.shuffle(block)
-        kinds += block
+        drawn += block
     draws = [rng.expovariate(1.0) for _ in range(n)]
     scale = span_steps / sum(draws)
     return [
         Fault(kind, max(min_gap, round(d * scale)))
-        for kind, d in zip(kinds[:n], draws, strict=True)
+        for kind, d in zip(drawn[:n], draws, strict=True)
     ]
+
+
+def plan_nan_steps(faults: list[Fault], every: int, steps: int) -> list[int]:
+    """The step of each ``nan`` fault, fixed before launch (``spike.inject_nan_at`` is
+    configuration, set the same in both runs): where the schedule would put it if every
+    earlier fault resumed from the checkpoint before its step. Only roughly where it lands
+    among the other faults; it always lands inside the run."""
+    base = every + 1  # the driver injects the first fault once a checkpoint exists
+    for fault in faults:
+        target = base + fault.after_steps
+        if fault.kind == "nan":
+            fault.at_step = max(every + 2, min(target, steps - 2))
+            base = target
+        else:
+            base = max(every + 1, target - target % every + 1)
+    return sorted({f.at_step for f in faults if f.kind == "nan"})
 
 
 def run_reference(config: Path, run_dir: Path) -> dict[str, Any]:
@@ -359,6 +400,7 @@ def run_campaign(
     steps: int,
     every: int,
     corrupt: str = "shard",
+    hang_timeout: float = HANG_TIMEOUT_S,
 ) -> tuple[float, list[dict[str, Any]], list[Attempt]]:
     """Run the job to completion while injecting ``faults``; return (wall, records, attempts)."""
     t0 = time.monotonic()
@@ -366,7 +408,19 @@ def run_campaign(
     restarts = len(faults) + 2
     attempts = [launch(config, restarts, t0)]
     try:
-        return _drive(attempts, config, run_dir, faults, steps, every, corrupt, t0, tail, restarts)
+        return _drive(
+            attempts,
+            config,
+            run_dir,
+            faults,
+            steps,
+            every,
+            corrupt,
+            t0,
+            tail,
+            restarts,
+            hang_timeout,
+        )
     finally:
         for attempt in attempts:
             if attempt.proc.poll() is None:  # an error above: leave no job running
@@ -385,6 +439,7 @@ def _drive(
     t0: float,
     tail: MetricsTail,
     restarts: int,
+    hang_timeout: float = HANG_TIMEOUT_S,
 ) -> tuple[float, list[dict[str, Any]], list[Attempt]]:
     ckpt_dir = run_dir / "checkpoints"
 
@@ -416,12 +471,30 @@ def _drive(
                 raise RuntimeError("no step within 300 s of a fault")
             time.sleep(0.005)
 
+    def watchdog_line(since: float, timeout: float) -> tuple[float, str]:
+        """The first hang-watchdog message of the current attempt printed after ``since``."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            for t, line in attempts[-1].lines:
+                if t > since and "hang watchdog: rank" in line:
+                    return t, line
+            if attempts[-1].proc.poll() is not None:
+                break
+            tail.poll()
+            time.sleep(0.005)
+        text = "\n".join(line for _, line in attempts[-1].lines[-40:])
+        raise RuntimeError(f"no hang-watchdog message within {timeout:.0f} s of a SIGSTOP:\n{text}")
+
     # the first fault only once a checkpoint exists, as in any real run past its start
     while tail.last_step() <= every and attempts[0].proc.poll() is None:
         tail.poll()
         time.sleep(0.01)
     base = tail.last_step()  # where the progress that the next gap counts starts
     for fault in faults:
+        if fault.kind == "nan":
+            _check_nan(fault, tail, attempts[-1])
+            base = max(base, fault.at_step)
+            continue
         target = base + fault.after_steps
         while tail.last_step() < target and attempts[-1].proc.poll() is None:
             tail.poll()
@@ -451,6 +524,24 @@ def _drive(
             if fault.kind == "kill-during-save":
                 fault.checkpoint_write_in_progress = bool(writing & _writing(ckpt_dir))
             fault.detail = f"SIGKILL worker pid {victim}"
+        elif fault.kind == "hang-rank":
+            workers = _workers(attempt.proc.pid)
+            if not workers:
+                raise RuntimeError("no worker processes found under torchrun")
+            victim = workers[len(workers) // 2]
+            os.kill(victim, signal.SIGSTOP)
+            seen_at, line = watchdog_line(fault.at, timeout=hang_timeout + 120)
+            fault.detection_latency_s = seen_at - fault.at
+            # Note: torchrun SIGTERMs the stopped worker, which cannot act on it while
+            # stopped, and SIGKILLs it only 30 s later; a node agent would kill it now
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
+            _wait_gone([victim])
+            fault.detail = (
+                f"SIGSTOP worker pid {victim}; after {fault.detection_latency_s:.2f} s: "
+                f"{line.split('hang watchdog: ')[-1].split('. Dumping')[0]}; "
+                "the stopped worker SIGKILLed"
+            )
         elif fault.kind == "sigterm":
             workers = _signal_job(attempt, signal.SIGTERM)
             code = _wait_exit(attempt, tail)
@@ -496,6 +587,37 @@ def _drive(
     if code != 0:
         raise RuntimeError(f"the campaign job failed (exit {code}); see {run_dir}/launch-*.log")
     return time.monotonic() - t0, tail.records, attempts
+
+
+def _check_nan(fault: Fault, tail: MetricsTail, attempt: Attempt, timeout: float = 600) -> None:
+    """A ``nan`` fault: wait for the record of its step and check that the trainer caught
+    the non-finite loss (logged loss NaN, update dropped) without stopping the job.
+
+    Note: the loss is read on the host at logged steps (every step here), so detection is
+    that step's own record; ``at`` is the step's start (its record minus its ``step_s``).
+    """
+    end = time.monotonic() + timeout
+    while True:
+        tail.poll()
+        mine = [r for r in tail.records if r["step"] == fault.at_step]
+        if mine:
+            break
+        if attempt.proc.poll() is not None or time.monotonic() > end:
+            fault.detail = f"not reached: no record of step {fault.at_step}"
+            return
+        time.sleep(0.005)
+    record = mine[-1]
+    fault.at = record["_t"] - record["step_s"]
+    fault.step_at_fault = fault.at_step
+    fault.detection_latency_s = record["_t"] - fault.at
+    fault.lost_work_s, fault.lost_steps = 0.0, 0
+    caught = math.isnan(record["loss"]) and record.get("action") == "skip"
+    fault.detail = (
+        f"NaN loss at step {fault.at_step} (spike.inject_nan_at in both runs): logged loss "
+        f"{record['loss']}, action {record.get('action')}, no restart"
+    )
+    if not caught:
+        raise RuntimeError(f"the NaN loss at step {fault.at_step} was not caught: {record}")
 
 
 def save_logs(attempts: list[Attempt], run_dir: Path) -> None:
@@ -547,9 +669,13 @@ def compare_final(run_dir: Path, ref_dir: Path) -> dict[str, Any]:
 
     walk(mine.get("model"), ref.get("model"), "model")
     walk(mine.get("optimizer"), ref.get("optimizer"), "optimizer")
-    losses_equal = [r["loss"] for r in surviving(_read(run_dir))] == [
-        r["loss"] for r in surviving(_read(ref_dir))
-    ]
+    mine_losses = [r["loss"] for r in surviving(_read(run_dir))]
+    ref_losses = [r["loss"] for r in surviving(_read(ref_dir))]
+    # a NaN drill logs NaN in both runs; NaN != NaN, so compare it as a value
+    losses_equal = len(mine_losses) == len(ref_losses) and all(
+        a == b or (math.isnan(a) and math.isnan(b))
+        for a, b in zip(mine_losses, ref_losses, strict=True)
+    )
     return {
         "bit_identical": not mismatches and count > 0,
         "tensors_compared": count,
@@ -739,6 +865,8 @@ def plot_timeline(
         "kill-during-save": "tab:purple",
         "sigterm": "tab:orange",
         "corrupt-newest": "tab:brown",
+        "hang-rank": "tab:green",
+        "nan": "tab:olive",
     }
     seen: set[str] = set()
     for f in faults:
@@ -821,6 +949,33 @@ judge how much of a difference is the machine.
 """
 
 
+def _hang_and_nan_text(s: dict[str, Any]) -> str:
+    """A paragraph on the ``hang-rank`` and ``nan`` faults of a summary (empty without)."""
+    c = s["campaign"]
+    text = ""
+    hang = c.get("hang_detection_latency_median_s", math.nan)
+    if not math.isnan(hang):
+        text += (
+            f"\n**Hangs.** A `hang-rank` fault SIGSTOPs one worker: the other waits in a "
+            f"collective until its hang watchdog (`train.hang_timeout = "
+            f"{c['hang_timeout_s']:g}`) prints its rank, step and last activity, dumps its "
+            f"stacks and exits with status 124, and torchrun restarts the workers (the "
+            f"stopped one is SIGKILLed by the campaign). Detection latency, from the SIGSTOP "
+            f"to the watchdog's message: median {hang:.2f} s, max "
+            f"{c['hang_detection_latency_max_s']:.2f} s; the restart latency above includes "
+            "it.\n"
+        )
+    if c.get("nan_caught"):
+        text += (
+            f"\n**Non-finite losses.** `nan` faults make the loss of step(s) "
+            f"{', '.join(map(str, c['nan_steps']))} NaN (`spike.inject_nan_at`, in both runs); "
+            f"each was logged with `action: skip` (the update dropped) and the job went on "
+            f"without a restart ({c['nan_caught']} caught). They are left out of the restart "
+            "and lost-work figures.\n"
+        )
+    return text
+
+
 def write_doc(
     summary: dict[str, Any], path: Path, command: str, before: dict[str, Any] | None = None
 ) -> None:
@@ -844,6 +999,7 @@ def write_doc(
     )
     startup_rows = "\n".join(f"| {k} | {v:.2f} |" for k, v in s["startup"].items())
     before_after = _before_after(s, before) if before else ""
+    robustness = _hang_and_nan_text(s)
     cs = c["checkpoint_saves"]
     in_run = (
         f"In the campaign run itself (its `checkpoint` metrics records, {cs['saves']} committed "
@@ -899,7 +1055,7 @@ Per fault (times from the campaign start):
 | # | kind | at (s) | last step logged | resumed from | to "resumed" (s) | restart latency (s) | lost work (s) |
 | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |
 {rows}
-
+{robustness}
 **How each term is measured.** The campaign follows `metrics.jsonl` (flushed each step)
 every 5 ms and stamps each record with its arrival time. *Restart latency* = arrival of the
 first record after the fault minus that step's own `step_s` minus the injection time: the
@@ -1029,6 +1185,17 @@ def main(argv: list[str] | None = None) -> int:
         default="shard",
         help="which file of the newest checkpoint corrupt-newest truncates",
     )
+    parser.add_argument(
+        "--kinds",
+        default=",".join(KINDS),
+        help=f"comma-separated fault kinds to draw from (default: all, {','.join(KINDS)})",
+    )
+    parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=HANG_TIMEOUT_S,
+        help=f"train.hang_timeout of both runs, seconds (default {HANG_TIMEOUT_S:g})",
+    )
     parser.add_argument("--doc", default="", help="also write this Markdown report")
     parser.add_argument(
         "--from-summary", default="", help="only rewrite --doc from this summary.json"
@@ -1056,6 +1223,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.faults < 1:
         parser.error(f"--faults must be at least 1, got {args.faults}")
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        parser.error(f"--kinds: unknown {unknown or 'none given'}; choose from {', '.join(KINDS)}")
+    if not args.hang_timeout >= 1:
+        parser.error(f"--hang-timeout must be at least 1 s, got {args.hang_timeout}")
 
     out = Path(args.out).resolve()
     if out.exists() and any(out.iterdir()):
@@ -1066,25 +1239,35 @@ def main(argv: list[str] | None = None) -> int:
     print(f"fault campaign: {args.faults} faults, seed {args.seed}, {steps} steps -> {out}")
 
     corpus = build_corpus(out / "corpus")
-    ref_dir, run_dir = out / "reference", out / "campaign"
-    ref_cfg = write_config(corpus, ref_dir, steps, every, args.quick, async_save=True)
-    run_cfg = write_config(corpus, run_dir, steps, every, args.quick, async_save=True)
-
-    ref = run_reference(ref_cfg, ref_dir)
-    print(f"uninterrupted run: {ref['wall_s']:.1f} s")
     span = int(0.7 * (steps - every - 1))
-    faults = schedule(args.faults, args.seed, span, min_gap=every + 1)
-    wall, records, attempts = run_campaign(run_cfg, run_dir, faults, steps, every, args.corrupt)
+    faults = schedule(args.faults, args.seed, span, min_gap=every + 1, kinds=kinds)
+    nan_steps = plan_nan_steps(faults, every, steps)
+    ref_dir, run_dir = out / "reference", out / "campaign"
+    configs = [
+        write_config(
+            corpus, d, steps, every, args.quick, True, args.hang_timeout, nan_steps=nan_steps
+        )
+        for d in (ref_dir, run_dir)
+    ]
+
+    ref = run_reference(configs[0], ref_dir)
+    print(f"uninterrupted run: {ref['wall_s']:.1f} s")
+    wall, records, attempts = run_campaign(
+        configs[1], run_dir, faults, steps, every, args.corrupt, args.hang_timeout
+    )
     injected = [f for f in faults if not math.isnan(f.at)]
+    # a NaN is handled inside the job: no restart, nothing lost, not a stop of the job
+    stopping = [f for f in injected if f.kind != "nan"]
+    hangs = [f.detection_latency_s for f in injected if f.kind == "hang-rank"]
     print(f"campaign: {wall:.1f} s, {len(injected)} faults, {len(attempts)} launches")
     final = compare_final(run_dir, ref_dir)
     stall = measure_stall(out, args.quick)
     startup = measure_startup(1 if args.quick else 3)
 
-    restarts = [f.restart_latency_s for f in injected]
-    kinds: dict[str, int] = {}
+    restarts = [f.restart_latency_s for f in stopping]
+    counts: dict[str, int] = {}
     for f in injected:
-        kinds[f.kind] = kinds.get(f.kind, 0) + 1
+        counts[f.kind] = counts.get(f.kind, 0) + 1
     productive = productive_s(records)
     ref_productive = productive_s(ref["records"])
     restart_median = statistics.median(restarts) if restarts else math.nan
@@ -1104,20 +1287,26 @@ def main(argv: list[str] | None = None) -> int:
             "model": "2-layer 64-wide" if args.quick else "4-layer 128-wide",
             "quick": args.quick,
             "corrupt": args.corrupt,
+            "kinds": list(kinds),
         },
         "campaign": {
             "wall_s": wall,
             "productive_s": productive,
             "utilisation": productive / wall,
             "faults_injected": len(injected),
-            "kinds": kinds,
+            "kinds": counts,
             "launches": len(attempts),
-            "mtbf_s": wall / max(len(injected), 1),
+            "mtbf_s": wall / max(len(stopping), 1),
             "restart_latency_median_s": restart_median,
             "restart_latency_max_s": max(restarts) if restarts else math.nan,
-            "lost_work_mean_s": statistics.mean(f.lost_work_s for f in injected)
-            if injected
+            "lost_work_mean_s": statistics.mean(f.lost_work_s for f in stopping)
+            if stopping
             else math.nan,
+            "hang_timeout_s": args.hang_timeout,
+            "hang_detection_latency_median_s": statistics.median(hangs) if hangs else math.nan,
+            "hang_detection_latency_max_s": max(hangs) if hangs else math.nan,
+            "nan_steps": nan_steps,
+            "nan_caught": sum(1 for f in injected if f.kind == "nan"),
             "steps_logged": len(records),
             "steps_final": len(surviving(records)),
             "checkpoint_saves": checkpoint_saves(run_dir),
@@ -1149,6 +1338,15 @@ def main(argv: list[str] | None = None) -> int:
         f"async stall / sync {max(stall['async_over_sync']):.1%}; projected hlat-7b "
         f"{projection['utilisation']:.2%}"
     )
+    if hangs:
+        print(
+            f"hang-rank: detection latency (SIGSTOP -> watchdog message) median "
+            f"{c['hang_detection_latency_median_s']:.2f} s, max "
+            f"{c['hang_detection_latency_max_s']:.2f} s at train.hang_timeout "
+            f"{args.hang_timeout:g} s"
+        )
+    for f in injected:
+        print(f"  {f.kind}: {f.detail}")
     print(f"final state bit-identical: {'yes' if final['bit_identical'] else 'NO'}")
     return 0 if final["bit_identical"] else 1
 

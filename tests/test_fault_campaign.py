@@ -1,5 +1,6 @@
 """tools/fault_campaign.py run for real: a shortened campaign (2 faults) on a 2-process
-torchrun job must recover from both and end bit-identical to an uninterrupted run."""
+torchrun job must recover from both and end bit-identical to an uninterrupted run; another
+with a SIGSTOPped rank (ended by the other rank's hang watchdog) and a NaN loss."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "fault_campaign.py"
+CRASH_KINDS = "kill-rank,kill-during-save,sigterm,corrupt-newest"
 
 
 def _load_module():
@@ -25,9 +27,7 @@ def _load_module():
     return module
 
 
-@pytest.fixture(scope="module")
-def quick_campaign(tmp_path_factory) -> tuple[dict, Path]:
-    out = tmp_path_factory.mktemp("campaign") / "out"
+def _run_quick(out: Path, seed: int, kinds: str) -> tuple[dict, Path]:
     doc = out.parent / "reliability.md"
     args = [
         "--quick",
@@ -36,7 +36,9 @@ def quick_campaign(tmp_path_factory) -> tuple[dict, Path]:
         "--steps",
         "60",
         "--seed",
-        "3",
+        str(seed),
+        "--kinds",
+        kinds,
         "--out",
         str(out),
         "--doc",
@@ -51,6 +53,16 @@ def quick_campaign(tmp_path_factory) -> tuple[dict, Path]:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "final state bit-identical: yes" in done.stdout
     return json.loads((out / "summary.json").read_text()), out
+
+
+@pytest.fixture(scope="module")
+def quick_campaign(tmp_path_factory) -> tuple[dict, Path]:
+    return _run_quick(tmp_path_factory.mktemp("campaign") / "out", 3, CRASH_KINDS)
+
+
+@pytest.fixture(scope="module")
+def hang_nan_campaign(tmp_path_factory) -> tuple[dict, Path]:
+    return _run_quick(tmp_path_factory.mktemp("campaign-hang") / "out", 3, "hang-rank,nan")
 
 
 def test_campaign_with_two_faults_ends_bit_identical_to_an_uninterrupted_run(quick_campaign):
@@ -87,6 +99,38 @@ def test_campaign_injects_both_faults_and_reports_sane_terms(quick_campaign):
     assert math.isclose(p["interval_s"], math.sqrt(2 * p["stall_s"] * p["mtbf_s"]))
 
 
+def test_a_stopped_rank_is_ended_by_the_watchdog_and_a_nan_is_skipped(hang_nan_campaign):
+    summary, out = hang_nan_campaign
+    c = summary["campaign"]
+    assert summary["final"]["bit_identical"] and summary["final"]["loss_trajectory_identical"]
+    assert c["kinds"] == {"hang-rank": 1, "nan": 1}
+    hang = next(f for f in summary["faults"] if f["kind"] == "hang-rank")
+    nan = next(f for f in summary["faults"] if f["kind"] == "nan")
+    # the other rank's watchdog fired about train.hang_timeout after the SIGSTOP
+    timeout = c["hang_timeout_s"]
+    assert timeout <= hang["detection_latency_s"] < timeout + 10
+    assert hang["restart_latency_s"] > hang["detection_latency_s"]
+    assert "last activity:" in hang["detail"] and "SIGKILLed" in hang["detail"]
+    assert hang["first_step_at"] > hang["at"] > 0
+    # the NaN step was logged as skipped in the job, with no restart
+    assert nan["step_at_fault"] == nan["at_step"] == c["nan_steps"][0]
+    assert "action skip" in nan["detail"] and math.isnan(nan["restart_latency_s"])
+    assert c["launches"] == 1  # torchrun restarted the workers itself
+    assert c["restart_latency_median_s"] == hang["restart_latency_s"]
+    doc = (out.parent / "reliability.md").read_text()
+    assert "**Hangs.**" in doc and "**Non-finite losses.**" in doc
+
+
+def test_nan_steps_are_planned_inside_the_run():
+    fc = _load_module()
+    faults = fc.schedule(6, 1, 100, min_gap=5)
+    steps = fc.plan_nan_steps(faults, every=4, steps=150)
+    assert steps == [f.at_step for f in faults if f.kind == "nan"]
+    assert all(4 + 2 <= s <= 148 for s in steps)
+    late = [fc.Fault("nan", 500)]
+    assert fc.plan_nan_steps(late, every=4, steps=60) == [58]  # never past the run
+
+
 def test_schedule_is_seeded_mixes_kinds_and_fills_the_span():
     fc = _load_module()
     a, b = fc.schedule(8, 5, 400, min_gap=6), fc.schedule(8, 5, 400, min_gap=6)
@@ -95,6 +139,8 @@ def test_schedule_is_seeded_mixes_kinds_and_fills_the_span():
     assert all(f.after_steps >= 6 for f in a)
     assert sum(f.after_steps for f in a) == pytest.approx(400, abs=8 * 6)
     assert [f.after_steps for f in fc.schedule(8, 6, 400, min_gap=6)] != [f.after_steps for f in a]
+    only = fc.schedule(4, 5, 100, min_gap=6, kinds=("hang-rank", "nan"))
+    assert {f.kind for f in only} == {"hang-rank", "nan"}
 
 
 def test_projection_matches_the_formula_by_hand():

@@ -176,6 +176,35 @@ def test_the_watchdog_ends_a_stuck_process_with_message_and_stacks():
     assert re.search(r'File "<string>", line 9', err), err
 
 
+HOLDING_THE_GIL = textwrap.dedent(
+    """
+    import re, time
+    from hlat_train.watchdog import HangWatchdog
+
+    dog = HangWatchdog(2.0, rank=0).start()
+    for step in range(1, 6):
+        dog.beat(step)
+    time.sleep(1.2)  # the thread arms faulthandler's timer for this region
+    re.match(r"(a+)+$", "a" * 40 + "b")  # backtracks for minutes without releasing the GIL
+    print("not reached")
+    """
+)
+
+
+@pytest.mark.slow
+def test_faulthandler_ends_a_process_whose_main_thread_holds_the_gil():
+    # the watchdog thread cannot run; faulthandler's C timer, a grace period (10 s) after
+    # the limit, dumps the stacks and exits with status 1
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", HOLDING_THE_GIL], capture_output=True, text=True, timeout=100
+    )
+    assert done.returncode == 1, done.stderr
+    assert 10 < time.monotonic() - start < 60
+    assert "Timeout (" in done.stderr and 'File "<string>", line 9' in done.stderr
+    assert "not reached" not in done.stdout
+
+
 # --- a 2-process job with a stopped rank ---------------------------------------------------
 
 

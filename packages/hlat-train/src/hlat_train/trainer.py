@@ -33,6 +33,7 @@ from hlat_train.neuron import apply_neuron_env, mark_step
 from hlat_train.spike import GUARD_FILE, SpikeGuard, read_guard_file, write_guard_file
 from hlat_train.validation import validate
 from hlat_train.watchdog import HangWatchdog, process_group_timeout
+from hlat_train.watchdog import describe as describe_watchdog
 
 PEAK_CACHE_NAME = "peak_tflops.json"  # in train.out_dir: the measured peak, for restarts
 
@@ -193,10 +194,8 @@ class Trainer:
             f"parallel backend {dims.backend} ({dims.backend_reason}); device {device}, "
             f"process group {dims.dist_backend or 'none'}, {dims.world_size} process(es)"
         )
-        from hlat_train.watchdog import describe
-
         self._log(
-            describe(c.train.hang_timeout)
+            describe_watchdog(c.train.hang_timeout)
             + (f"; process-group timeout {pg_seconds:g} s" if pg_seconds is not None else "")
         )
         self._pin = pins_memory(device)

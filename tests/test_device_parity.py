@@ -179,6 +179,27 @@ def _cuda_present() -> bool:
     return torch.cuda.is_available()
 
 
+@pytest.mark.skipif(not _cuda_present(), reason="acceptance on a CUDA device: needs one")
+@pytest.mark.parametrize("precision", ["fp32", "bf16-sr"])
+def test_cuda_candidate_agrees_with_cpu_within_the_precision_tolerances(precision, tmp_path, cache):
+    """The acceptance run on a GPU: one process on CUDA with NCCL against one on CPU with
+    gloo (one GPU is enough; more processes need one GPU each)."""
+    out = tmp_path / precision
+    done = _tool(
+        cache,
+        *("--device", "cuda", "--backend", "nccl", "--nproc", "1", "--out", str(out)),
+        *("--override", f"--optim.precision={precision}"),
+    )
+    assert done.returncode == 0
+    report = _report(out)
+    assert report["verdict"].startswith("agree")
+    assert report["tolerance"]["precision"] == ("fp32" if precision == "fp32" else "bf16")
+    assert report["candidate"]["precision"] == precision
+    assert report["candidate"]["device"] == "cuda"
+    assert report["candidate"]["backend_used"] == "nccl"
+    assert report["result"]["agree"] and report["result"]["steps_compared"] == STEPS
+
+
 USAGE_ERRORS = [
     (["--device", "nosuchdevice"], "has no device of that type"),
     (["--device", "cpu:0"], "give the device type only"),

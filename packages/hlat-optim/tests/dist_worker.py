@@ -93,6 +93,8 @@ def main() -> None:
         x.to_local(), torch.Generator().manual_seed(rank)
     )
     torch.save(result, f"{out}/rank{rank}.pt")
+    print(f"rank {rank}: results saved", flush=True)  # a failure after this is in teardown
+    dist.barrier()  # no rank tears its connections down while another still uses them
     dist.destroy_process_group()
 
 

@@ -337,7 +337,7 @@ def test_failed_compilation_falls_back_to_the_reference_update_with_a_warning(mo
 
     # Fault injection: what torch.compile returns on a machine without a working toolchain
     # (where the native CPU kernel cannot be built either).
-    monkeypatch.setitem(adamw_module._compiled, "inductor", broken_compiler_output)
+    monkeypatch.setitem(adamw_module._compiled, ("inductor", "cpu"), broken_compiler_output)
     monkeypatch.setattr(adamw_module._native, "load", lambda: None)
     params, expected = _params(torch.bfloat16), _params(torch.bfloat16)
     opt = AdamW(params, lr=1e-2, impl="auto")

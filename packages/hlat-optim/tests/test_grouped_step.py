@@ -105,28 +105,45 @@ def _wrap_calls(monkeypatch, backend):
         tables.append((table.shape[0], table.device))
         return table
 
-    monkeypatch.setitem(adamw_module._compiled, backend, counting_update)
+    monkeypatch.setitem(adamw_module._compiled, (backend, "cpu"), counting_update)
     monkeypatch.setattr(adamw_module, "_group_table", counting_table)
     return calls, tables
 
 
-def test_compiled_calls_per_step_equal_the_groups_whatever_the_number_of_parameters(monkeypatch):
+def test_compiled_calls_per_step_are_one_per_chunk_of_each_group_with_one_table_copy(monkeypatch):
     # Note: through torch.compile's "eager" backend, which runs the traced graph as is: the
     # calls do not depend on the backend, inductor's results are tested above, and inductor
     # would spend minutes of C++ compilation on the larger model's graphs.
     calls, tables = _wrap_calls(monkeypatch, "eager")
-    per_step = {}
-    for scale in (1, 4):
+    monkeypatch.setattr(adamw_module, "_CHUNK", 5)
+    for scale, chunks in ((1, [3]), (4, [5, 5, 2])):
         params, groups = _model(scale)
         opt = _optimizer(groups, "compiled", "bf16-sr", compile_backend="eager")
         for step in range(3):
             calls.clear(), tables.clear()
             _run(opt, params, 1, start=step)
-            # two groups (bf16 and fp32), each with all its tensors in one call
-            assert sorted(calls) == [3 * scale, 3 * scale]
+            # two groups (bf16 and fp32), each cut into chunks of at most _CHUNK tensors,
+            # each group's table built and copied once
+            assert sorted(calls) == sorted(chunks * 2)
             assert sorted(tables) == [(3 * scale, torch.device("cpu"))] * 2
-        per_step[scale] = len(calls)
-    assert per_step[1] == per_step[4] == 2
+
+
+def test_every_full_chunk_reuses_one_compiled_graph(monkeypatch):
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(adamw_module, "_CHUNK", 4)
+    monkeypatch.setattr(adamw_module, "_compiled", {})
+    torch._dynamo.reset()
+    params, groups = _model(4)  # 12 bf16 and 12 fp32 tensors: three full chunks each
+    opt = _optimizer(groups, "compiled", "bf16-sr")  # inductor
+    counters.clear()
+    _run(opt, params, 2)
+    # one graph for the bf16 chunks, one for the fp32 chunks, however many chunks
+    assert counters["stats"]["unique_graphs"] == 2
+    reference_params, reference_groups = _model(4)
+    _run(_optimizer(reference_groups, "reference", "bf16-sr"), reference_params, 2)
+    for a, b in zip(params, reference_params, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
 
 
 class _ScalarReads(TorchDispatchMode):

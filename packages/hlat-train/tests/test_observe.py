@@ -60,9 +60,7 @@ def _fit(config) -> dict:
         trainer.close()
 
 
-def test_wandb_profiler_and_compute_time_on_a_run_that_resumes(
-    corpus, tmp_path, monkeypatch, capsys
-):
+def test_wandb_profiler_and_compute_time_on_a_run_that_resumes(corpus, tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -71,7 +69,6 @@ def test_wandb_profiler_and_compute_time_on_a_run_that_resumes(
         "--logging.wandb=true",
         "--logging.wandb_project=hlat-test",
         "--logging.profile_steps=[2, 3]",
-        "--logging.memory_snapshot_step=2",
     )
     config = tiny_config(corpus, out, *extra, steps=4)
     _fit(config)
@@ -102,10 +99,6 @@ def test_wandb_profiler_and_compute_time_on_a_run_that_resumes(
     assert any(n.startswith("aten::") for n in names)
     assert {"step 2", "step 3"} <= names and "step 1" not in names and "step 4" not in names
 
-    # a CPU has no allocator history: the run says so and goes on
-    assert "memory snapshots need a CUDA device" in capsys.readouterr().err
-    assert not (out / "memory").exists()
-
     records = [r for r in read_metrics(str(out / "metrics.jsonl")) if r["kind"] == "train"]
     assert all(r["compute_s"] > 0 for r in records)
 
@@ -114,6 +107,29 @@ def test_wandb_profiler_and_compute_time_on_a_run_that_resumes(
     assert (out / "wandb_run_id").read_text().strip() == run_id
     runs = sorted((out / "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(runs) == 2
+
+
+def test_memory_snapshot_where_the_device_records_allocator_history(corpus, tmp_path, capsys):
+    """On CUDA (the tiny config's ``auto`` device where torch sees one) the snapshot after
+    the chosen step is a file pytorch.org/memory_viz reads; a CPU has no allocator history:
+    the run says so and goes on."""
+    import pickle
+
+    import torch
+
+    out = tmp_path / "run"
+    config = tiny_config(corpus, out, "--logging.memory_snapshot_step=2", steps=3)
+    _fit(config)
+    if torch.cuda.is_available():
+        (path,) = (out / "memory").glob("*.pickle")
+        assert path.name == "rank0_step2.pickle"
+        with path.open("rb") as f:
+            snapshot = pickle.load(f)
+        assert snapshot["segments"]  # the allocator's blocks at step 2
+        assert any(snapshot["device_traces"])  # and the history that led there
+    else:
+        assert "memory snapshots need a CUDA device" in capsys.readouterr().err
+        assert not (out / "memory").exists()
 
 
 @pytest.mark.parametrize(

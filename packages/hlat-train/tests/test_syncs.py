@@ -67,10 +67,12 @@ def test_only_logged_steps_read_the_device_and_never_per_parameter(corpus, tmp_p
     small = _reads_per_step(corpus, tmp_path / "small")
     large = _reads_per_step(corpus, tmp_path / "large", "--model.n_layers=6")
     assert len(small) == 19
-    logged = {10 - 2}  # the interval that holds the logging of step 10
+    # The logged step's reads fall before its optimizer step (entry 8) or after it, with
+    # the logging of step 10 (entry 9): on an accelerator the one copy of the logged values
+    # to the host comes after the step.
+    logged = {10 - 2, 10 - 1}
+    assert sum(small[i] for i in logged) <= 4, f"step 10 (logged) read the device {small[8:10]}"
     for i, reads in enumerate(small):
-        if i in logged:
-            assert reads <= 4, f"step 10 (logged) read the device {reads} times"
-        else:
+        if i not in logged:
             assert reads == 0, f"step {i + 2} (not logged) read the device {reads} times"
     assert large == small  # 3x the parameters, the same reads

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.fx.experimental._config as fx_config
 
 from hlat_optim import _native
 from hlat_optim.rounding import (
@@ -173,17 +174,57 @@ def _adamw_update_group(
         )
 
 
-# The compiled group update for each torch.compile backend, made on first use.
-_compiled: dict[str, Callable[..., None]] = {}
+# Tensors per call of the compiled group update. The graph unrolls its loop over the tensors,
+# so its compile time grows with their number (about 0.8 s a tensor through inductor on a
+# GPU); split into chunks, a group of any size compiles at most two graphs (full chunks, one
+# remainder) and every full chunk reuses the first one's.
+_CHUNK = 32
+
+# inductor settings for the update on devices other than the CPU. Its defaults contract
+# multiplies and adds into FMAs, divide approximately and flush subnormals to zero, which
+# changes the result of most elements against the eager update; these make every element
+# equal to it. combo_kernels fuses the chunk's per-tensor kernels into a few horizontal
+# kernels. Keys the installed torch lacks are left out.
+_DEVICE_INDUCTOR_OPTIONS = {
+    "emulate_precision_casts": True,
+    "eager_numerics.division_rounding": True,
+    "eager_numerics.disable_ftz": True,
+    "combo_kernels": True,
+}
+
+# The compiled group update for each (torch.compile backend, device type), made on first use.
+_compiled: dict[tuple[str, str], Callable[..., None]] = {}
 _compile_lock = threading.Lock()
 
 
-def _compiled_group(backend: str) -> Callable[..., None]:
+def _has_inductor_option(key: str) -> bool:
+    import torch._inductor.config as inductor_config
+
+    node: Any = inductor_config
+    for part in key.split("."):
+        if not hasattr(node, part):
+            return False
+        node = getattr(node, part)
+    return True
+
+
+def _compile_options(backend: str, device_type: str) -> dict[str, Any] | None:
+    """The ``torch.compile`` options of the update for tensors of ``device_type``."""
+    if backend != "inductor" or device_type == "cpu":
+        return None
+    return {k: v for k, v in _DEVICE_INDUCTOR_OPTIONS.items() if _has_inductor_option(k)}
+
+
+def _compiled_group(backend: str, device_type: str = "cpu") -> Callable[..., None]:
     with _compile_lock:
-        fn = _compiled.get(backend)
+        fn = _compiled.get((backend, device_type))
         if fn is None:
             compiled = torch.compile(
-                _adamw_update_group, backend=backend, dynamic=True, fullgraph=True
+                _adamw_update_group,
+                backend=backend,
+                dynamic=True,
+                fullgraph=True,
+                options=_compile_options(backend, device_type),
             )
 
             def run(*args: Any) -> None:
@@ -191,10 +232,15 @@ def _compiled_group(backend: str) -> Callable[..., None]:
                 # dtypes; master weights or Kahan compensation; rounding mode; with or
                 # without skip) is its own graph; torch's default limit of 8 graphs per
                 # function would make a process with several groups or modes fail.
-                with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                # Without duck shaping, tensors of equal sizes get sizes of their own, not a
+                # shared one, so chunks that differ in which sizes repeat share one graph.
+                with (
+                    torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT),
+                    fx_config.patch(use_duck_shape=False),  # type: ignore[attr-defined]
+                ):
                     compiled(*args)
 
-            fn = _compiled[backend] = run
+            fn = _compiled[backend, device_type] = run
     return fn
 
 
@@ -467,14 +513,20 @@ class AdamW(torch.optim.Optimizer):
         return None
 
     def _run_group(self, group: _Group, skip: torch.Tensor | None) -> None:
-        """One call of the group update: compiled, or the reference eagerly."""
-        args = group.arguments(self.stochastic_rounding, skip)
+        """The group update: one compiled call per chunk of ``_CHUNK`` tensors, or the
+        reference eagerly in one call."""
         if self.impl == "reference":
-            _adamw_update_group(*args)
+            for args in group.arguments(self.stochastic_rounding, skip, None):
+                _adamw_update_group(*args)
             return
         backend = self.compile_backend or _default_backend(group.device)
+        calls = group.arguments(self.stochastic_rounding, skip, _CHUNK)
+        done = 0
         try:
-            _compiled_group(backend)(*args)
+            update = _compiled_group(backend, group.device.type)
+            for args in calls:
+                update(*args)
+                done += 1
         except Exception as exc:
             if self.impl == "compiled":
                 raise
@@ -486,7 +538,10 @@ class AdamW(torch.optim.Optimizer):
                 stacklevel=3,
             )
             self.impl = "reference"
-            _adamw_update_group(*args)
+            # Note: a compile fails on its chunk's first call, before that chunk changed
+            # anything; the chunks before it are done.
+            for args in calls[done:]:
+                _adamw_update_group(*args)
 
     @torch.no_grad()
     def step(  # type: ignore[override]
@@ -665,24 +720,41 @@ class _Group:
     ) -> None:
         for column, t in zip(self.tensors, local, strict=True):
             if t is not None:
-                column.append(t.view(-1))
+                # Note: detached, the flat alias is no view, so torch.compile's guards do not
+                # look at its base's shape, and chunks of tensors of other shapes share a graph.
+                column.append(t.view(-1).detach())
         self.hypers.append(hyper)
         self.ints.append((key, _int32(offset)))
 
-    def arguments(self, stochastic_rounding: bool, skip: torch.Tensor | None) -> tuple[Any, ...]:
-        """The arguments of ``_adamw_update_group``, with the group's table on its device."""
-        params, grads, exp_avgs, exp_avg_sqs, masters, compensations = self.tensors
-        return (
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            masters or None,
-            compensations or None,
-            _group_table(self.hypers, self.ints, self.device),
-            stochastic_rounding,
-            skip,
-        )
+    def arguments(
+        self, stochastic_rounding: bool, skip: torch.Tensor | None, chunk: int | None
+    ) -> list[tuple[Any, ...]]:
+        """The arguments of each ``_adamw_update_group`` call: one per ``chunk`` tensors
+        (all in one call for None), with rows of the group's table, copied to its device
+        at once."""
+        table = _group_table(self.hypers, self.ints, self.device)
+        n = len(self.hypers)
+        size = chunk or n
+        calls = []
+        for start in range(0, n, size):
+            part = slice(start, start + size)
+            params, grads, exp_avgs, exp_avg_sqs, masters, compensations = (
+                column[part] for column in self.tensors
+            )
+            calls.append(
+                (
+                    params,
+                    grads,
+                    exp_avgs,
+                    exp_avg_sqs,
+                    masters or None,
+                    compensations or None,
+                    table[part].detach(),
+                    stochastic_rounding,
+                    skip,
+                )
+            )
+        return calls
 
 
 class _NativeBatch:

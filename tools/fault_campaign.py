@@ -183,6 +183,7 @@ def write_config(
         "--optim.warmup_steps=2",
         "--optim.lr=3e-3",
         "--optim.impl=reference",
+        "--optim.precision=fp32",  # the preset's auto would follow the CPU
         f"--checkpoint.every={every}",
         "--checkpoint.keep_last=3",
         f"--checkpoint.async_save={'true' if async_save else 'false'}",

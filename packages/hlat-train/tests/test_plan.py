@@ -428,7 +428,7 @@ def test_a_pipeline_that_cannot_fit_names_the_biggest_item_and_suggests_more_sta
     argv = [
         "plan", "--config", "tiny-demo", *SMALL, "--model.n_layers=4", "--parallel.tp=4",
         "--model.checkpointing=full", "--data.micro_batch_size=1",
-        "--model.vocab_size=16384", "--train.global_batch_size=8",
+        "--model.vocab_size=16384", "--train.global_batch_size=8", "--optim.precision=fp32",
         "--device-memory-gib", "0.0075", "--procs-per-node", "16",
     ]  # fmt: skip
     assert main(argv) == 1

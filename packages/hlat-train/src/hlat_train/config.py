@@ -126,8 +126,10 @@ class OptimConfig:
     """Global gradient-norm clip (0: none)."""
     precision: str = "bf16-sr"
     """``bf16-sr`` (bf16 params, stochastic rounding), ``bf16-kahan`` (bf16 params with a
-    bf16 Kahan compensation), ``bf16`` (round to nearest), ``mixed`` (fp32 master weights)
-    or ``fp32``."""
+    bf16 Kahan compensation), ``bf16`` (round to nearest), ``mixed`` (fp32 master weights),
+    ``fp32``, or ``auto``: bf16-sr where the device multiplies bf16 natively (CUDA with bf16
+    tensor cores, Trainium, CPUs with AVX512-BF16, AMX or Arm's BF16), else fp32; the
+    choice and its reason are logged at start."""
     impl: str = "auto"
     """AdamW update: ``auto`` (C++ loop on CPU, compiled elsewhere, eager fallback),
     ``native``, ``compiled`` or ``reference``."""
@@ -342,9 +344,14 @@ class RunConfig:
     eval_batches: int = 8
     """Micro-batches of held-out data per validation."""
     sample_prompt: str = ""
-    """Text to continue greedily at the end (rank 0; empty: none)."""
+    """Text to continue at the end (rank 0; empty: none)."""
     sample_tokens: int = 48
-    """Tokens to generate for the sample."""
+    """Most tokens to generate for the sample; it also ends at the end of the prompt's first
+    block of lines (a blank line) or at the end-of-sequence token."""
+    sample_temperature: float = 0.0
+    """Sampling temperature for the sample (0: greedy, the most likely token each time)."""
+    sample_top_k: int = 0
+    """Sample among this many most likely tokens (0: all); with a positive temperature."""
 
 
 @dataclass

@@ -148,7 +148,11 @@ def run_demo(
         summary = trainer.fit()
         if config.train.sample_prompt:
             summary["sample"] = trainer.generate(
-                config.train.sample_prompt, config.train.sample_tokens
+                config.train.sample_prompt,
+                config.train.sample_tokens,
+                temperature=config.train.sample_temperature,
+                top_k=config.train.sample_top_k,
+                seed=config.train.seed,
             )
     finally:
         trainer.close()

@@ -1391,7 +1391,8 @@ def resolve_layout(
         tp=par.tp,
         sp=par.sp,
         backend=backend,
-        precision=config.optim.precision,
+        # every device of the table multiplies bf16 natively: auto is bf16-sr on each
+        precision="bf16-sr" if config.optim.precision == "auto" else config.optim.precision,
         checkpointing=config.model.checkpointing or "none",
         micro_batch=config.data.micro_batch_size,
         seq_len=config.data.seq_len,
@@ -1443,7 +1444,9 @@ def make_plan(
         from hlat_parallel.neuron_backend import zero1_precision
 
         try:
-            zero1_precision(config.optim.precision)
+            zero1_precision(
+                "bf16-sr" if config.optim.precision == "auto" else config.optim.precision
+            )
         except ValueError as e:
             raise ConfigError(f"optim.precision on parallel.backend = 'neuron': {e}") from None
     # --nodes replaces the node count a preset expects (parallel.nodes)

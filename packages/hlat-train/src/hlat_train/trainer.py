@@ -30,6 +30,7 @@ from hlat_train.metrics import (
     read_metrics,
 )
 from hlat_train.neuron import apply_neuron_env, mark_step
+from hlat_train.precision import resolve_precision
 from hlat_train.spike import GUARD_FILE, SpikeGuard, read_guard_file, write_guard_file
 from hlat_train.validation import validate
 from hlat_train.watchdog import HangWatchdog, process_group_timeout
@@ -160,6 +161,8 @@ class Trainer:
         from hlat_parallel import init_parallel, parallelize, pins_memory
 
         c = self.config
+        if c.parallel.backend == "neuron" and c.optim.precision == "auto":
+            c.optim.precision = "bf16-sr"  # trn1's NeuronCores multiply bf16 (hlat_train.precision)
         if c.parallel.backend == "neuron":
             multi_node = self.world_size > int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
             apply_neuron_env(c.neuron, c.optim.precision, multi_node)
@@ -198,6 +201,12 @@ class Trainer:
             describe_watchdog(c.train.hang_timeout)
             + (f"; process-group timeout {pg_seconds:g} s" if pg_seconds is not None else "")
         )
+        # Note: "auto" is resolved in the run's config itself, so that everything after this
+        # (model dtype, optimizer, metrics, plan notes, saved config) sees the mode it runs.
+        asked = c.optim.precision
+        choice = resolve_precision(asked, device)
+        c.optim.precision = choice.mode
+        self._log(choice.describe(asked))
         self._pin = pins_memory(device)
         self._control = None
         if self.world_size > 1:
@@ -1157,23 +1166,59 @@ class Trainer:
             self._pending = None
 
     @torch.no_grad()
-    def generate(self, prompt: str, max_new_tokens: int = 48) -> str:
-        """Greedy continuation of ``prompt`` (single process: every rank of a parallel run
-        would have to take part in each forward)."""
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: str,
+        max_new_tokens: int = 48,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        seed: int = 0,
+        stop_at_blank_line: bool = True,
+    ) -> str:
+        """A continuation of ``prompt`` (single process: every rank of a parallel run would
+        have to take part in each forward).
+
+        ``temperature`` 0 is greedy; above 0 each token is drawn from the softmax of the
+        logits over ``temperature``, among the ``top_k`` most likely (0: all), with a
+        generator seeded by ``seed``, so a sample is reproducible. It stops after
+        ``max_new_tokens``, at the end-of-sequence token, or, with ``stop_at_blank_line``,
+        where the continuation first ends a block of lines (a blank line), which is cut off.
+        """
         if self.world_size != 1:
             raise RuntimeError("generate() runs in a single-process run only")
+        if temperature < 0 or top_k < 0:
+            raise ValueError(
+                f"generate: temperature and top_k must be at least 0, got {temperature}, {top_k}"
+            )
         ids = self.tokenizer.encode(prompt)
         if self.config.data.add_bos and self.tokenizer.bos_id >= 0:
             ids = [self.tokenizer.bos_id, *ids]
         start = len(ids)
         window = self.config.data.seq_len
+        generator = torch.Generator().manual_seed(seed)
+        text = ""
         for _ in range(max_new_tokens):
             x = torch.tensor([ids[-window:]], device=self.device)
-            next_id = int(self.model(x)[0, -1].argmax())
+            logits = self.model(x)[0, -1].float().cpu()
+            if temperature == 0:
+                next_id = int(logits.argmax())
+            else:
+                if 0 < top_k < logits.numel():
+                    kth = torch.topk(logits, top_k).values[-1]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = torch.softmax(logits / temperature, dim=-1)
+                next_id = int(torch.multinomial(probs, 1, generator=generator))
             if next_id == self.tokenizer.eos_id:
                 break
             ids.append(next_id)
-        return prompt + self.tokenizer.decode(ids[start:])
+            text = self.tokenizer.decode(ids[start:])
+            if stop_at_blank_line and "\n\n" in text.lstrip("\n"):
+                lead = len(text) - len(text.lstrip("\n"))
+                text = text[: text.index("\n\n", lead)]
+                break
+        return prompt + text
 
     def close(self) -> None:
         """Release the checkpointer and the process group."""

@@ -10,7 +10,7 @@ from typing import Any
 
 from hlat_train.config import ConfigError, TrainConfig
 
-PRECISIONS = ("bf16-sr", "bf16-kahan", "bf16", "mixed", "fp32")
+PRECISIONS = ("bf16-sr", "bf16-kahan", "bf16", "mixed", "fp32", "auto")
 SPIKE_POLICIES = ("off", "warn", "skip", "rollback")
 
 
@@ -65,6 +65,9 @@ def validate(
         ("parallel.pp_microbatches", par.pp_microbatches, 0),
         ("logging.memory_snapshot_step", config.logging.memory_snapshot_step, 0),
         ("checkpoint.preempt_budget", config.checkpoint.preempt_budget, 0),
+        ("train.sample_tokens", run.sample_tokens, 1),
+        ("train.sample_temperature", run.sample_temperature, 0),
+        ("train.sample_top_k", run.sample_top_k, 0),
     ):
         if value < low:
             raise ConfigError(f"{key} must be at least {low}, got {value}")
@@ -120,7 +123,8 @@ def validate(
         from hlat_parallel.neuron_backend import zero1_precision
 
         try:
-            zero1_precision(optim.precision)
+            # auto on trn1 is bf16-sr (hlat_train.precision: NeuronCores multiply bf16)
+            zero1_precision("bf16-sr" if optim.precision == "auto" else optim.precision)
         except (ParallelConfigError, ValueError) as e:
             raise ConfigError(f"optim.precision on parallel.backend = 'neuron': {e}") from None
     if par.backend == "neuron" and (par.pp > 1 or par.cp > 1):

@@ -138,3 +138,38 @@ def test_wait_for_step_raises_when_the_run_ends_early(tmp_path):
     time.sleep(0.2)
     with pytest.raises(AssertionError, match="ended"):
         wait_for_step(tmp_path / "missing.jsonl", 1, proc, timeout=5)
+
+
+def test_a_dp2_run_resumes_on_one_process_and_a_dp1_run_on_two(corpus, tmp_path, dp2_reference):
+    """The checkpoint holds every data-parallel rank's loader state, so a run restarted on
+    fewer or more processes resumes: the documents no old rank has read are dealt anew."""
+    import shutil
+
+    smaller = tmp_path / "dp2-to-dp1"
+    shutil.copytree(dp2_reference, smaller)
+    trainer = Trainer(tiny_config(corpus, smaller, HORIZON, "--checkpoint.every=4", steps=34))
+    try:
+        summary = trainer.fit()
+        resumed = trainer.loader.state_dict()["resumed_from"]
+    finally:
+        trainer.close()
+    assert summary["resumed_from"] == 30 and summary["step"] == 34
+    assert len(resumed["cursors"]) == 2  # where each of the two old ranks had got to
+    steps = [
+        r["step"] for r in read_metrics(str(smaller / "metrics.jsonl")) if r["kind"] == "train"
+    ]
+    assert steps[-4:] == [31, 32, 33, 34]
+
+    larger = tmp_path / "dp1-to-dp2"
+    trainer = Trainer(tiny_config(corpus, larger, HORIZON, "--checkpoint.every=4", steps=4))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    output = _finish(_launch(corpus, larger, 2, "--checkpoint.every=4", steps=8))
+    records = read_metrics(str(larger / "metrics.jsonl"))
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 9))
+    # steps 5-8 read two micro-batches per step, one on each rank
+    tokens = [r["tokens"] for r in records if r["kind"] == "train"]
+    assert tokens[4] - tokens[3] == 2 * tokens[0]
+    assert "resumed from step 4 of" in output

@@ -71,6 +71,35 @@ class TrainState:
             self.guard.load_state_dict(state["guard"])
 
 
+class GlobalLoaderState:
+    """The data loader's checkpoint entry: the merged state of every data-parallel rank
+    (``hlat_data.merge_states``), the same on each rank.
+
+    Note: a checkpoint that holds each rank's own loader state can only be resumed at the
+    same dp. The merged one resumes at any dp: with the same dp each rank takes its own
+    cursor, with another dp ``PackedLoader.load_state_dict`` deals the documents of the
+    current epoch that no old rank has read to the new ranks. Merging costs one
+    ``all_gather_object`` over the dp group per save, on the host.
+    """
+
+    def __init__(self, loader: Any, group: Any) -> None:
+        self.loader = loader
+        self.group = group
+
+    def state_dict(self) -> dict[str, Any]:
+        from hlat_data import merge_states
+
+        own = self.loader.state_dict()
+        if self.group is None or dist.get_world_size(self.group) == 1:
+            return merge_states([own])
+        states: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(states, own, group=self.group)
+        return merge_states(states)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+
 class _Window:
     """What happened between two reads of the device: how many steps spiked and skipped
     their update and the first that spiked (device counters), the micro-batches of each step
@@ -314,7 +343,13 @@ class Trainer:
             "model": self.model,
             "optimizer": self.optimizer,
             "scheduler": self.scheduler,
-            "loader": self.loader,
+            # the trn1 path keeps each rank's own loader state (resumes at its own dp only):
+            # NxD's dp group is not one to gather host objects on
+            "loader": (
+                self.loader
+                if dims.backend == "neuron"
+                else GlobalLoaderState(self.loader, dims.dp_group if dims.dp > 1 else None)
+            ),
             "trainer": self.state,
         }
         sinks: list[Any] = []
@@ -414,14 +449,19 @@ class Trainer:
 
         Its own in the same layout. Saved at another pp, cp or tp but the same dp, the
         first rank of the same data-parallel replica there (every rank of a replica reads
-        the same data), so a run resumes after changing its model-parallel layout; another
-        dp is refused by the data loader, whose state is per data-parallel rank.
+        the same data), so a run resumes after changing its model-parallel layout. Saved at
+        another dp, rank 0's: the loader entry holds every data-parallel rank's state
+        (:class:`GlobalLoaderState`), and the scheduler and counters are the same on every
+        rank. (A checkpoint of each rank's own loader state, from hlat-train before 0.7,
+        resumes at its own dp only; the loader says so.)
         """
         dims = self.dims
         mine = {"tp": dims.tp, "dp": dims.dp, "pp": dims.pp, "cp": dims.cp}
         layout = {k: int(saved.get(k, 1)) for k in mine}
-        if (layout == mine and saved_world == dims.world_size) or layout["dp"] != dims.dp:
+        if layout == mine and saved_world == dims.world_size:
             return dims.rank
+        if layout["dp"] != dims.dp:
+            return 0
         # mesh ("pp", "dp", "cp", "tp"): pp 0, this dp rank, cp 0, tp 0
         return dims.dp_rank * layout["cp"] * layout["tp"]
 

@@ -11,7 +11,7 @@ from hlat_data.packer import IGNORE_INDEX, Batch
 from hlat_data.source import ArrowSource
 from hlat_data.tokenizer import Tokenizer, default_threads, train_tokenizer
 
-__version__ = "0.5.0"
+__version__ = "0.5.1"
 
 __all__ = [
     "IGNORE_INDEX",

@@ -118,3 +118,45 @@ def test_train_step_tokens_per_second(benchmark, dtype):
         ),
     )
     print(f"\n[{dtype}] {benchmark.extra_info}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compiled_blocks_against_eager(benchmark, dtype):
+    """Each block through ``torch.compile`` (``Module.compile``, what ``model.compile`` and
+    ``hlat_parallel.compile_blocks`` do) against the same model eager, in the same rounds;
+    the first compiled step's time (compilation) is reported beside the speed-up."""
+    torch.manual_seed(0)
+    torch_dtype = DTYPES[dtype]
+    config = LlamaConfig(**CONFIG)
+    eager = Llama(config).to(torch_dtype)
+    compiled = Llama(config).to(torch_dtype)
+    compiled.load_state_dict(eager.state_dict())
+    for block in compiled.layers:
+        block.compile()
+    tokens = torch.randint(0, config.vocab_size, (BATCH, SEQ + 1))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+
+    def step(model) -> None:
+        cross_entropy_loss(model(inputs), labels).backward()
+        model.zero_grad(set_to_none=True)
+
+    first_s = _timed(lambda: step(compiled))
+    step(compiled)
+    step(eager)
+    eager_times: list[float] = []
+    benchmark.pedantic(
+        lambda: step(compiled),
+        setup=lambda: eager_times.append(_timed(lambda: step(eager))),
+        rounds=ROUNDS,
+        iterations=1,
+    )
+    tokens_per_step = BATCH * SEQ
+    compiled_tps = tokens_per_step / benchmark.stats.stats.min
+    eager_tps = tokens_per_step / min(eager_times)
+    benchmark.extra_info.update(
+        compiled_tokens_per_s=round(compiled_tps),
+        eager_tokens_per_s=round(eager_tps),
+        speedup=round(compiled_tps / eager_tps, 3),
+        first_step_s=round(first_s, 1),
+    )
+    print(f"\n[{dtype} compiled] {benchmark.extra_info}")

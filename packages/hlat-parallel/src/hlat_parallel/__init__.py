@@ -4,7 +4,7 @@ data.
 >>> from hlat_parallel import init_parallel, parallelize
 """
 
-from hlat_parallel.apply import parallelize
+from hlat_parallel.apply import compile_blocks, parallelize
 from hlat_parallel.context import (
     ContextParallelAttention,
     apply_context_parallel,
@@ -70,6 +70,7 @@ __all__ = [
     "check_parallel_config",
     "check_schedule",
     "compile_backend_for",
+    "compile_blocks",
     "cp_indices",
     "default_virtual",
     "dist_backend_for",

@@ -13,12 +13,33 @@ from hlat_parallel.plan import check_shapes, match_plan
 M = TypeVar("M", bound=nn.Module)
 
 
-def parallelize(model: M, dims: ParallelDims, plan: Mapping[str, Any]) -> M:
+def compile_blocks(model: nn.Module, **options: Any) -> int:
+    """``torch.compile`` each child of every ``nn.ModuleList`` or ``nn.ModuleDict`` (the
+    transformer blocks), in place (``Module.compile``: parameter names do not change); the
+    number of modules compiled.
+
+    Note: blocks of one model share their code, so the first compiled block's graph serves
+    the others; ``options`` go to ``torch.compile`` (e.g. ``backend="neuron"``).
+    """
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            for child in module.children():
+                child.compile(**options)
+                count += 1
+    return count
+
+
+def parallelize(
+    model: M, dims: ParallelDims, plan: Mapping[str, Any], *, compile: bool = False
+) -> M:
     """Apply tensor (and sequence) parallelism from ``plan``, then data parallelism; in place.
 
-    Order, as in torchtitan: TP/SP first, then FSDP2's ``fully_shard`` over "dp" (with "cp"
-    when cp > 1; each child of every ``nn.ModuleList`` — the transformer blocks — then the
-    root) when dp x cp > 1. A pipeline stage (:class:`~hlat_parallel.StageModule`) is
+    Order, as in torchtitan: TP/SP first, then, with ``compile``, ``torch.compile`` of each
+    transformer block (:func:`compile_blocks`; backend ``neuron`` on TorchNeuron's device),
+    then FSDP2's ``fully_shard`` over "dp" (with "cp" when cp > 1; each child of every
+    ``nn.ModuleList`` — the transformer blocks — then the root) when dp x cp > 1, so that
+    FSDP's all-gathers stay outside the compiled graphs. A pipeline stage (:class:`~hlat_parallel.StageModule`) is
     parallelized like a whole model: the plan's patterns match its original names. The
     model's own activation checkpointing keeps working: recomputation replays the same
     collectives. On the neuron backend, modules are swapped for NeuronX Distributed layers
@@ -30,6 +51,11 @@ def parallelize(model: M, dims: ParallelDims, plan: Mapping[str, Any]) -> M:
     matched = match_plan(model, plan)
     check_shapes(model, matched, dims.tp)
     if dims.backend == "neuron":
+        if compile:
+            raise ValueError(
+                "parallelize(compile=True): the NeuronX Distributed backend (trn1) compiles "
+                "the whole step through XLA; block compilation is for the torch backend"
+            )
         from hlat_parallel.neuron_backend import apply_neuron_parallel
 
         apply_neuron_parallel(model, dims, matched)
@@ -38,6 +64,10 @@ def parallelize(model: M, dims: ParallelDims, plan: Mapping[str, Any]) -> M:
         from hlat_parallel.torch_backend import apply_tensor_parallel
 
         apply_tensor_parallel(model, dims, matched)
+    if compile:
+        from hlat_parallel.device import compile_backend_for
+
+        compile_blocks(model, backend=compile_backend_for(dims.device))
     if dims.dp_cp > 1:
         from hlat_parallel.zero import apply_data_parallel
 

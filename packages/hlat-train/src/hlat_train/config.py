@@ -61,6 +61,10 @@ class ModelConfig:
     """Activation checkpointing: ``none``, ``selective`` (HLAT) or ``full``."""
     attention: str | None = None
     """``auto``, ``sdpa`` or ``flex``."""
+    compile: bool = False
+    """``torch.compile`` each transformer block (after TP/SP and before FSDP2, as torchtitan
+    does; backend ``neuron`` on TorchNeuron). Not on ``parallel.backend = "neuron"`` (trn1),
+    where XLA compiles the whole step."""
     init_from_hf: str = ""
     """A Hugging Face Llama ``save_pretrained`` directory (safetensors) to start from, for
     continued pre-training; its shape must be the model's (checked before any work). Each
@@ -479,7 +483,8 @@ class TrainConfig:
         fields = {
             f.name: getattr(self.model, f.name)
             for f in dataclasses.fields(self.model)
-            if f.name not in ("preset", "init_from_hf") and getattr(self.model, f.name) is not None
+            if f.name not in ("preset", "init_from_hf", "compile")
+            and getattr(self.model, f.name) is not None
         }
         if fields.get("vocab_size") == 0:
             if tokenizer_vocab is None:

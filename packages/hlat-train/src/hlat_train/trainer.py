@@ -261,7 +261,9 @@ class Trainer:
             model = self._build_pipeline(llama if sharded else None, dtype)
         elif sharded:
             # split first, then materialise and initialise only this rank's shards
-            model = parallelize(llama.to(dtype), dims, llama.parallel_plan())
+            model = parallelize(
+                llama.to(dtype), dims, llama.parallel_plan(), compile=c.model.compile
+            )
             model.to_empty(device=device)
             if dims.backend == "neuron":
                 neuron.neuron_init_weights(model, dims, c.train.seed)
@@ -272,7 +274,7 @@ class Trainer:
             # shard, so any parallel layout starts from the same weights (and TP/DP
             # losses can be compared with one process)
             llama = Llama(self.llama_config).to(device, dtype)
-            model = parallelize(llama, dims, llama.parallel_plan())
+            model = parallelize(llama, dims, llama.parallel_plan(), compile=c.model.compile)
         if dims.cp > 1 and self.pipeline is None:
             from hlat_parallel import apply_context_parallel
 
@@ -409,7 +411,7 @@ class Trainer:
         match_plan(model, plan)  # every pattern names a module of the whole model
 
         def prepare(stage: StageModule) -> None:
-            parallelize(stage, dims, stage_plan(plan, stage))
+            parallelize(stage, dims, stage_plan(plan, stage), compile=c.model.compile)
             if dims.cp > 1 and stage.split.layers:
                 from hlat_parallel import apply_context_parallel
 

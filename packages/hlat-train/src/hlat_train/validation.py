@@ -127,6 +127,19 @@ def validate(
             zero1_precision("bf16-sr" if optim.precision == "auto" else optim.precision)
         except (ParallelConfigError, ValueError) as e:
             raise ConfigError(f"optim.precision on parallel.backend = 'neuron': {e}") from None
+    if par.backend == "neuron" and config.model.compile:
+        raise ConfigError(
+            "model.compile = true on parallel.backend = 'neuron' (trn1): XLA compiles the "
+            "whole step there; set model.compile = false, or use the torch backend"
+        )
+    if config.model.compile and (par.tp > 1 or par.pp > 1 or par.cp > 1):
+        raise ConfigError(
+            f"model.compile = true with parallel.tp = {par.tp}, pp = {par.pp}, cp = {par.cp}: "
+            "compiled blocks are tested on one process and under FSDP2 (data parallelism) "
+            "only; with tensor parallelism torch.compile of the DTensor blocks fails on torch "
+            "2.13, and pipeline and context parallelism are untested. Set model.compile = "
+            "false for this layout"
+        )
     if par.backend == "neuron" and (par.pp > 1 or par.cp > 1):
         raise ConfigError(
             f"parallel.pp = {par.pp}, parallel.cp = {par.cp}: pipeline and context parallelism "

@@ -134,3 +134,25 @@ def s3_bucket(s3_server, request):
     bucket = f"t-{name}-{uuid.uuid4().hex[:8]}"
     fs.mkdir(bucket)
     yield f"s3://{bucket}", options
+
+
+# --- the scripts of docs/reuse, loaded as modules --------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def reuse_example():
+    """``reuse_example("name")``: the module of ``docs/reuse/name.py`` (each is a runnable
+    document whose functions the tests call)."""
+    import importlib.util
+    import sys
+
+    def load(name: str):
+        path = Path(__file__).parent / "docs" / "reuse" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(f"reuse_{name}", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses and pickling resolve through it
+        spec.loader.exec_module(module)
+        return module
+
+    return load

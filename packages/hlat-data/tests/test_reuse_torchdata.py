@@ -1,28 +1,16 @@
 """docs/reuse/torchdata_stateful_loader.py: hlat-data behind torchdata's StatefulDataLoader,
 resumed through the data loader's own state_dict."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("torchdata.stateful_dataloader", reason="the example needs torchdata")
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "docs" / "reuse" / "torchdata_stateful_loader.py"
 
-
-def _example():
-    spec = importlib.util.spec_from_file_location("torchdata_stateful_loader", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_stateful_dataloader_resumes_the_packed_batches_exactly(corpus, tokenizer_path):
-    example = _example()
+def test_stateful_dataloader_resumes_the_packed_batches_exactly(
+    corpus, tokenizer_path, reuse_example
+):
+    example = reuse_example("torchdata_stateful_loader")
     loader = example.data_loader(str(corpus), tokenizer_path)
     first = example.take(loader, 3)
     assert first[0]["input_ids"].shape == (4, 64) and first[0]["input_ids"].dtype == torch.int64

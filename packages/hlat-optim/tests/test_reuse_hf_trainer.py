@@ -1,31 +1,17 @@
 """docs/reuse/hf_trainer_hlat_optim.py: hlat-optim inside Hugging Face's Trainer, which saves
 and restores its state through its own checkpoints."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("transformers", reason="the example needs transformers")
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "docs" / "reuse" / "hf_trainer_hlat_optim.py"
 
-
-def _example():
-    spec = importlib.util.spec_from_file_location("hf_trainer_hlat_optim", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_trainer_trains_with_hlat_adamw_and_resumes_its_state_bit_for_bit(tmp_path):
+def test_trainer_trains_with_hlat_adamw_and_resumes_its_state_bit_for_bit(tmp_path, reuse_example):
     from hlat_optim import AdamW
 
-    example = _example()
+    example = reuse_example("hf_trainer_hlat_optim")
     whole = example.train(str(tmp_path / "whole"))
     assert isinstance(whole.optimizer.optimizer, AdamW)  # accelerate wraps, does not replace
     losses = [r["loss"] for r in whole.state.log_history if "loss" in r]

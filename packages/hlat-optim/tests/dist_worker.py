@@ -3,6 +3,7 @@
 Usage: python dist_worker.py RANK WORLD_SIZE PORT OUT_DIR
 """
 
+import os
 import sys
 
 import torch
@@ -93,10 +94,15 @@ def main() -> None:
         x.to_local(), torch.Generator().manual_seed(rank)
     )
     torch.save(result, f"{out}/rank{rank}.pt")
-    print(f"rank {rank}: results saved", flush=True)  # a failure after this is in teardown
     dist.barrier()  # no rank tears its connections down while another still uses them
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    # Note: the results are saved and the process group is destroyed; end here, before the
+    # interpreter's finalization. In two of four full runs of the suite on torch 2.13 CPU, a
+    # rank aborted in that finalization with "terminate called without an active exception"
+    # after its work was done, which says nothing about what this test checks.
+    sys.stdout.flush()
+    os._exit(0)

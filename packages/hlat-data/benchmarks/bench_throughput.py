@@ -21,7 +21,14 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from hlat_data import ArrowSource, PackedLoader, Tokenizer, train_tokenizer
+from hlat_data import (
+    ArrowSource,
+    MixedLoader,
+    MixtureSource,
+    PackedLoader,
+    Tokenizer,
+    train_tokenizer,
+)
 
 SEQ_LEN, BATCH, CHARS, ROUNDS = 2048, 8, 30_000_000, 3
 RESULTS: dict[str, float] = {}
@@ -167,18 +174,50 @@ def test_packed_loader_two_workers_without_word_cache(benchmark, corpus):
     _time_loader(benchmark, "hlat-data, no word cache", path, model, {"cache_size": 0})
 
 
-def _time_loader(benchmark, name, path, model, tokenizer_options):
+def test_mixture_of_three_sources_two_workers(benchmark, corpus, tmp_path):
+    """The same documents cut into three sources (web-, code- and books-like thirds),
+    blended 0.5 / 0.3 / 0.2, each read once (``epochs=1``): what a mixture costs over one
+    source. ``num_workers=2`` gives each source one worker (three processes)."""
+    path, model, texts = corpus
+    third = len(texts) // 3
+    parts = {"a": texts[:third], "b": texts[third : 2 * third], "c": texts[2 * third :]}
+    files = {}
+    for name, part in parts.items():
+        table = pa.table({"text": part})
+        with pa.ipc.new_file(tmp_path / f"{name}.arrow", table.schema) as writer:
+            writer.write_table(table, max_chunksize=64)
+        files[name] = str(tmp_path / f"{name}.arrow")
+
+    def make(tokenizer):
+        sources = [
+            MixtureSource(name, ArrowSource(files[name]), weight, epochs=1)
+            for name, weight in (("a", 0.5), ("b", 0.3), ("c", 0.2))
+        ]
+        return MixedLoader(sources, tokenizer, SEQ_LEN, BATCH, block_size=16, num_workers=2)
+
+    _time_loader(benchmark, "hlat-data, 3-source mixture", path, model, {}, make)
+    if "hlat-data" in RESULTS:
+        ratio = RESULTS["hlat-data, 3-source mixture"] / RESULTS["hlat-data"]
+        benchmark.extra_info["vs_one_source"] = round(ratio, 2)
+        print(f"3-source mixture / one source: {ratio:.2f}x")
+
+
+def _time_loader(benchmark, name, path, model, tokenizer_options, make=None):
     def run():
         tokenizer = Tokenizer.from_file(model, **tokenizer_options)  # a cold word cache
         start = time.perf_counter()
-        loader = PackedLoader(
-            ArrowSource(path),
-            tokenizer,
-            SEQ_LEN,
-            BATCH,
-            block_size=16,
-            num_workers=2,
-            num_epochs=1,
+        loader = (
+            make(tokenizer)
+            if make is not None
+            else PackedLoader(
+                ArrowSource(path),
+                tokenizer,
+                SEQ_LEN,
+                BATCH,
+                block_size=16,
+                num_workers=2,
+                num_epochs=1,
+            )
         )
         marks = []
         tokens = 0

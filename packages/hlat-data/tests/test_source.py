@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 
@@ -45,13 +46,18 @@ def test_every_layout_reads_the_same_documents(arrow_writer, tmp_path, documents
     assert source.texts(range(len(source))) == documents
 
 
-def test_long_documents_are_split_into_pieces_that_join_back():
+def test_long_documents_are_cut_before_a_space_that_follows_a_non_space():
     text = ("word " * 50 + "\n") * 40
     pieces = split_text(text, 300)
     assert "".join(pieces) == text
     assert all(0 < len(p) <= 300 for p in pieces)
-    assert all(p.endswith((" ", "\n")) for p in pieces[:-1])
+    assert all(p[-1] != " " and n[0] == " " for p, n in itertools.pairwise(pieces))
+    # the last such point in the window, however far back; exactly at max_chars if none
+    assert split_text("a" + " " * 500, 300) == ["a", " " * 300, " " * 200]
+    assert split_text("ab " + "x" * 400, 300) == ["ab", " " + "x" * 299, "x" * 101]
     assert split_text("x" * 1000, 300) == ["x" * 300] * 3 + ["x" * 100]
+    spaced = "a\u2581 b" * 100  # a space after ``▁`` is after a space
+    assert split_text(spaced, 300) == [spaced[:300], spaced[300:]]
 
 
 def test_source_splits_documents_over_max_chars(arrow_writer, tmp_path):

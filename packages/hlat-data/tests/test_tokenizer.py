@@ -88,3 +88,96 @@ def test_a_tokenizer_takes_the_default_unless_told(tokenizer_path, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert Tokenizer.from_file(tokenizer_path).num_threads == default_threads()
     assert Tokenizer.from_file(tokenizer_path, num_threads=3).num_threads == 3
+
+
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+HARD_TEXT = "naïve café — 東京 🙂👍🏽 \x00\x07\tx = 12345\r\n\n  'll SHOUTING's end"
+
+
+def _llama3_style(documents, specials, template):
+    """A byte-level BPE behind Llama 3's regex split, with a post-processor template."""
+    tokenizers = pytest.importorskip("tokenizers")
+    pre = tokenizers.pre_tokenizers
+    model = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
+    model.pre_tokenizer = pre.Sequence(
+        [
+            pre.Split(tokenizers.Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    model.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=420, special_tokens=specials, initial_alphabet=pre.ByteLevel.alphabet()
+    )
+    model.train_from_iterator([d for d in documents if d], trainer)
+    model.post_processor = tokenizers.processors.Sequence(
+        [
+            tokenizers.processors.ByteLevel(trim_offsets=False),
+            tokenizers.processors.TemplateProcessing(
+                single=template, special_tokens=[(t, model.token_to_id(t)) for t in specials]
+            ),
+        ]
+    )
+    return model
+
+
+@pytest.mark.parametrize("pre_tokenizer", ["byte-level", "llama3-regex"])
+def test_hugging_face_byte_level_tokenizers_pack_exactly(tmp_path, documents, pre_tokenizer):
+    """The loader's ids are the library's own encode (no special tokens), for non-ASCII,
+    emoji, control characters and digit runs, behind either pre-tokenizer."""
+    tokenizers = pytest.importorskip("tokenizers")
+    specials = ["<|begin_of_text|>", "<|end_of_text|>"]
+    if pre_tokenizer == "llama3-regex":
+        model = _llama3_style(documents, specials, "<|begin_of_text|> $A")
+    else:
+        model = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
+        model.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        model.decoder = tokenizers.decoders.ByteLevel()
+        model.train_from_iterator(
+            [d for d in documents if d],
+            tokenizers.trainers.BpeTrainer(
+                vocab_size=420,
+                special_tokens=specials,
+                initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+            ),
+        )
+    model.save(str(tmp_path / "tokenizer.json"))
+    texts = [HARD_TEXT, *[d for d in documents if d][:6], "🙂" * 5, " leading space"]
+    path = tmp_path / "texts.arrow"
+    import pyarrow as pa
+
+    table = pa.table({"text": texts})
+    with pa.ipc.new_file(path, table.schema) as writer:
+        writer.write_table(table)
+    tokenizer = Tokenizer.from_file(tmp_path / "tokenizer.json")
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (0, 1)
+    loader = PackedLoader(
+        ArrowSource(path), tokenizer, 64, 1, shuffle=False, block_size=1, num_epochs=1,
+        drop_last=False,
+    )  # fmt: skip
+    stream = [t for b in loader for t in b.input_ids[0][: b.doc_lens[0].sum()].tolist()]
+    expected = []
+    for text in texts:
+        expected += [*model.encode(text, add_special_tokens=False).ids, 1]
+    assert stream == expected
+    assert model.decode(model.encode(HARD_TEXT, add_special_tokens=False).ids) == HARD_TEXT
+
+
+def test_bos_and_eos_come_from_the_post_processor_unless_named(tmp_path, documents):
+    model = _llama3_style(documents, ["[START]", "[STOP]", "</s>"], "[START] $A [STOP]")
+    model.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(tmp_path / "tokenizer.json")
+    # the template's tokens, not the known name </s> the vocabulary also has
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (0, 1)
+    named = Tokenizer.from_file(tmp_path / "tokenizer.json", eos_token="</s>")
+    assert (named.bos_id, named.eos_id) == (0, 2)
+    llama3 = _llama3_style(
+        documents, ["<|begin_of_text|>", "<|end_of_text|>"], "<|begin_of_text|> $A"
+    )
+    llama3.save(str(tmp_path / "llama3.json"))
+    # the template adds BOS only; EOS is the known name
+    assert (Tokenizer.from_file(tmp_path / "llama3.json").bos_id,) == (0,)
+    assert Tokenizer.from_file(tmp_path / "llama3.json").eos_id == 1

@@ -187,8 +187,6 @@ def test_switching_off_the_dummy_prefix_keeps_the_rest_of_the_model(tokenizer_pa
     ("options", "reason"),
     [
         ({"model_type": "unigram"}, "not a BPE model"),
-        ({"normalization_rule_name": "nmt_nfkc"}, "the normalizer maps characters"),
-        ({"remove_extra_whitespaces": True}, "the normalizer collapses whitespace"),
         # a piece across words (SentencePiece's BPE trainer makes none; a user-defined
         # symbol can be one, and matches before BPE runs)
         ({"user_defined_symbols": ["x\u2581="]}, "has whitespace after other characters"),
@@ -201,6 +199,47 @@ def test_models_the_cache_cannot_reproduce_encode_without_it(tmp_path, documents
     assert reason in tokenizer.word_cache_unavailable
     texts = [*documents[:10], *random_texts(50, seed=4), "x = 1"]
     assert tokenizer.encode_batch(texts) == sentencepiece_ids(model, texts)
+
+
+NORMALIZED = [
+    "\uff46\uff55\uff4c\uff4c\uff57\uff49\uff44\uff54\uff48 \uff21\uff22\uff23 \uff11\uff12\uff13 \ufb01 \u00bd \u2460",
+    "  leading,  double   spaces\tand a tab, trailing  ",
+    "\u2581 already \u2581\u2581 escaped \u2581",
+    "na\u00efve cafe\u0301 \u6771\u4eac \U0001f642 x\u00a0y \u3000 z",
+    "",
+    " ",
+    "\n\n\t",
+]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        # SentencePiece's defaults
+        {
+            "normalization_rule_name": "nmt_nfkc",
+            "remove_extra_whitespaces": True,
+            "allow_whitespace_only_pieces": False,
+        },
+        {"normalization_rule_name": "nfkc_cf"},
+        {"remove_extra_whitespaces": True},
+    ],
+    ids=["nmt_nfkc", "nfkc_cf", "collapsed-whitespace"],
+)
+def test_normalizing_models_are_cached_through_their_own_normalizer(tmp_path, documents, options):
+    """SentencePiece's default (``nmt_nfkc``) and other normalizing models: each text is
+    normalized once by the model, then encoded word by word by its identity twin."""
+    model = train(tmp_path, documents, "model", **options)
+    tokenizer = Tokenizer.from_file(model, num_threads=1)
+    assert tokenizer.word_cache is not None and tokenizer.normalizes_first
+    assert tokenizer.word_cache_unavailable is None
+    texts = [*documents[:10], *random_texts(50, seed=4), *NORMALIZED]
+    assert tokenizer.encode_batch(texts) == sentencepiece_ids(model, texts)
+    again = tokenizer.encode_batch(texts)  # now from the cache
+    assert again == sentencepiece_ids(model, texts) and len(tokenizer.word_cache) > 0
+    uncached = Tokenizer.from_file(model, num_threads=1, cache_size=0)
+    assert not uncached.normalizes_first
+    assert uncached.encode_batch(texts) == sentencepiece_ids(model, texts)
 
 
 def test_cache_size_zero_turns_it_off_and_a_negative_size_is_an_error(tokenizer_path):
@@ -244,3 +283,103 @@ def test_a_copy_with_other_threads_shares_the_model_and_has_its_own_cache(
     shipped = pickle.loads(pickle.dumps(clone))  # as the loader sends it to its workers
     assert shipped.num_threads == 2
     assert shipped.encode_batch(documents[:5]) == sentencepiece_ids(tokenizer_path, documents[:5])
+
+
+# Characters no vocabulary trained on the test corpus holds (checked where they matter).
+UNKNOWN = "\u00ff\u01c2\ua66e"
+
+
+def without_lone_space_piece(model_path: str, out: Path) -> str:
+    """The model with its piece ``▁`` renamed to ``☃``: a vocabulary with pieces that start
+    with ``▁`` but none that is ``▁`` alone. (SentencePiece's trainer always keeps each
+    frequent character as a piece, so such a vocabulary is made by editing one.)"""
+    data = Path(model_path).read_bytes()
+    # the piece field (1) of a SentencePiece message, 3 bytes long, then its score field (2)
+    lone = b"\x0a\x03" + "\u2581".encode() + b"\x15"
+    assert data.count(lone) == 1
+    out.write_bytes(data.replace(lone, b"\x0a\x03" + "\u2603".encode() + b"\x15"))
+    return str(out)
+
+
+def test_a_vocabulary_without_a_lone_space_piece_or_byte_fallback_encodes_exactly(
+    tmp_path, documents
+):
+    """Without byte fallback, SentencePiece folds a run of unknown pieces into one; when
+    ``▁`` alone is no piece, a space after an unknown character joins that run, so the cut
+    before the space would split it. Such a model encodes without the cut."""
+    trained = train(tmp_path, documents, "plain", byte_fallback=False)
+    model = without_lone_space_piece(trained, tmp_path / "no-lone-space.model")
+    sp = sentencepiece.SentencePieceProcessor(model_file=model)
+    assert sp.is_unknown(sp.piece_to_id("\u2581"))
+    # the dummy prefix, the unknown character and the space: one unknown piece
+    assert sp.encode("\u00ff .", out_type=str)[0] == "\u2581\u00ff\u2581"
+    assert all(sp.is_unknown(sp.piece_to_id(c)) for c in UNKNOWN)
+    tokenizer = Tokenizer.from_file(model, num_threads=1)
+    texts = [
+        "\u00ff .",
+        "a \u00ff b",
+        "\u00ff\u01c2 \ua66e",
+        "x\u00ff  y",
+        " \u00ff",
+        "\u00ff ",
+        "(\u00ff) = \ua66e\u2581\u00ff",
+        *documents[:5],
+        *random_texts(50, seed=5),
+    ]
+    assert tokenizer.encode_batch(texts) == sentencepiece_ids(model, texts)
+    assert tokenizer.word_cache is None
+    assert "no piece" in tokenizer.word_cache_unavailable
+
+
+def test_the_load_time_self_check_covers_unknown_characters_next_to_spaces(
+    tmp_path, documents, monkeypatch
+):
+    """With the model check passed by force, the probe texts alone must catch a model the
+    cache would encode differently (unknown characters before a space, no lone ``▁``)."""
+    from hlat_data import wordcache
+
+    trained = train(tmp_path, documents, "plain", byte_fallback=False)
+    model = without_lone_space_piece(trained, tmp_path / "no-lone-space.model")
+    monkeypatch.setattr(wordcache, "cache_blocker", lambda model, processor: None)
+    tokenizer = Tokenizer.from_file(model, num_threads=1)
+    assert tokenizer.word_cache is None
+    assert "self-check" in tokenizer.word_cache_unavailable
+
+
+def test_user_defined_symbols_are_cached_exactly_and_probed_at_load(
+    tmp_path, documents, monkeypatch
+):
+    """A user-defined symbol is matched whole before BPE runs; the cache keeps it whole,
+    and the load-time probes contain the model's symbols, so a cache that cut one apart
+    would be caught."""
+    from hlat_data import wordcache
+
+    model = train(tmp_path, documents, "tools", user_defined_symbols=["<tool>", "</tool>"])
+    sp = sentencepiece.SentencePieceProcessor(model_file=model)
+    assert sp.encode("x<tool>y", out_type=str).count("<tool>") == 1
+    tokenizer = Tokenizer.from_file(model, num_threads=1)
+    assert tokenizer.word_cache is not None, tokenizer.word_cache_unavailable
+    texts = [
+        "<tool>",
+        " <tool> ",
+        "a<tool>b</tool>c",
+        "<tool><tool></tool>",
+        "<too <tool <tool>> </tool",
+        f"x {UNKNOWN[0]}<tool>{UNKNOWN[1]} </tool>\n\t(<tool>)",
+        *[d.replace("def ", "def <tool> ") for d in documents[:10]],
+        *random_texts(50, seed=6),
+    ]
+    assert tokenizer.encode_batch(texts) == sentencepiece_ids(model, texts)
+
+    # a cache that cut "<tool>" between "o" and "l" (no other probe holds that pair)
+    real_cuts = wordcache.ascii_cuts
+
+    def cutting_symbols(processor):
+        table = real_cuts(processor).copy()
+        table[ord("o") * 256 + ord("l")] = True
+        return table
+
+    monkeypatch.setattr(wordcache, "ascii_cuts", cutting_symbols)
+    broken = Tokenizer.from_file(model, num_threads=1)
+    assert broken.word_cache is None
+    assert "self-check" in broken.word_cache_unavailable

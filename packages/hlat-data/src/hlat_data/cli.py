@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 from hlat_data.convert import convert_to_arrow, corpus_stats
 from hlat_data.errors import DataError
-from hlat_data.source import ArrowSource
+from hlat_data.jsonl import open_source
+from hlat_data.mixture import mixture_stats, read_mixture
 from hlat_data.tokenizer import Tokenizer, train_tokenizer
 
 
@@ -51,12 +52,39 @@ def build_parser() -> argparse.ArgumentParser:
     stats = commands.add_parser(
         "stats", help="documents, characters, tokens, length histogram", formatter_class=fmt
     )
-    stats.add_argument("inputs", nargs="+", help="anything ArrowSource reads")
+    stats.add_argument(
+        "inputs",
+        nargs="*",
+        help="Arrow/Parquet files and directories, or JSON lines (.jsonl, .ndjson, .json, "
+        "optionally .gz or .zst); not both",
+    )
     stats.add_argument(
         "--tokenizer", help="a SentencePiece .model or a tokenizer.json, to count tokens"
     )
-    stats.add_argument("--text-column", default="text", help="column with the text")
+    stats.add_argument(
+        "--text-column", "--text-field", default="text", help="column or field with the text"
+    )
+    stats.add_argument(
+        "--on-bad-record",
+        choices=("error", "skip"),
+        default="skip",
+        help="a null text or a bad JSON line: stop with its file and line (error), or count "
+        "it as an empty document (skip)",
+    )
     stats.add_argument("--max-documents", type=int, help="read only the first N documents")
+    stats.add_argument(
+        "--mixture",
+        help="a TOML file of [[sources]] tables (or an hlat-train config with "
+        "[[data.sources]]): each source's documents, tokens and weight share instead of "
+        "inputs (needs --tokenizer; with --max-documents, tokens are estimated from that many "
+        "documents per source)",
+    )
+    stats.add_argument(
+        "--planned-tokens",
+        type=int,
+        help="with --mixture: the run's training tokens, to show what each source gives and "
+        "in how many epochs, after its caps",
+    )
     return parser
 
 
@@ -83,8 +111,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             tokenizer = Tokenizer.from_file(path)
             print(json.dumps({"model": path, "vocab_size": tokenizer.vocab_size}))
+        elif args.mixture:
+            if args.inputs or not args.tokenizer:
+                raise DataError("--mixture takes no inputs and needs --tokenizer")
+            sources = read_mixture(args.mixture, args.text_column, on_bad_record=args.on_bad_record)
+            result = mixture_stats(
+                sources,
+                Tokenizer.from_file(args.tokenizer),
+                max_documents=args.max_documents,
+                planned_tokens=args.planned_tokens,
+            )
+            print(json.dumps(result, indent=2))
         else:
-            source = ArrowSource(args.inputs, text_column=args.text_column, nulls="skip")
+            if not args.inputs:
+                raise DataError("stats needs inputs (or --mixture)")
+            source = open_source(args.inputs, args.text_column, on_bad_record=args.on_bad_record)
             counter = Tokenizer.from_file(args.tokenizer) if args.tokenizer else None
             print(
                 json.dumps(

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hlat_data.errors import DataError
-from hlat_data.source import ArrowSource
+from hlat_data.source import ArrowSource, Source
 from hlat_data.tokenizer import Tokenizer
 
 _JSON_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".ndjson", ".ndjson.gz")
@@ -87,7 +87,7 @@ def convert_to_arrow(
 
 
 def corpus_stats(
-    source: ArrowSource,
+    source: Source,
     tokenizer: Tokenizer | None = None,
     *,
     max_documents: int | None = None,
@@ -96,13 +96,22 @@ def corpus_stats(
     and a histogram of document lengths over power-of-two bins.
 
     ``max_documents`` reads only the first that many documents (a quick look at a big
-    corpus); the returned ``documents_read`` says how many were read.
+    corpus); the returned ``documents_read`` says how many were read. ``bad_records``
+    counts the records a source with ``on_bad_record="skip"`` read as empty (they count in
+    ``empty`` too).
     """
     total = len(source) if max_documents is None else min(len(source), max_documents)
     lengths: list[np.ndarray] = []
     tokens = 0
+    bad = 0
+    read = getattr(source, "texts_with_bad", None)
     for start in range(0, total, 1024):
-        texts = source.texts(range(start, min(start + 1024, total)))
+        ids = range(start, min(start + 1024, total))
+        if read is not None:
+            texts, skipped = read(ids)
+            bad += len(skipped)
+        else:
+            texts = source.texts(ids)
         lengths.append(np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)))
         if tokenizer is not None:
             pieces = [t for t in texts if t]
@@ -116,6 +125,7 @@ def corpus_stats(
         "documents": len(source),
         "documents_read": int(total),
         "empty": int((chars == 0).sum()),
+        "bad_records": bad,
         "characters": int(chars.sum()),
         "histogram": {f"{1 << k}-{(2 << k) - 1}": int(n) for k, n in enumerate(bins) if n},
     }

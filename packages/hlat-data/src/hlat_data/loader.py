@@ -5,7 +5,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import multiprocessing
+import multiprocessing.connection
+import multiprocessing.spawn
+import os
 import queue
+import signal
 import threading
 import time
 import weakref
@@ -17,10 +21,11 @@ import numpy as np
 from hlat_data.errors import DataError
 from hlat_data.order import RankShare, ResumedShare, check_layout
 from hlat_data.packer import Batch, Chunk, Packer
-from hlat_data.source import ArrowSource
+from hlat_data.source import Source
 from hlat_data.tokenizer import Tokenizer, usable_cores
 
 STATE_FORMAT = "hlat-data/1"
+MIXTURE_STATE_FORMAT = "hlat-data.mixture/1"  # hlat_data.mixture.MixedLoader's
 
 
 class PackedLoader:
@@ -62,7 +67,7 @@ class PackedLoader:
 
     def __init__(
         self,
-        source: ArrowSource,
+        source: Source,
         tokenizer: Tokenizer,
         seq_len: int,
         micro_batch_size: int,
@@ -123,6 +128,14 @@ class PackedLoader:
         self._active: weakref.ref[Iterator[Batch]] | None = None
         self.empty_documents = 0
         """Empty documents met (skipped; they add no tokens and no separator)."""
+        self.bad_records = 0
+        """Bad records met and read as empty documents (``on_bad_record="skip"``); they
+        count in ``empty_documents`` too."""
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next token comes from (0-based)."""
+        return self._cursor[0]
 
     # --- the order -------------------------------------------------------------------------
 
@@ -188,6 +201,7 @@ class PackedLoader:
         try:
             for chunk in chunks:
                 self.empty_documents += int(np.count_nonzero(chunk.lens == 0))
+                self.bad_records += chunk.bad
                 packer.push(chunk)
                 while packer.ready():
                     batch = packer.pop()
@@ -364,17 +378,18 @@ class PackedLoader:
 class _Encoder:
     """Reads and tokenizes one task; picklable, so it runs the same in a worker."""
 
-    def __init__(self, source: ArrowSource, tokenizer: Tokenizer, add_bos: bool, add_eos: bool):
+    def __init__(self, source: Source, tokenizer: Tokenizer, add_bos: bool, add_eos: bool):
         self.source, self.tokenizer = source, tokenizer
         self.add_bos, self.add_eos = add_bos, add_eos
 
     def __call__(self, task: tuple[int, int, np.ndarray, int]) -> Chunk:
         epoch, start, ids, skip = task
-        documents = self.source.documents(ids)
-        pieces = [piece for doc in documents for piece in doc]
-        flat, piece_lens = self.tokenizer.encode_flat(pieces)
-        owners = np.repeat(np.arange(len(documents)), [len(d) for d in documents])
-        content = np.bincount(owners, weights=piece_lens, minlength=len(documents)).astype(np.int64)
+        # Note: a source that reads bad records as empty documents says which; the count
+        # travels back with the chunk, from whichever process encoded it
+        read = getattr(self.source, "documents_with_bad", None)
+        documents, bad = read(ids) if read is not None else (self.source.documents(ids), ())
+        # a long document comes in pieces; its ids are those of its whole text
+        flat, content = self.tokenizer.encode_documents(documents)
         nonempty = np.flatnonzero([len(d) > 0 for d in documents])
         content_end = np.cumsum(content)
         where: list[np.ndarray] = []
@@ -400,7 +415,7 @@ class _Encoder:
                 )
             flat = flat[skip:]
             lens[0] -= skip
-        return Chunk(epoch, start, flat, lens, skip)
+        return Chunk(epoch, start, flat, lens, skip, bad=len(bad))
 
 
 def _preload_in_forkserver(context: Any) -> None:
@@ -408,7 +423,8 @@ def _preload_in_forkserver(context: Any) -> None:
     forked from it begins with numpy, pyarrow and SentencePiece already imported.
 
     Note: the list is process-wide and read when the server starts (once per process);
-    the default entry, ``__main__``, is kept.
+    the default entry, ``__main__``, is kept for other users of the server, but a server
+    that the workers start is not told the main module (:func:`_main_module_kept_out`).
     """
     from multiprocessing import forkserver
 
@@ -434,9 +450,12 @@ class _Starter(threading.Thread):
 
     def run(self) -> None:
         try:
-            for worker in self.workers:
-                worker.start()
-                self.setup.put(self.encoder)
+            # Note: the workers are not told the main module, so they never run it again:
+            # a script needs no main guard, and -c, -m and torchrun work alike
+            with _main_module_kept_out():
+                for worker in self.workers:
+                    worker.start()
+                    self.setup.put(self.encoder)
         except BaseException as e:
             self.error = e
 
@@ -445,8 +464,112 @@ class _Starter(threading.Thread):
         return [w for w in self.workers if w.pid is not None]
 
 
+_MAIN_ENTRIES = ("init_main_from_name", "init_main_from_path")
+_keeping_out = threading.local()
+_kept_out_lock = threading.Lock()
+_kept_out_users = 0
+_kept_out_patch: tuple[Any, Any] | None = None  # (our wrapper, what it wraps)
+
+
+@contextlib.contextmanager
+def _main_module_kept_out() -> Iterator[None]:
+    """Processes that multiprocessing starts in this thread meanwhile (and the fork server,
+    if it starts now) are not told the main module's name or path.
+
+    Note:
+        With forkserver and spawn, a new process gets "preparation data" from its parent
+        (``multiprocessing.spawn.get_preparation_data``): its ``init_main_from_name``
+        (``python -m``) or ``init_main_from_path`` (a script; torchrun runs one per rank)
+        makes the child run the parent's main module again, as ``__mp_main__``, before it
+        unpickles its target. A script without an ``if __name__ == "__main__":`` guard then
+        builds a loader and starts workers again inside each worker (multiprocessing
+        refuses, the worker dies, and its semaphores leak), and any script pays its imports
+        again in every worker. A worker needs only :func:`_work` and what it is sent, so
+        while this thread starts workers those two entries are left out, and the child
+        keeps the bare ``__main__`` of the interpreter that runs it, as with
+        ``python -c``. The stdlib has no per-process switch for this, hence the wrapper:
+        installed while any thread is inside this block (restored after the last), and
+        acting only in such threads, so processes that other code starts meanwhile get
+        their data unchanged. Consequently, a source or tokenizer class defined in the main
+        script cannot be unpickled in a worker (:func:`_work` says so).
+    """
+    global _kept_out_users, _kept_out_patch
+    with _kept_out_lock:
+        if _kept_out_users == 0:
+            wrapped = multiprocessing.spawn.get_preparation_data
+
+            def preparation_data(name: str) -> dict[str, Any]:
+                data: dict[str, Any] = wrapped(name)
+                if getattr(_keeping_out, "on", False):
+                    for key in _MAIN_ENTRIES:
+                        data.pop(key, None)
+                return data
+
+            multiprocessing.spawn.get_preparation_data = preparation_data
+            _kept_out_patch = (preparation_data, wrapped)
+        _kept_out_users += 1
+    _keeping_out.on = True
+    try:
+        yield
+    finally:
+        _keeping_out.on = False
+        with _kept_out_lock:
+            _kept_out_users -= 1
+            if _kept_out_users == 0 and _kept_out_patch is not None:
+                ours, wrapped = _kept_out_patch
+                if multiprocessing.spawn.get_preparation_data is ours:  # else: leave theirs
+                    multiprocessing.spawn.get_preparation_data = wrapped
+                _kept_out_patch = None
+
+
+def _end_with_the_loader_process() -> None:
+    """Makes this worker end when the process that iterates the loader ends, however it
+    ends (SIGKILL, SIGTERM, a crash), and leaves Ctrl-C to that process.
+
+    Note:
+        The loader's process holds the write end of a pipe whose read end is this worker's
+        ``multiprocessing.parent_process().sentinel`` (forkserver, spawn and fork alike);
+        the kernel closes it when that process dies, so a thread that waits on it learns of
+        the death at once and ends the worker. Neither ``PR_SET_PDEATHSIG`` nor polling
+        ``os.getppid()`` would do: with forkserver a worker's parent is the fork server,
+        which outlives the loader's process (it exits only when every process holding its
+        "alive" pipe has, workers included), and with spawn the death signal follows the
+        thread that started the worker, which ends as soon as the workers are started. With
+        the workers gone, the fork server and the resource tracker exit by themselves. On
+        Ctrl-C the whole process group gets SIGINT; the loader's process stops the workers,
+        so they ignore it instead of each printing a KeyboardInterrupt traceback.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    sentinel = parent.sentinel
+
+    def watch() -> None:
+        multiprocessing.connection.wait([sentinel])
+        os._exit(1)  # nothing is left to flush to or clean up for
+
+    threading.Thread(target=watch, daemon=True, name="hlat-data-watch-loader").start()
+
+
 def _work(setup: Any, inbox: Any, results: Any, stop: Any) -> None:
-    encode = setup.get()
+    # Note: the loader's process, not this process's parent (the fork server), is what
+    # this worker must not outlive
+    _end_with_the_loader_process()
+    try:
+        encode = setup.get()
+    except Exception as e:
+        results.put(
+            (
+                -1,
+                DataError(
+                    f"a tokenizer worker could not load the source and tokenizer ({e}); "
+                    "workers do not import the main script, so define custom sources and "
+                    "tokenizers in an importable module, or run with num_workers=0"
+                ),
+            )
+        )
+        return
     while True:
         item = inbox.get()
         if item is None or stop.is_set():
@@ -480,6 +603,14 @@ def _shut_down(workers: list[Any], inbox: Any, results: Any, stop: Any) -> None:
         q.close()
 
 
+def _poll(q: Any, timeout: float) -> Any:
+    """An item of ``q``, or None when none comes within ``timeout`` seconds (0: now)."""
+    try:
+        return q.get(timeout=timeout) if timeout else q.get_nowait()
+    except queue.Empty:
+        return None
+
+
 def _next_result(
     results: Any, inbox: Any, starter: _Starter, encode: _Encoder, helps: bool
 ) -> tuple[int, Chunk]:
@@ -493,33 +624,32 @@ def _next_result(
     """
     waited = 0.0
     while True:
-        try:
-            number, payload = results.get_nowait()
-        except queue.Empty:
-            item = None
-            if helps or starter.is_alive():
-                with contextlib.suppress(queue.Empty):
-                    item = inbox.get_nowait()
+        # Note: nothing here runs inside an ``except queue.Empty`` block, so an error of
+        # ``encode`` or a KeyboardInterrupt while waiting is reported alone, not chained to
+        # an empty queue
+        got = _poll(results, 0.0)
+        if got is None:
+            item = _poll(inbox, 0.0) if helps or starter.is_alive() else None
             if item is not None:
                 number, task = item
                 return number, encode(task)
-            try:  # short waits, so a task put moments ago can still be taken here
-                number, payload = results.get(timeout=0.01)
-            except queue.Empty:
-                waited += 0.01
-                if starter.error is not None:
-                    raise DataError(
-                        f"the tokenizer workers could not be started: {starter.error}; "
-                        "run with num_workers=0 to tokenize in this process"
-                    ) from starter.error
-                dead = [w for w in starter.started() if not w.is_alive()] if waited >= 1 else []
-                if dead:
-                    raise DataError(
-                        f"a tokenizer worker died (exit code {dead[0].exitcode}); "
-                        "see its output above, or run with num_workers=0 to debug"
-                    ) from None
-                waited = 0.0 if waited >= 1 else waited
-                continue
+            got = _poll(results, 0.01)  # short waits: a task put moments ago can be taken here
+        if got is None:
+            waited += 0.01
+            if starter.error is not None:
+                raise DataError(
+                    f"the tokenizer workers could not be started: {starter.error}; "
+                    "run with num_workers=0 to tokenize in this process"
+                ) from starter.error
+            dead = [w for w in starter.started() if not w.is_alive()] if waited >= 1 else []
+            if dead:
+                raise DataError(
+                    f"a tokenizer worker died (exit code {dead[0].exitcode}); "
+                    "see its output above, or run with num_workers=0 to debug"
+                )
+            waited = 0.0 if waited >= 1 else waited
+            continue
+        number, payload = got
         if isinstance(payload, BaseException):
             raise payload
         return number, payload
@@ -539,11 +669,16 @@ def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     """One state for all data-parallel ranks, from each rank's :meth:`PackedLoader.state_dict`.
 
     Gather the ranks' states (e.g. ``torch.distributed.all_gather_object``) and merge them
+    (:class:`~hlat_data.mixture.MixedLoader` states too)
     to checkpoint one global object, or to resume with a different ``dp_size``.
     """
     if not states:
         raise DataError("merge_states needs the state of every rank, got none")
     first = states[0]
+    if first.get("format") == MIXTURE_STATE_FORMAT:
+        from hlat_data.mixture import merge_mixture_states
+
+        return merge_mixture_states(states)
     size = first["dp_size"]
     by_rank = {s["dp_rank"]: s for s in states}
     if sorted(by_rank) != list(range(size)):

@@ -44,7 +44,8 @@ class Chunk:
 
     ``lens`` has one entry per document (0 for an empty one). After a resume, the first
     ``skip`` tokens of the first document were already emitted: they are neither in
-    ``tokens`` nor counted in ``lens[0]``.
+    ``tokens`` nor counted in ``lens[0]``. ``bad`` of the documents were bad records the
+    source read as empty.
     """
 
     epoch: int
@@ -52,6 +53,7 @@ class Chunk:
     tokens: np.ndarray
     lens: np.ndarray
     skip: int = 0
+    bad: int = 0
 
 
 @dataclass

@@ -11,11 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import fsspec
 import numpy as np
@@ -38,7 +39,7 @@ class _File:
     url: str  # what the user sees in errors
     path: str  # path inside ``fs``
     fs: Any
-    fmt: str  # "ipc" or "parquet"
+    fmt: str  # "ipc" or "parquet"; for JsonlSource "plain", "gzip" or "zstd"
     size: int
 
 
@@ -51,23 +52,57 @@ class _Part:
     end: int = 0  # byte offset just past the record-batch message (Arrow IPC)
 
 
-def split_text(text: str, max_chars: int) -> list[str]:
-    """Cut ``text`` into pieces of at most ``max_chars`` characters.
+class Source(Protocol):
+    """What :class:`~hlat_data.PackedLoader` reads: a numbered list of documents.
 
-    Each cut is made at the last whitespace in the final tenth of the window when there is
-    one, so words are not split; otherwise exactly at ``max_chars``.
+    :class:`ArrowSource` and :class:`~hlat_data.jsonl.JsonlSource` are sources. A source
+    may also have ``documents_with_bad(indices)`` returning the documents and the
+    positions in ``indices`` of bad records read as empty documents; the loader counts
+    those in ``loader.bad_records``.
+    """
+
+    def __len__(self) -> int: ...
+
+    @property
+    def files(self) -> list[str]: ...
+
+    def fingerprint(self) -> dict[str, Any]: ...
+
+    def texts(self, indices: Iterable[int]) -> list[str]: ...
+
+    def documents(self, indices: Iterable[int]) -> list[list[str]]: ...
+
+
+def bad_record_policy(on_bad_record: str) -> str:
+    """``on_bad_record`` checked: ``"error"`` or ``"skip"``."""
+    if on_bad_record not in ("error", "skip"):
+        raise DataError(f"on_bad_record must be 'error' or 'skip', got {on_bad_record!r}")
+    return on_bad_record
+
+
+# the last space after a non-space (SentencePiece's ``▁`` counts as a space) in the window
+_LAST_CUT = re.compile("(?s:.*)[^ \u2581]( )")
+
+
+def split_text(text: str, max_chars: int) -> list[str]:
+    """Cut ``text`` into pieces of at most ``max_chars`` characters that join back to it.
+
+    Each cut is made before the last space that follows a non-space in the window, where a
+    tokenizer can encode the pieces apart with the ids of the whole text
+    (:meth:`~hlat_data.Tokenizer.encode_documents`; SentencePiece BPE with an identity
+    normalizer, Llama's kind); a window without one is cut at ``max_chars``, and the
+    tokenizer joins such pieces back before it encodes them.
     """
     if len(text) <= max_chars:
         return [text]
     pieces = []
     start = 0
-    floor = max(1, max_chars - max_chars // 10)
     while len(text) - start > max_chars:
         end = start + max_chars
-        cut = max(text.rfind(" ", start + floor, end), text.rfind("\n", start + floor, end))
-        end = cut + 1 if cut > 0 else end
-        pieces.append(text[start:end])
-        start = end
+        found = _LAST_CUT.match(text, start, end + 1)
+        cut = found.start(1) if found is not None else end
+        pieces.append(text[start:cut])
+        start = cut
     pieces.append(text[start:])
     return pieces
 
@@ -81,11 +116,18 @@ class ArrowSource:
             ``datasets.Dataset.save_to_disk``, a directory of such files, or a glob.
             Local paths are memory-mapped; other fsspec URLs (``s3://...``) are streamed.
         text_column: the string column holding the documents.
-        max_chars: documents longer than this are split into pieces (tokenized one by one,
-            still one document for packing), so one huge document cannot stall a worker.
+        max_chars: documents longer than this are split into pieces (:func:`split_text`:
+            before a space that follows a non-space where the window has one), still one
+            document for packing, with the ids of the whole text: the tokenizer encodes the
+            pieces apart only where that is proven exact (SentencePiece BPE with an identity
+            normalizer, Llama's kind) and joins them back elsewhere
+            (:meth:`~hlat_data.Tokenizer.encode_documents`).
         nulls: ``"error"`` (default) raises on a null text naming file and row; ``"skip"``
             treats nulls as empty documents (skipped and counted by the loader).
         storage_options: passed to fsspec for URLs (credentials, ``client_kwargs``).
+        on_bad_record: the same as ``nulls`` (a null text is this format's bad record),
+            under the name :class:`~hlat_data.jsonl.JsonlSource` and
+            :func:`~hlat_data.open_source` take; give one of the two.
 
     Note:
         Opening a source reads only metadata: the few hundred bytes in front of each Arrow
@@ -100,17 +142,28 @@ class ArrowSource:
         paths_or_urls: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         text_column: str = "text",
         max_chars: int = 500_000,
-        nulls: str = "error",
+        nulls: str | None = None,
         storage_options: dict[str, Any] | None = None,
+        *,
+        on_bad_record: str | None = None,
     ) -> None:
         if max_chars < 1:
             raise DataError(f"max_chars must be at least 1, got {max_chars}")
-        if nulls not in ("error", "skip"):
+        if nulls is not None and nulls not in ("error", "skip"):
             raise DataError(f"nulls must be 'error' or 'skip', got {nulls!r}")
+        if on_bad_record is not None:
+            bad_record_policy(on_bad_record)
+            if nulls is not None and nulls != on_bad_record:
+                raise DataError(
+                    f"nulls={nulls!r} and on_bad_record={on_bad_record!r} disagree; give one"
+                )
+            nulls = on_bad_record
+        nulls = nulls or "error"
         entries = [paths_or_urls] if isinstance(paths_or_urls, str | os.PathLike) else paths_or_urls
         self.text_column = text_column
         self.max_chars = max_chars
         self.nulls = nulls
+        self.on_bad_record = nulls
         self._files: list[_File] = []
         for entry in entries:
             self._files += _resolve(os.fspath(entry), storage_options or {})
@@ -162,20 +215,33 @@ class ArrowSource:
 
     def texts(self, indices: Iterable[int]) -> list[str]:
         """The documents at ``indices``, in that order."""
+        return self.texts_with_bad(indices)[0]
+
+    def texts_with_bad(self, indices: Iterable[int]) -> tuple[list[str], np.ndarray]:
+        """The documents at ``indices``, and the positions in ``indices`` of those that were
+        null (read as ``""``; none unless ``nulls="skip"``)."""
         ids = np.asarray(list(indices) if not isinstance(indices, np.ndarray) else indices)
         if ids.size and (ids.min() < 0 or ids.max() >= len(self)):
             raise IndexError(f"document index out of range 0..{len(self) - 1}")
         parts = np.searchsorted(self._offsets, ids, side="right") - 1
         out = []
-        for index, part in zip(ids.tolist(), parts.tolist(), strict=True):
+        bad = []
+        for position, (index, part) in enumerate(zip(ids.tolist(), parts.tolist(), strict=True)):
             value = self._part(part)[index - int(self._offsets[part])].as_py()
+            if value is None:
+                bad.append(position)
             out.append("" if value is None else value)
-        return out
+        return out, np.array(bad, dtype=np.int64)
 
     def documents(self, indices: Iterable[int]) -> list[list[str]]:
         """The documents at ``indices`` split into pieces of at most ``max_chars``; an empty
         document is an empty list."""
-        return [split_text(t, self.max_chars) if t else [] for t in self.texts(indices)]
+        return self.documents_with_bad(indices)[0]
+
+    def documents_with_bad(self, indices: Iterable[int]) -> tuple[list[list[str]], np.ndarray]:
+        """:meth:`documents`, and the positions in ``indices`` of null texts read as empty."""
+        texts, bad = self.texts_with_bad(indices)
+        return [split_text(t, self.max_chars) if t else [] for t in texts], bad
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -376,14 +442,28 @@ class ArrowSource:
         return column
 
 
-def _resolve(entry: str, storage_options: dict[str, Any]) -> list[_File]:
-    """Expand one user entry (file, directory, `save_to_disk` directory, glob) to files."""
+def _resolve(
+    entry: str,
+    storage_options: dict[str, Any],
+    *,
+    dir_suffixes: tuple[str, ...] | None = None,
+    dir_kind: str = "",
+) -> list[_File]:
+    """Expand one user entry (file, directory, `save_to_disk` directory, glob) to files.
+
+    With ``dir_suffixes``, a directory stands for the files under it with those suffixes
+    (``dir_kind`` names them in the error for none), not for Arrow and Parquet files.
+    """
     fs, path = fsspec.core.url_to_fs(entry, **storage_options)
     local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
     if any(c in path for c in "*?["):
         paths = sorted(fs.glob(path))
         if not paths:
             raise DataError(f"{entry}: the pattern matches no files")
+    elif fs.isdir(path) and dir_suffixes is not None:
+        paths = sorted(p for p in fs.find(path) if p.lower().endswith(dir_suffixes))
+        if not paths:
+            raise DataError(f"{entry}: the directory holds no {dir_kind} files")
     elif fs.isdir(path):
         state = f"{path.rstrip('/')}/state.json"
         if fs.exists(state):  # written by datasets' save_to_disk, lists its shards in order

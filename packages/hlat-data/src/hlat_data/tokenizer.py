@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import os
+import re
 from typing import Any
 
 import fsspec
@@ -13,6 +15,13 @@ import numpy as np
 from hlat_data import wordcache
 from hlat_data.errors import DataError
 
+_SPACE = "\u2581"  # SentencePiece's symbol for a space
+_SPACES = (" ", _SPACE)  # a space, and SentencePiece's symbol for it
+# where :meth:`Tokenizer.encode_documents` may cut: before a space that follows a non-space
+_BEFORE_SPACES = re.compile("(?<=[^ \u2581])(?=[ \u2581])")
+# probe characters rare enough that small vocabularies lack them: controls, Latin, Tamil,
+# Cyrillic, a symbol, and characters outside the Basic Multilingual Plane
+_RARE = "\x01\x7f\u00ff\u01c2\u0b95\ua66e\u2603\U0001d11e\U000e0041\U0001fab8"
 _HF_EOS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
 _HF_BOS = ("<s>", "<|begin_of_text|>", "<bos>")
 
@@ -47,7 +56,16 @@ class Tokenizer:
     :func:`train_tokenizer` writes) encodes through a word cache
     (:mod:`hlat_data.wordcache`): text is cut into words, and words further where no piece
     spans the cut; each part is encoded by SentencePiece once and looked up after that, with
-    the same ids as encoding the whole text. Other models encode every text in full.
+    the same ids as encoding the whole text. Other models encode every text in full. The
+    conditions are checked on the model file (:func:`~hlat_data.wordcache.cache_blocker`)
+    and, at load, on probe texts (non-ASCII text, characters the vocabulary lacks next to
+    spaces, the model's user-defined pieces) encoded both ways; a model that fails either
+    encodes without the cache, the reason in :attr:`word_cache_unavailable`.
+
+    A long document, given in pieces (:meth:`encode_documents`), encodes to the ids of its
+    whole text: pieces are encoded apart only at cuts before a space that follows a
+    non-space, and only for the models above (also with ``cache_size=0``); elsewhere they
+    are joined back.
 
     Attributes:
         kind: ``"sentencepiece"`` or ``"hf"``.
@@ -57,6 +75,9 @@ class Tokenizer:
         cache_size: parts the word cache keeps at most (0: no cache).
         word_cache: the word cache (its ``hits`` and ``misses`` count look-ups), or None.
         word_cache_unavailable: why this model encodes without a word cache, or None.
+        cuts_before_spaces: whether a text cut before a space that follows a non-space
+            encodes apart (the part after the cut without a dummy prefix) to the ids of
+            the whole text; what :meth:`encode_documents` relies on.
     """
 
     def __init__(
@@ -83,6 +104,7 @@ class Tokenizer:
         self.cache_size = cache_size
         self._impl: Any = None
         self._words_impl: Any = None  # the model without its dummy prefix, for single words
+        self.cuts_before_spaces = False
         self.word_cache: wordcache.WordCache | None = None
         self.word_cache_unavailable: str | None = None
         self._load()
@@ -100,9 +122,11 @@ class Tokenizer:
     ) -> Tokenizer:
         """Load a SentencePiece ``.model`` or a Hugging Face ``tokenizer.json`` (by suffix).
 
-        ``bos_token``/``eos_token`` name the special tokens of a Hugging Face tokenizer
-        (default: the first of ``</s>``, ``<|endoftext|>``, ... it knows); a SentencePiece
-        model carries its own ids. Local paths and fsspec URLs are accepted. ``cache_size``
+        ``bos_token``/``eos_token`` name the special tokens of a Hugging Face tokenizer;
+        by default they are the ones its post-processor puts around a text
+        (:func:`template_specials`), else the first of ``</s>``, ``<|endoftext|>``,
+        ``<|end_of_text|>``, ... (EOS) and ``<s>``, ``<|begin_of_text|>``, ... (BOS) it
+        has. A SentencePiece model carries its own ids. Local paths and fsspec URLs are accepted. ``cache_size``
         bounds the word cache (about 200 bytes a word; 0 turns it off).
         """
         url = os.fspath(path)
@@ -154,51 +178,129 @@ class Tokenizer:
             raise DataError(f"tokenizer {self.name} is not a tokenizers JSON file ({e})") from None
         self._impl = impl
         self.vocab_size = impl.get_vocab_size(with_added_tokens=True)
-        self.bos_id = _token_id(impl, self._bos_token, _HF_BOS, self.name)
-        self.eos_id = _token_id(impl, self._eos_token, _HF_EOS, self.name)
+        bos, eos = template_specials(json.loads(self._model))
+        self.bos_id = _token_id(impl, self._bos_token, bos, _HF_BOS, self.name)
+        self.eos_id = _token_id(impl, self._eos_token, eos, _HF_EOS, self.name)
 
     def _load_word_cache(self) -> None:
+        import sentencepiece
+
+        self.word_cache, self._words_impl, self.cuts_before_spaces = None, None, False
+        self.normalizes_first, self._dummy_prefix = False, False
+        model, impl = self._model, self._impl
+        reason = wordcache.cache_blocker(model, impl)
+        if reason is not None and wordcache.normalizes(model) and self.cache_size:
+            # Note: a normalizing model (nmt_nfkc, SentencePiece's default) is cached through
+            # its identity twin: each text is normalized once by the model's own normalizer,
+            # and the twin, which sees exactly that text, encodes it word by word
+            twin = wordcache.prenormalized(model)
+            twin_impl = sentencepiece.SentencePieceProcessor()
+            twin_impl.LoadFromSerializedProto(twin)
+            if wordcache.cache_blocker(twin, twin_impl) is None:
+                model, impl, reason = twin, twin_impl, None
+                self.normalizes_first = True
+                self._dummy_prefix = wordcache.adds_dummy_prefix(model)
+        probes: list[str] = []
+        if reason is None:
+            words = sentencepiece.SentencePieceProcessor()
+            words.LoadFromSerializedProto(wordcache.without_dummy_prefix(model))
+            self._words_impl = words
+            probes = self._probes()
+            # a normalizing model's documents are encoded whole: normalization may join
+            # what a cut before a space would separate (collapsed whitespace)
+            self.cuts_before_spaces = not self.normalizes_first
+            if self.cuts_before_spaces:
+                reason = self._disagreement(probes, cached=False)
+                if reason is not None:
+                    self._words_impl, self.cuts_before_spaces = None, False
         if self.cache_size == 0:
             self.word_cache_unavailable = "turned off (cache_size=0)"
             return
-        import sentencepiece
-
-        reason = wordcache.cache_blocker(self._model, self._impl)
         if reason is None:
-            words = sentencepiece.SentencePieceProcessor()
-            words.LoadFromSerializedProto(wordcache.without_dummy_prefix(self._model))
-            self._words_impl = words
             self.word_cache = wordcache.WordCache(
-                dummy_prefix=wordcache.adds_dummy_prefix(self._model),
+                dummy_prefix=wordcache.adds_dummy_prefix(model),
                 capacity=self.cache_size,
-                cuts=wordcache.ascii_cuts(self._impl),
+                cuts=wordcache.ascii_cuts(impl),
             )
-            reason = self._word_cache_disagreement()
-        if reason is not None:
-            self.word_cache, self._words_impl = None, None
+            reason = self._disagreement(probes, cached=True)
+            if reason is not None:
+                self.word_cache, self.normalizes_first = None, False
         self.word_cache_unavailable = reason
 
-    def _word_cache_disagreement(self) -> str | None:
-        """A last check of the conditions :mod:`~hlat_data.wordcache` relies on, on texts
-        that exercise them; None if the cache gives SentencePiece's ids on all of them."""
+    def _probes(self) -> list[str]:
+        """Texts that exercise what the word cache and the cuts before spaces rely on:
+        spaces (alone, in runs, written as ``▁``), tabs and newlines, digits, non-ASCII
+        text, characters the vocabulary lacks (up to three of :data:`_RARE`) next to
+        spaces and to each other, and the model's user-defined pieces (the first 64) in
+        context, whole and in part."""
+        impl = self._impl
+        unknown = [c for c in _RARE if impl.is_unknown(impl.piece_to_id(c))][:3]
+        u, v, w = (unknown + list(_RARE[-3:]))[:3]
         probes = [
             "",
             " ",
             "a",
             "  a  b  ",
             "x\u2581 y\u2581",
+            "\u2581\u2581x \u2581",
             "\tdef f(x):\n    return 1  ",
             "12 345",
+            "na\u00efve caf\u00e9 \u2014 \u6771\u4eac\u306e\u590f "
+            "\U0001f642\U0001f44d\U0001f3fd \u00bd\ufb01",
+            " \u00e9  \u65e5\u672c\u2581\u8a9e \u0645\u0631\u062d\u0628\u0627\n",
+            f"{u} .",
+            f"a {u} b",
+            f"{u}{v} {w}",
+            f"x{u}  y{v}",
+            f" {u}",
+            f"{u} ",
+            f"{u}\u2581{v} \u2581{w}",
+            f"({u}) = {v}\n{w}\t{u} {u}{u}",
         ]
+        for symbol in wordcache.user_defined_symbols(self._model)[:64]:
+            head, tail = symbol[:-1], symbol[1:]
+            probes += [
+                symbol,
+                f" {symbol} ",
+                f"x{symbol}y{symbol}{symbol}",
+                f"{head} {tail}{head}{symbol}{tail}",
+                f"{u}{symbol}{v} {symbol}{u}",
+                f"a {symbol}\u2581{symbol}  b\n{symbol}",
+            ]
+        return probes
+
+    def _disagreement(self, probes: list[str], *, cached: bool) -> str | None:
+        """A last check of the conditions :mod:`~hlat_data.wordcache` relies on, on
+        ``probes``: the word cache (``cached``) or the cuts before spaces alone must give
+        SentencePiece's ids of each probe, whole and cut before each space that follows a
+        non-space (as :meth:`encode_documents` cuts); None if they do."""
         direct = self._impl.encode(probes)
-        if _as_lists(*self._cached_flat(probes)) != direct:
-            return "its encodings differ from SentencePiece's on a self-check"
+        cut = [_BEFORE_SPACES.split(p) for p in probes]
+        got = [_as_lists(*self._encode_documents([[p] for p in probes], cached))]
+        got.append(_as_lists(*self._encode_documents(cut, cached)))
+        if any(g != direct for g in got):
+            what = "word cache" if cached else "cuts before spaces"
+            return f"its encodings through the {what} differ from SentencePiece's on a self-check"
         return None
 
-    def _cached_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    def _cached_flat(
+        self, texts: list[str], continued: list[bool] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         assert self.word_cache is not None
         words, threads = self._words_impl, self.num_threads
-        return self.word_cache.encode_flat(texts, lambda w: words.encode(w, num_threads=threads))
+        if self.normalizes_first:
+            texts = self._normalize(texts)
+        return self.word_cache.encode_flat(
+            texts, lambda w: words.encode(w, num_threads=threads), continued
+        )
+
+    def _normalize(self, texts: list[str]) -> list[str]:
+        """``texts`` as the model's own normalizer leaves them, spaces written as spaces
+        and without the dummy prefix: what its identity twin encodes to the same ids."""
+        out = self._impl.normalize(texts)
+        if self._dummy_prefix:
+            return [(t[1:] if t[:1] == _SPACE else t).replace(_SPACE, " ") for t in out]
+        return [t.replace(_SPACE, " ") for t in out]
 
     def with_threads(self, num_threads: int) -> Tokenizer:
         """A copy that encodes batches with ``num_threads`` threads, with a word cache of its
@@ -230,12 +332,81 @@ class Tokenizer:
         word cache is on."""
         if self.word_cache is not None:
             return self._cached_flat(texts)
-        encoded = self.encode_batch(texts)
-        lens = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
-        ids = np.fromiter(
-            itertools.chain.from_iterable(encoded), dtype=np.int32, count=int(lens.sum())
+        return self._uncached_flat(texts)
+
+    def _uncached_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        if self.kind == "sentencepiece":
+            return _as_flat(self._impl.encode(texts, num_threads=self.num_threads))
+        encode = getattr(self._impl, "encode_batch_fast", self._impl.encode_batch)
+        return _as_flat([e.ids for e in encode(texts, add_special_tokens=False)])
+
+    def encode_documents(self, documents: list[list[str]]) -> tuple[np.ndarray, np.ndarray]:
+        """Ids of all documents concatenated (int32, without BOS/EOS) and each document's
+        count (int64), where a document is given as the pieces of its text (as a source's
+        ``documents`` returns a long one). The ids are exactly those of the whole text,
+        ``encode("".join(pieces))``.
+
+        Pieces are encoded separately only where that is proven to give the same ids: where
+        a piece starts with a space (or ``▁``) and the piece before it ends with another
+        character, when :attr:`cuts_before_spaces` (a SentencePiece BPE model the word
+        cache's conditions hold for: the piece after such a cut is a run of words of its
+        own, encoded without a dummy prefix). Any other pieces are joined back, so a model
+        without proven cuts (a normalizing or unigram model, a Hugging Face tokenizer)
+        encodes each document whole in one call.
+        """
+        return self._encode_documents(documents, self.word_cache is not None)
+
+    def _encode_documents(
+        self, documents: list[list[str]], cached: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        if all(len(pieces) <= 1 for pieces in documents):
+            texts = [pieces[0] if pieces else "" for pieces in documents]
+            return self._cached_flat(texts) if cached else self._uncached_flat(texts)
+        texts, continued, owners = [], [], []
+        for number, pieces in enumerate(documents):
+            parts = self._parts(pieces)
+            texts += parts
+            continued += [False] + [True] * (len(parts) - 1) if parts else []
+            owners += [number] * len(parts)
+        if cached:
+            ids, lens = self._cached_flat(texts, continued)
+        elif any(continued):
+            ids, lens = self._continued_flat(texts, continued)
+        else:
+            ids, lens = self._uncached_flat(texts)
+        counts = np.bincount(
+            np.asarray(owners, dtype=np.intp), weights=lens, minlength=len(documents)
         )
-        return ids, lens
+        return ids, counts.astype(np.int64)
+
+    def _parts(self, pieces: list[str]) -> list[str]:
+        """``pieces`` joined back where they may not be encoded apart."""
+        if len(pieces) <= 1 or not self.cuts_before_spaces:
+            return ["".join(pieces)]
+        parts: list[str] = []
+        current: list[str] = []
+        last = ""  # the last character of ``current``
+        for piece in pieces:
+            if not piece:
+                continue
+            if current and piece[0] in _SPACES and last not in _SPACES:
+                parts.append("".join(current))
+                current = []
+            current.append(piece)
+            last = piece[-1]
+        if current:
+            parts.append("".join(current))
+        return parts
+
+    def _continued_flat(
+        self, texts: list[str], continued: list[bool]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """SentencePiece's ids of ``texts``, the ``continued`` ones without dummy prefix."""
+        starts = [t for t, more in zip(texts, continued, strict=True) if not more]
+        rest = [t for t, more in zip(texts, continued, strict=True) if more]
+        first_ids = iter(self._impl.encode(starts, num_threads=self.num_threads))
+        rest_ids = iter(self._words_impl.encode(rest, num_threads=self.num_threads))
+        return _as_flat([next(rest_ids) if more else next(first_ids) for more in continued])
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids``."""
@@ -262,18 +433,58 @@ class Tokenizer:
         )
 
 
+def _as_flat(encoded: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """The flat form of lists of ids: all ids (int32) and each list's length (int64)."""
+    lens = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+    ids = np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int32, count=int(lens.sum()))
+    return ids, lens
+
+
 def _as_lists(ids: np.ndarray, lens: np.ndarray) -> list[list[int]]:
     """The ids of each text, from the flat form."""
     ends = np.cumsum(lens).tolist()
     return [ids[end - n : end].tolist() for end, n in zip(ends, lens.tolist(), strict=True)]
 
 
-def _token_id(impl: Any, wanted: str | None, candidates: tuple[str, ...], name: str) -> int:
+def template_specials(spec: dict[str, Any]) -> tuple[str | None, str | None]:
+    """BOS and EOS as a ``tokenizer.json``'s post-processor adds them to a single text.
+
+    ``TemplateProcessing`` (also inside a ``Sequence``, as Llama 3's): the special token
+    before ``$A`` is BOS, the one after it EOS; ``BertProcessing``/``RobertaProcessing``:
+    ``cls`` and ``sep``. ``(None, None)`` for a tokenizer that adds none.
+    """
+    processor = spec.get("post_processor") or {}
+    stack = [processor]
+    while stack:
+        item = stack.pop(0)
+        kind = item.get("type")
+        if kind == "Sequence":
+            stack.extend(item.get("processors", []))
+        elif kind == "TemplateProcessing":
+            pieces = item.get("single", [])
+            where = next((i for i, p in enumerate(pieces) if "Sequence" in p), None)
+            if where is None:
+                continue
+            before = [p["SpecialToken"]["id"] for p in pieces[:where] if "SpecialToken" in p]
+            after = [p["SpecialToken"]["id"] for p in pieces[where + 1 :] if "SpecialToken" in p]
+            return (before[-1] if before else None), (after[0] if after else None)
+        elif kind in ("BertProcessing", "RobertaProcessing"):
+            return item["cls"][0], item["sep"][0]
+    return None, None
+
+
+def _token_id(
+    impl: Any, wanted: str | None, template: str | None, candidates: tuple[str, ...], name: str
+) -> int:
+    """The id of ``wanted`` (the caller's choice), else the post-processor's token, else the
+    first known name the vocabulary has; -1 for none."""
     if wanted is not None:
         token_id = impl.token_to_id(wanted)
         if token_id is None:
             raise DataError(f"tokenizer {name} has no token {wanted!r}")
         return int(token_id)
+    if template is not None and impl.token_to_id(template) is not None:
+        return int(impl.token_to_id(template))
     for token in candidates:
         token_id = impl.token_to_id(token)
         if token_id is not None:

@@ -12,19 +12,26 @@ result is provably the same as encoding the whole text:
   (highest score first, ties to the left).
 - Two kinds of points qualify. Before a space that follows a non-space, when no piece has a
   whitespace symbol ``▁`` after any other character (true of every model trained with
-  ``split_by_whitespace``, SentencePiece's default); this gives *words* (a run of spaces,
-  then a run of non-spaces). And, within words, between two ASCII characters that no piece
-  holds side by side and that are pieces of their own (:func:`ascii_cuts`): in code,
-  ``self.assertEqual(x,`` falls into ``self``, ``.``, ``assertEqual``, ``(``, ``x``, ``,``
-  when the vocabulary joins none of those neighbours. A character the vocabulary lacks is
-  never cut from its neighbour, since SentencePiece folds a run of them into one unknown
-  piece.
+  ``split_by_whitespace``, SentencePiece's default) and ``▁`` is a piece of its own or
+  byte fallback is on; this gives *words* (a run of spaces, then a run of non-spaces).
+  And, within words, between two ASCII characters that no piece holds side by side and
+  that are pieces of their own (:func:`ascii_cuts`): in code, ``self.assertEqual(x,``
+  falls into ``self``, ``.``, ``assertEqual``, ``(``, ``x``, ``,`` when the vocabulary
+  joins none of those neighbours. Without byte fallback SentencePiece folds a run of
+  unknown pieces into one, so no cut may fall inside such a run: a character the
+  vocabulary lacks is never cut from its neighbour, and a space (``▁``) that is no piece
+  would be unknown too, joining the unknown character before it.
+- A user-defined piece is matched whole, left to right, before BPE runs, and is never
+  merged further; a cut never falls inside one, since each of its neighbouring pairs is
+  held by a piece (itself).
 - The text the model encodes is the normalized text. With an identity normalizer (no
   character map, no rules), no whitespace collapsing and whitespace escaping on, it is the
   input with each space replaced by ``▁`` and, with ``add_dummy_prefix``, one more ``▁`` in
   front. So a part of the input encodes, alone, to what it encodes to inside the text, by a
   processor whose dummy prefix is turned off; the text's own dummy prefix is a space put in
-  front of it.
+  front of it. The same holds for any two parts of a text cut before a space that follows
+  a non-space: the part after the cut, encoded without a dummy prefix, gives the ids it
+  has in the whole text. Long documents are cut there (``Tokenizer.encode_documents``).
 
 :func:`cache_blocker` checks those conditions on a model (its vocabulary and normalizer
 spec); :class:`WordCache` cuts texts into parts, looks them up, and encodes the parts it has
@@ -39,7 +46,7 @@ import operator
 import re
 from array import array
 from collections.abc import Callable, Iterator
-from functools import partial
+from functools import lru_cache, partial
 from itertools import islice
 from typing import Any
 
@@ -52,6 +59,9 @@ __all__ = [
     "adds_dummy_prefix",
     "ascii_cuts",
     "cache_blocker",
+    "normalizes",
+    "prenormalized",
+    "user_defined_symbols",
     "without_dummy_prefix",
 ]
 
@@ -62,8 +72,10 @@ _ENCODE_SLICE = 512  # new words per SentencePiece call
 _is_none = partial(operator.is_, None)
 
 # ModelProto field numbers (sentencepiece_model.proto)
-_TRAINER_SPEC, _NORMALIZER_SPEC = 2, 3
-_MODEL_TYPE, _TREAT_WS_AS_SUFFIX = 3, 24
+_PIECES, _TRAINER_SPEC, _NORMALIZER_SPEC = 1, 2, 3
+_PIECE_TYPE, _USER_DEFINED = 3, 4  # SentencePiece.type, Type.USER_DEFINED
+_USER_DEFINED_TAIL = bytes([_PIECE_TYPE << 3, _USER_DEFINED])
+_MODEL_TYPE, _TREAT_WS_AS_SUFFIX, _BYTE_FALLBACK = 3, 24, 35
 _CHARSMAP, _ADD_DUMMY_PREFIX, _REMOVE_EXTRA_WS, _ESCAPE_WS, _RULE_TSV = 2, 3, 4, 5, 6
 
 
@@ -103,10 +115,12 @@ def _fields(data: bytes) -> Iterator[tuple[int, int | bytes]]:
             raise ValueError(f"unsupported protobuf wire type {wire}")
 
 
-def _specs(model: bytes) -> tuple[dict[int, Any], dict[int, Any]]:
+@lru_cache(maxsize=4)
+def _specs(model: bytes) -> tuple[dict[int, Any], dict[int, Any], tuple[str, ...]]:
     """The trainer and normalizer specs of a ModelProto, with SentencePiece's defaults for the
-    fields read here; a sub-message that occurs twice merges, the last value winning."""
-    trainer: dict[int, Any] = {_MODEL_TYPE: 1, _TREAT_WS_AS_SUFFIX: 0}
+    fields read here (a sub-message that occurs twice merges, the last value winning), and
+    its user-defined pieces; read in one pass over the file (kept for the last few files)."""
+    trainer: dict[int, Any] = {_MODEL_TYPE: 1, _TREAT_WS_AS_SUFFIX: 0, _BYTE_FALLBACK: 0}
     normalizer: dict[int, Any] = {
         _CHARSMAP: b"",
         _ADD_DUMMY_PREFIX: 1,
@@ -114,12 +128,20 @@ def _specs(model: bytes) -> tuple[dict[int, Any], dict[int, Any]]:
         _ESCAPE_WS: 1,
         _RULE_TSV: b"",
     }
+    user_defined = []
     for number, value in _fields(model):
-        if number == _TRAINER_SPEC and isinstance(value, bytes):
+        if number == _PIECES and isinstance(value, bytes):
+            # the type (field 3) is serialized last; most pieces leave it out or are NORMAL
+            if value.endswith(_USER_DEFINED_TAIL):
+                piece = dict(_fields(value))
+                text = piece.get(1)
+                if piece.get(_PIECE_TYPE) == _USER_DEFINED and isinstance(text, bytes):
+                    user_defined.append(text.decode())
+        elif number == _TRAINER_SPEC and isinstance(value, bytes):
             trainer.update(_fields(value))
         elif number == _NORMALIZER_SPEC and isinstance(value, bytes):
             normalizer.update(_fields(value))
-    return trainer, normalizer
+    return trainer, normalizer, tuple(user_defined)
 
 
 def without_dummy_prefix(model: bytes) -> bytes:
@@ -133,15 +155,46 @@ def without_dummy_prefix(model: bytes) -> bytes:
     return model + bytes([_NORMALIZER_SPEC << 3 | 2, 2, _ADD_DUMMY_PREFIX << 3, 0])
 
 
+def normalizes(model: bytes) -> bool:
+    """Whether the model's normalizer changes the text before BPE (maps characters, e.g.
+    ``nmt_nfkc``, or collapses whitespace)."""
+    normalizer = _specs(model)[1]
+    return bool(normalizer[_CHARSMAP] or normalizer[_RULE_TSV] or normalizer[_REMOVE_EXTRA_WS])
+
+
+def prenormalized(model: bytes) -> bytes:
+    """``model`` with an identity normalizer that keeps whitespace as given: for text its
+    own normalizer has already normalized (``SentencePieceProcessor.normalize``, with the
+    ``▁`` it writes turned back into spaces and the dummy prefix dropped), it encodes to the
+    ids ``model`` gives the raw text, and the word cache's conditions can hold for it.
+
+    Note: appended as a second normalizer spec (name ``identity``, no character map or
+    rules, no whitespace collapsing), which a protobuf parser merges over the first, as in
+    :func:`without_dummy_prefix`.
+    """
+    spec = b"\x0a\x08identity" + bytes(
+        [_CHARSMAP << 3 | 2, 0, _REMOVE_EXTRA_WS << 3, 0, _RULE_TSV << 3 | 2, 0]
+    )
+    return model + bytes([_NORMALIZER_SPEC << 3 | 2, len(spec)]) + spec
+
+
 def adds_dummy_prefix(model: bytes) -> bool:
     """Whether the model puts ``▁`` in front of each text it encodes."""
     return bool(_specs(model)[1][_ADD_DUMMY_PREFIX])
 
 
+def user_defined_symbols(model: bytes) -> list[str]:
+    """The model's pieces of type USER_DEFINED (matched whole in the text before BPE runs)."""
+    return list(_specs(model)[2])
+
+
 def cache_blocker(model: bytes, processor: Any) -> str | None:
-    """Why a word cache would not reproduce ``processor``'s encoding, or None if it would."""
+    """Why a word cache would not reproduce ``processor``'s encoding, or None if it would.
+
+    None also means that a text cut before a space that follows a non-space encodes to its
+    first part's ids followed by the second part's, encoded without a dummy prefix."""
     try:
-        trainer, normalizer = _specs(model)
+        trainer, normalizer, _ = _specs(model)
     except (ValueError, IndexError) as e:
         return f"the model file could not be read ({e})"
     if trainer[_MODEL_TYPE] != _BPE:
@@ -154,9 +207,17 @@ def cache_blocker(model: bytes, processor: Any) -> str | None:
         return "the normalizer collapses whitespace"
     if not normalizer[_ESCAPE_WS]:
         return "the normalizer does not escape whitespace"
-    for i, piece in _merged_pieces(processor):
+    merged = _merged_pieces(processor)
+    for i, piece in merged:
         if not _PIECE_OK.match(piece):
             return f"piece {i} ({piece!r}) has whitespace after other characters"
+    if not trainer[_BYTE_FALLBACK] and not any(
+        piece == _SPACE and not processor.is_unused(i) for i, piece in merged
+    ):
+        return (
+            f"the vocabulary has no piece {_SPACE!r} and no byte fallback (a space after an "
+            "unknown character would join its unknown piece)"
+        )
     return None
 
 
@@ -248,11 +309,17 @@ class WordCache:
         )
 
     def encode_flat(
-        self, texts: list[str], encode: Callable[[list[str]], list[list[int]]]
+        self,
+        texts: list[str],
+        encode: Callable[[list[str]], list[list[int]]],
+        continued: list[bool] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """The ids of all ``texts`` concatenated (int32) and each text's number of ids.
 
         ``encode`` encodes a list of words (each alone, with no dummy prefix) to lists of ids.
+        ``continued`` marks the texts that continue the text before them (each starts with a
+        space after a non-space there): they get no dummy prefix, and encode to their ids in
+        the joined text.
         """
         if not texts:
             return np.zeros(0, np.int32), np.zeros(0, np.int64)
@@ -264,7 +331,13 @@ class WordCache:
         # Arrow arrays are made from buffers and read through buffers: its conversions to
         # and from Python objects import pandas where it is installed (0.2 s a process).
         prefix = self._prefix
-        utf8 = [(prefix + t.replace(_SPACE, " ")).encode() if t else b"" for t in texts]
+        if continued is None:
+            utf8 = [(prefix + t.replace(_SPACE, " ")).encode() if t else b"" for t in texts]
+        else:
+            utf8 = [
+                ((t if more else prefix + t) if t else "").replace(_SPACE, " ").encode()
+                for t, more in zip(texts, continued, strict=True)
+            ]
         text_bounds = np.zeros(len(utf8) + 1, dtype=np.int64)
         np.cumsum(np.fromiter(map(len, utf8), np.int64, count=len(utf8)), out=text_bounds[1:])
         data = b"".join(utf8)

@@ -1,0 +1,195 @@
+"""Tokenizer worker processes start from any kind of main program (a script without a main
+guard, ``python -c``, ``python -m``, torchrun) and end with the loader's process.
+
+Each test runs a real Python process on a small script that has no
+``if __name__ == "__main__":`` guard.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+# Iterates one loader with 2 workers partly (left open at exit), one fully, and drops a
+# third after a few batches; each against the batches of num_workers=0. Under torchrun each
+# rank reads its own share.
+SCRIPT = """
+import gc, itertools, multiprocessing, os, sys
+import numpy as np
+from hlat_data import ArrowSource, PackedLoader, Tokenizer
+
+# one write per line: torchrun's ranks share one stdout
+sys.stdout.write(f"main module ran in {multiprocessing.current_process().name}\\n")
+sys.stdout.flush()
+corpus, tokenizer_path, *context = sys.argv[1:]
+rank, size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+source, tokenizer = ArrowSource(corpus), Tokenizer.from_file(tokenizer_path, num_threads=1)
+
+def make(workers, epochs):
+    return PackedLoader(
+        source, tokenizer, 64, 2, rank, size, seed=3, block_size=4,
+        num_workers=workers, num_epochs=epochs, mp_context=(context or [None])[0],
+    )
+
+def same(a, b):
+    assert len(a) == len(b), (len(a), len(b))
+    for x, y in zip(a, b):
+        for field in x._fields:
+            np.testing.assert_array_equal(getattr(x, field), getattr(y, field))
+
+reference = list(make(0, 1))
+partly = iter(make(2, None))
+head = []
+while len(multiprocessing.active_children()) < 2:  # the workers have started
+    head.append(next(partly))
+head += itertools.islice(partly, 40)
+same(head, list(itertools.islice(make(0, None), len(head))))
+same(list(make(2, 1)), reference)
+dropped = make(2, None)
+same(list(itertools.islice(dropped, 5)), reference[:5])
+del dropped
+gc.collect()
+sys.stdout.write(f"ok {len(head)} {len(reference)}\\n")
+sys.stdout.flush()
+"""
+
+# Iterates a loader with 2 workers until they run, prints their pids, and goes on iterating
+# until a signal ends it.
+RUNNING = """
+import multiprocessing, signal, sys
+from hlat_data import ArrowSource, PackedLoader, Tokenizer
+
+loader = PackedLoader(
+    ArrowSource(sys.argv[1]), Tokenizer.from_file(sys.argv[2], num_threads=1), 64, 2,
+    block_size=4, num_workers=2,
+)
+signal.signal(signal.SIGINT, signal.default_int_handler)  # even where it came in ignored
+shown = False
+for batch in loader:
+    workers = multiprocessing.active_children()
+    if not shown and len(workers) == 2:
+        print(*(w.pid for w in workers), flush=True)
+        shown = True
+"""
+
+FORBIDDEN = ("leaked", "resource_tracker", "Traceback")
+
+
+def run(args, cwd, timeout=120, **kwargs):
+    result = subprocess.run(
+        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, **kwargs
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    for word in FORBIDDEN:
+        assert word not in result.stderr, result.stderr
+    return result
+
+
+def check(result, processes=1):
+    lines = result.stdout.splitlines()
+    # the main module ran once per process, in the main process, never in a worker
+    ran = [line for line in lines if line.startswith("main module ran")]
+    assert ran == ["main module ran in MainProcess"] * processes, result.stdout
+    assert sum(line.startswith("ok ") for line in lines) == processes, result.stdout
+
+
+@pytest.mark.parametrize("context", ["default", "spawn"])
+def test_a_script_without_a_main_guard(tmp_path, corpus, tokenizer_path, context):
+    (tmp_path / "script.py").write_text(SCRIPT)
+    chosen = [] if context == "default" else [context]
+    check(run(["script.py", str(corpus), tokenizer_path, *chosen], tmp_path))
+
+
+def test_python_dash_c(tmp_path, corpus, tokenizer_path):
+    check(run(["-c", SCRIPT, str(corpus), tokenizer_path], tmp_path))
+
+
+def test_a_module_run_with_dash_m(tmp_path, corpus, tokenizer_path):
+    (tmp_path / "read_corpus.py").write_text(SCRIPT)
+    check(run(["-m", "read_corpus", str(corpus), tokenizer_path], tmp_path))
+
+
+def test_each_rank_of_torchrun(tmp_path, corpus, tokenizer_path):
+    pytest.importorskip("torch")
+    (tmp_path / "script.py").write_text(SCRIPT)
+    launch = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = run([*launch, "script.py", str(corpus), tokenizer_path], tmp_path, env=env)
+    check(result, processes=2)
+
+
+def _alive(pid):
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _children(pid):
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+@pytest.mark.parametrize(
+    "signum", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=["kill", "term", "ctrl-c"]
+)
+def test_workers_end_with_the_loader_s_process(tmp_path, corpus, tokenizer_path, signum):
+    stderr = tmp_path / "stderr.txt"
+    with stderr.open("w") as err:
+        loader = subprocess.Popen(
+            [sys.executable, "-c", RUNNING, str(corpus), tokenizer_path],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
+    workers, helpers = [], []
+    stuck = threading.Timer(60, loader.kill)  # ends the read below if no line comes
+    stuck.start()
+    try:
+        assert loader.stdout is not None
+        workers = [int(pid) for pid in loader.stdout.readline().split()]
+        stuck.cancel()
+        assert len(workers) == 2, "the loader's process ended before its workers ran"
+        # its children (the fork server and the resource tracker) and theirs (the workers)
+        helpers = _children(loader.pid)
+        assert set(workers) <= {p for h in [loader.pid, *helpers] for p in _children(h)}
+    finally:
+        if signum == signal.SIGINT:
+            os.killpg(loader.pid, signum)  # to the whole process group, as a terminal does
+        else:
+            loader.send_signal(signum)
+        loader.wait(timeout=30)
+        loader.stdout.close()
+    left = [*workers, *helpers]
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in left) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lingering = [p for p in left if _alive(p)]
+    for pid in lingering:  # not to leave them behind when this fails
+        os.kill(pid, signal.SIGKILL)
+    assert not lingering, "processes of the loader outlived it"
+    if signum == signal.SIGINT:
+        # the loader's process stopped its workers; they printed nothing of their own
+        text = stderr.read_text()
+        assert text.count("Traceback") == 1 and text.rstrip().endswith("KeyboardInterrupt")
+        assert "leaked" not in text and "resource_tracker" not in text, text

@@ -1,6 +1,6 @@
 """Worker processes of the hlat-ckpt tests: a TP=2 DTensor job that saves, a DP=2 job that
 loads, a job that resumes from the newest undamaged checkpoint, a job that resumes from an
-older step (a new lineage), and a trainer that
+older step (a new lineage), a job saving replicated and sharded tensors, and a trainer that
 checkpoints in a loop until it is killed.
 
 Run as ``python ckpt_workers.py <scenario> <root>`` with torchrun's environment variables
@@ -139,6 +139,38 @@ def fork(root: str) -> None:
         )
 
 
+REPLICATED_NUMEL = 256 * 1024  # 1 MiB of fp32 per replicated tensor
+SHARDED_NUMEL = 512 * 1024  # 2 MiB of fp32 in all, 1 MiB on each of the two ranks
+
+
+def replicated(root: str) -> None:
+    """Two ranks save a model holding a plain tensor and a ``Replicate()`` DTensor (the same
+    on both ranks) and a ``Shard(0)`` DTensor, synchronously (step 1) and asynchronously
+    (step 2); each rank writes the save stats it got."""
+    from dataclasses import asdict
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)  # the same values on both ranks
+    model = nn.Module()
+    model.replicated = nn.Parameter(torch.randn(REPLICATED_NUMEL))
+    whole = torch.randn(REPLICATED_NUMEL)
+    model.replicated_dtensor = nn.Parameter(distribute_tensor(whole, mesh, [Replicate()]))
+    whole = torch.randn(SHARDED_NUMEL)
+    model.sharded = nn.Parameter(distribute_tensor(whole, mesh, [Shard(0)]))
+    stats = []
+    for step, async_save in ((1, False), (2, True)):
+        ck = Checkpointer(root, keep_last=None, async_save=async_save, save_rng=False)
+        ck.save(step, {"model": model})
+        ck.close()
+        stats.append(asdict(ck.last_save))
+    with open(os.path.join(root, f"replicated_rank{rank}.json"), "w") as f:
+        json.dump(stats, f)
+
+
 def save_forever(root: str, async_save: bool) -> None:
     """Resume from the newest checkpoint, then save every step until killed. The weights of
     step N are all N, so a loaded checkpoint shows which step's data it holds."""
@@ -160,6 +192,19 @@ if __name__ == "__main__":
     scenario, root_dir = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     try:
-        {"tp_save": tp_save, "dp_load": dp_load, "latest": latest, "fork": fork}[scenario](root_dir)
+        {
+            "tp_save": tp_save,
+            "dp_load": dp_load,
+            "latest": latest,
+            "fork": fork,
+            "replicated": replicated,
+        }[scenario](root_dir)
     finally:
         dist.destroy_process_group()
+    # Note: the work is saved and the process group destroyed; end before the interpreter's
+    # finalization, where torch's threads of a destroyed group now and then abort a finished
+    # rank (SIGABRT, "terminate called without an active exception"); hlat-train's CLI ends
+    # the same way
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,5 +1,6 @@
 """Two-process jobs on real gloo groups: a TP=2 DTensor checkpoint loads at other layouts;
-each rank checks the checksums of its own shard files."""
+each rank checks the checksums of its own shard files; the checksums computed while writing
+reach the manifest; replicated tensors are written once."""
 
 import json
 import shutil
@@ -7,9 +8,11 @@ import shutil
 import pytest
 import torch
 from ckpt_helpers import launch
-from ckpt_workers import tp_model
+from ckpt_workers import REPLICATED_NUMEL, SHARDED_NUMEL, tp_model
 
 from hlat_ckpt import MANIFEST_NAME, Checkpointer
+from hlat_ckpt.manifest import file_checksum
+from hlat_ckpt.storage import Storage
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -72,3 +75,50 @@ def test_a_damaged_shard_of_rank_1_is_found_by_rank_1_and_skipped_by_both(tp2_ch
     warned = json.loads((copy / "latest_rank0.json").read_text())["warnings"]
     assert len(warned) == 1 and "skipping damaged checkpoint" in warned[0], warned
     assert "file __1_0.distcp has checksum" in warned[0], warned
+
+
+@pytest.fixture(scope="module")
+def replicated_checkpoints(tmp_path_factory):
+    """Steps 1 (sync) and 2 (async) of two ranks holding a plain replicated tensor, a
+    Replicate() DTensor and a Shard(0) DTensor; and the save stats of each rank."""
+    root = tmp_path_factory.mktemp("replicated")
+    launch("replicated", root)
+    stats = [json.loads((root / f"replicated_rank{r}.json").read_text()) for r in range(2)]
+    return root, stats
+
+
+@pytest.mark.parametrize("step", [1, 2], ids=["sync", "async"])
+def test_two_ranks_record_the_checksums_they_computed_while_writing(replicated_checkpoints, step):
+    root, stats = replicated_checkpoints
+    dirname = f"step_{step:010d}"
+    manifest = json.loads((root / dirname / MANIFEST_NAME).read_text())
+    assert set(manifest["files"]) == {"__0_0.distcp", "__1_0.distcp", ".metadata"}
+    storage = Storage(root)
+    fresh = {name: file_checksum(storage, dirname, name) for name in manifest["files"]}
+    assert manifest["checksums"] == fresh
+    for rank in range(2):
+        s = stats[rank][step - 1]
+        assert (s["step"], s["async_save"]) == (step, step == 2)
+        # every file's checksum, rank 1's shard included, came from the write: none was
+        # read back by the commit
+        assert s["checksums_in_write"] == s["files"] == 3, s
+
+
+def test_a_replicated_tensor_is_written_once_not_once_per_rank(replicated_checkpoints):
+    import torch.distributed.checkpoint as dcp
+
+    root, _ = replicated_checkpoints
+    step = root / "step_0000000001"
+    per_rank = {r: (step / f"__{r}_0.distcp").stat().st_size for r in range(2)}
+    replicated_bytes = REPLICATED_NUMEL * 4  # each of the two replicated tensors
+    tensor_bytes = 2 * replicated_bytes + SHARDED_NUMEL * 4  # one copy of everything
+    # each tensor once, plus torch.save's framing and the small JSON entries; a second copy
+    # of a replicated tensor would add 1 MiB
+    assert tensor_bytes <= sum(per_rank.values()) < tensor_bytes + replicated_bytes // 8, per_rank
+    # and DCP's metadata places each replicated tensor in one rank's file (which one is the
+    # planner's choice: it balances the ranks' bytes)
+    storage = dcp.FileSystemReader(str(step)).read_metadata().storage_data
+    for fqn in ("model/replicated", "model/replicated_dtensor"):
+        (info,) = [info for index, info in storage.items() if index.fqn == fqn]
+        assert info.relative_path in {"__0_0.distcp", "__1_0.distcp"}
+        assert info.length >= replicated_bytes

@@ -78,7 +78,8 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
             new gloo group of their own.
         layout: free-form description of the parallel layout (e.g. ``{"tp": 2, "dp": 4}``),
             recorded in the manifest.
-        io_threads: file-writing threads per rank on local disks.
+        io_threads: file-writing threads per rank on local disks (DCP's ``thread_count``:
+            each thread writes a file of its own).
         verify_checksums: before loading, read every file of the checkpoint and compare it
             with the checksum the manifest recorded (each rank reads the files it would
             have written); a damaged checkpoint is skipped by :meth:`load_latest` and
@@ -134,6 +135,13 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         )
         if io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        # Note: one writing thread per rank by default. The ranks of a node already write
+        # their files to its disk in parallel (one each), which is what fills a local disk;
+        # more threads per rank split each rank's tensors into more, smaller files, and DCP
+        # overlaps the copy of accelerator tensors to host memory with the writing only at
+        # thread_count=1. The checksum computed in the write does not make the thread
+        # CPU-bound: large buffers are checksummed in a helper thread while they are
+        # written. A single process per node on a fast NVMe disk may gain from a few.
         self.io_threads = io_threads
         self.rank_state_from = rank_state_from
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hlat-ckpt")
@@ -457,10 +465,18 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         return staged
 
     def _writer(self, dirname: str) -> dcp.StorageWriter:
-        import torch.distributed.checkpoint as dcp
+        """DCP's writer for ``dirname``: on local disks a ``FileSystemWriter`` that
+        checksums each file while writing it (:mod:`hlat_ckpt.checksum_writer`), elsewhere
+        DCP's fsspec writer (the commit reads those files back to checksum them).
 
+        Note: ``sync_files=True`` is the one fsync of each file (DCP's, after the file's
+        last byte); the commit adds one of the checkpoint directory (with the manifest) and
+        one of the root (after the rename), and nothing is fsynced twice.
+        """
         if self._storage.is_local:
-            return dcp.FileSystemWriter(
+            from .checksum_writer import ChecksumWriter
+
+            return ChecksumWriter(
                 self._storage.path(dirname), sync_files=True, thread_count=self.io_threads
             )
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
@@ -493,14 +509,17 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         an async save)."""
         import torch.distributed.checkpoint as dcp
 
+        from .checksum_writer import ChecksumWriter
+
         write_start = time.perf_counter()
         dirname = self._storage.write_dirname(name)
         where = self._storage.url_of(name)
         try:
             self._storage.makedirs(dirname)
+            writer = self._writer(dirname)
             dcp.save(
                 flat,
-                storage_writer=self._writer(dirname),
+                storage_writer=writer,
                 process_group=self._group,
                 no_dist=self._group is None,
             )
@@ -512,8 +531,10 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
                 "checkpoints are untouched"
             ) from e
         # DCP's final collective returns only after every rank's files and the metadata are
-        # written, so the commit can list and checksum them.
+        # written, so the commit can list them and collect every rank's checksums.
         written = Written(step, kinds, layout, started, stall_s, wait_s, write_start, name)
+        if isinstance(writer, ChecksumWriter):
+            written.checksums = writer.checksums()
         self._commit(dirname, written)
 
     def _abandon(self, dirname: str) -> None:

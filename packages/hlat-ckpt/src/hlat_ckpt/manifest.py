@@ -4,8 +4,9 @@ A checkpoint is complete when its manifest parses, names the step of its directo
 file it lists exists with the recorded size. Anything else (no manifest, a torn manifest, a
 missing or truncated shard) is an incomplete checkpoint that resume skips.
 
-The manifest also records a CRC-32 of every file, computed by reading the files back after
-they were written. :func:`verify_checksums` reads them again and compares: a file whose
+The manifest also records a CRC-32 of every file, computed while the files are written on a
+local disk (:mod:`hlat_ckpt.checksum_writer`) or by reading them back after they were written
+(:func:`checksum_files`). :func:`verify_checksums` reads them again and compares: a file whose
 bytes changed without changing its size (a flipped bit on disk, a partial overwrite) makes
 the checkpoint damaged, and resume skips it like an incomplete one. Manifests written before
 checksums existed have none and are checked by size only.

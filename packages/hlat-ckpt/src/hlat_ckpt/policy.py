@@ -19,7 +19,7 @@ import traceback
 import warnings
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -73,6 +73,12 @@ class SaveStats:
     checksumming (``checksum_s``) and commit, in the background thread for an async save;
     ``save_s`` runs from the call of ``save`` to the commit. ``bytes`` and ``files`` count
     every file of the checkpoint, all ranks' together.
+
+    ``checksums_in_write`` of the ``files`` had their checksum computed while they were
+    written (local disks), at no extra read; the others were read back by the commit
+    (object stores, files written by another path). ``checksum_s`` is the commit's checksum
+    step: that read-back and the exchange of every rank's checksums, close to zero when all
+    were computed in the write.
     """
 
     step: int
@@ -84,6 +90,7 @@ class SaveStats:
     save_s: float
     bytes: int
     files: int
+    checksums_in_write: int = 0
 
 
 @dataclass
@@ -100,6 +107,10 @@ class Written:
     write_start: float
     name: str = ""
     """The checkpoint's final directory name (``step_<N>``, or ``step_<N>-<lineage>``)."""
+    checksums: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """``{file: (checksum, bytes)}`` that this rank computed while writing its files; the
+    commit reads back only the files of its share that have none (or whose byte count is
+    not the file's size)."""
 
 
 PendingT = TypeVar("PendingT")
@@ -527,7 +538,13 @@ class CheckpointPolicy(Generic[PendingT]):
     def _commit(self, dirname: str, written: Written) -> None:
         """Checksum the files every rank wrote into ``dirname`` for ``written.step``, write
         the manifest (the commit), make the directory final, apply retention and record the
-        :class:`SaveStats`. Collective; once every rank's files are written."""
+        :class:`SaveStats`. Collective; once every rank's files are written.
+
+        Rank 0 lists the files and their sizes and sends them to every rank; each rank
+        answers, in one gather to rank 0, with the checksums it computed while writing
+        (``written.checksums``) and a read-back of the files of its share
+        (:meth:`_checksum_share`) that have none.
+        """
         step = written.step
         final = written.name or step_dirname(step)
         where = self._storage.url_of(final)
@@ -540,33 +557,41 @@ class CheckpointPolicy(Generic[PendingT]):
                 self._check_written(sizes, where)
             except BaseException as e:
                 error = e
-        names: builtins.list[Any] = [sorted(sizes) if error is None else None]
+        listed: builtins.list[Any] = [sizes if error is None else None]
         if self._group is not None:
-            dist.broadcast_object_list(names, src=self._src, group=self._group)
+            dist.broadcast_object_list(listed, src=self._src, group=self._group)
         sums: dict[str, str] = {}
+        in_write: builtins.list[str] = []
         problem: str | None = None
-        if names[0] is not None:
+        if listed[0] is not None:
             try:
-                sums = checksum_files(self._storage, dirname, self._checksum_share(names[0]))
+                sums, in_write = self._share_checksums(dirname, listed[0], written.checksums)
             except Exception as e:
                 problem = f"rank {self.rank} could not checksum its files: {type(e).__name__}: {e}"
-        gathered: builtins.list[Any] = [(sums, problem)]
+        gathered: builtins.list[Any] = [(sums, in_write, problem)]
         if self._group is not None:
             gathered = [None] * self.world_size if self.rank == 0 else []
             dist.gather_object(
-                (sums, problem),
+                (sums, in_write, problem),
                 gathered if self.rank == 0 else None,
                 dst=self._src,
                 group=self._group,
             )
         checksum_s = time.perf_counter() - checksum_start
-        total = [0, 0]
+        total = [0, 0, 0]
         if self.rank == 0 and error is None:
             try:
-                problems = [p for _, p in gathered if p]
+                problems = [p for _, _, p in gathered if p]
                 if problems:
                     raise CheckpointError("; ".join(problems))
-                checksums = {name: value for part, _ in gathered for name, value in part.items()}
+                checksums: dict[str, str] = {}
+                for part, _, _ in gathered:
+                    for name, value in part.items():
+                        if checksums.setdefault(name, value) != value:
+                            raise CheckpointError(
+                                f"ranks disagree on the checksum of {name}: "
+                                f"{checksums[name]} and {value}"
+                            )
                 missing = sorted(set(sizes) - set(checksums))
                 if missing:
                     raise CheckpointError(f"no checksum for {missing}")
@@ -582,7 +607,8 @@ class CheckpointPolicy(Generic[PendingT]):
                 )
                 write_manifest(self._storage, dirname, manifest)
                 self._storage.commit_dir(dirname, final)
-                total = [manifest.total_bytes, len(manifest.files)]
+                from_write = {name for _, names, _ in gathered for name in names}
+                total = [manifest.total_bytes, len(manifest.files), len(from_write)]
             except BaseException as e:
                 error = e
         if error is not None:
@@ -592,7 +618,7 @@ class CheckpointPolicy(Generic[PendingT]):
             flag = torch.tensor([int(failed), *total], dtype=torch.int64)
             dist.broadcast(flag, src=self._src, group=self._group)
             failed = bool(flag[0].item())
-            total = [int(flag[1].item()), int(flag[2].item())]
+            total = [int(t) for t in flag[1:].tolist()]
         if failed:
             detail = f"{type(error).__name__}: {error}" if error is not None else "see rank 0"
             raise CheckpointError(
@@ -614,11 +640,25 @@ class CheckpointPolicy(Generic[PendingT]):
             save_s=end - written.started,
             bytes=total[0],
             files=total[1],
+            checksums_in_write=total[2],
         )
         with self._stats_lock:
             self._finished.append(stats)
             self.last_save = stats
             self._saved_steps.add(step)
+
+    def _share_checksums(
+        self, dirname: str, sizes: dict[str, int], in_write: dict[str, tuple[str, int]]
+    ) -> tuple[dict[str, str], builtins.list[str]]:
+        """``({file: checksum}, [files checksummed in the write])``: this rank's part of the
+        manifest's checksums. The checksums ``in_write`` that this rank computed while
+        writing count where they covered the whole file (their byte count is its size in
+        ``sizes``); the files of this rank's share without one are read back."""
+        sums = {name: crc for name, (crc, nbytes) in in_write.items() if sizes.get(name) == nbytes}
+        from_write = sorted(sums)
+        rest = [name for name in self._checksum_share(sorted(sizes)) if name not in sums]
+        sums.update(checksum_files(self._storage, dirname, rest))
+        return sums, from_write
 
     # --- retention -------------------------------------------------------------------------
 

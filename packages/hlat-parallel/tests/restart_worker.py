@@ -47,3 +47,10 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Note: the work is saved and the process group destroyed; end before the interpreter's
+    # finalization, where torch's threads of a destroyed group now and then abort a finished
+    # rank (SIGABRT, "terminate called without an active exception"); hlat-train's CLI ends
+    # the same way
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

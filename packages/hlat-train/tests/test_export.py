@@ -94,3 +94,48 @@ def test_export_hf_command_writes_the_directory(trained, tmp_path):
     assert result.returncode == 0, result.stderr
     names = {p.name for p in (tmp_path / "cli").iterdir()}
     assert {"model.safetensors", "config.json", "tokenizer.model", "tokenizer_config.json"} <= names
+
+
+def test_a_run_on_a_tokenizer_json_exports_a_fast_tokenizer_that_encodes_the_same(corpus, tmp_path):
+    """A Hugging Face byte-level BPE (``tokenizer.json``): the run keeps a copy, and the
+    export ships it as a ``PreTrainedTokenizerFast`` with the run's BOS and EOS."""
+    import pyarrow as pa
+    import tokenizers
+
+    from hlat_data import Tokenizer
+
+    with pa.memory_map(corpus["train"]) as source:
+        texts = pa.ipc.open_file(source).read_all().column("text").to_pylist()
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(texts, trainer)
+    path = tmp_path / "tokenizer.json"
+    bpe.save(str(path))
+    config = tiny_config(corpus, tmp_path / "run", f'--data.tokenizer="{path}"', steps=2)
+    trainer_ = Trainer(config)
+    try:
+        trainer_.fit()
+    finally:
+        trainer_.close()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert (checkpoints / "tokenizer.json").read_bytes() == path.read_bytes()
+    out = export_hf(str(checkpoints), str(tmp_path / "hf"), dtype="float32")
+    fast = transformers.AutoTokenizer.from_pretrained(out)
+    reference = Tokenizer.from_file(str(path))
+    assert isinstance(fast, transformers.PreTrainedTokenizerFast)
+    text = "def naïve(x):\n    return x  # ✓ 🙂\n"
+    assert fast(text, add_special_tokens=False)["input_ids"] == reference.encode(text)
+    assert (fast.bos_token_id, fast.eos_token_id) == (reference.bos_id, reference.eos_id) == (0, 1)
+    model = transformers.LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    assert model.config.eos_token_id == 1 and model.config.vocab_size == 448  # 400 -> x64
+    llama = Llama(config.llama_config(reference.vocab_size))
+    llama.load_state_dict(consolidate(str(checkpoints))["model"])
+    ids = torch.tensor([reference.encode(text)])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, llama(ids), rtol=1e-4, atol=1e-4)

@@ -195,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             summary = trainer.fit()
         finally:
             trainer.close()
+            global _ENDED_PROCESS_GROUP
+            _ENDED_PROCESS_GROUP = True
         if trainer.dims.rank == 0:
             _report(summary)
         return EXIT_PREEMPTED if summary["preempted"] else 0
@@ -211,6 +213,32 @@ def main(argv: list[str] | None = None) -> int:
 
 
 EXIT_DOES_NOT_FIT = 1
+
+_ENDED_PROCESS_GROUP = False
+
+
+def run() -> None:
+    """The ``hlat-train`` command and ``python -m hlat_train``: :func:`main`, then exit.
+
+    Note: after a training run (its checkpoints written and waited for, its metrics closed,
+    its process group destroyed) the process ends with ``os._exit`` once stdout, stderr and
+    logging are flushed, skipping the interpreter's finalization. There, torch's C++
+    threads of the destroyed process groups can still be running down and touch Python
+    objects of a finalizing interpreter, which aborts the process ("terminate called without
+    an active exception", SIGABRT) after a finished run, so that torchrun reports a failed
+    worker: seen now and then in multi-process runs on torch 2.9 and 2.13 (CPU, gloo). A
+    run that fails raises as usual.
+    """
+    code = main()
+    if _ENDED_PROCESS_GROUP:
+        import logging
+        import os
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)
 
 
 def _plan(args: argparse.Namespace, extra: list[str]) -> int:

@@ -72,17 +72,50 @@ class ModelConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One source of a weighted mixture: a ``[[data.sources]]`` table
+    (``hlat_data.MixtureSource``)."""
+
+    name: str = ""
+    """Unique name; it keys the source's loader state and its metrics."""
+    paths: list[str] = field(default_factory=list)
+    """The source's files, directories or URLs."""
+    weight: float = 1.0
+    """Relative share of the training tokens (normalised over the sources)."""
+    epochs: int | None = None
+    """Passes over the source before it ends (unset: it repeats)."""
+    max_tokens: int | None = None
+    """Tokens drawn from it over the whole run, all ranks together (unset: no cap)."""
+    valid_paths: list[str] = field(default_factory=list)
+    """Held-out documents of this source: a validation loss of its own."""
+
+
+@dataclass
 class DataConfig:
-    """Arrow corpus, tokenizer and packing (``hlat_data.PackedLoader``)."""
+    """Corpus, tokenizer and packing (``hlat_data.PackedLoader``, or
+    ``hlat_data.MixedLoader`` for a mixture)."""
 
     paths: list[str] = field(default_factory=list)
-    """Training Arrow/Parquet files, directories or ``s3://`` URLs."""
+    """Training Arrow/Parquet or JSON-lines (``.jsonl``, ``.gz``, ``.zst``) files,
+    directories or ``s3://`` URLs (or use ``sources``)."""
+    sources: list[SourceConfig] = field(default_factory=list)
+    """A weighted mixture instead of ``paths``: ``[[data.sources]]`` tables with ``name``,
+    ``paths``, ``weight`` and optionally ``epochs``, ``max_tokens``, ``valid_paths``. Rows
+    are blended so that each source's share of the tokens follows its weight."""
+    mixture_change: str = "error"
+    """Resuming under a mixture other than the checkpoint's: ``"error"`` refuses and names
+    the change; ``"continue"`` keeps the sources by name where they stood, starts new ones at
+    their beginning and blends by the new weights."""
     valid_paths: list[str] = field(default_factory=list)
     """Held-out documents for the validation loss (empty: no validation)."""
     tokenizer: str = ""
     """SentencePiece ``.model`` (or Hugging Face ``tokenizer.json``)."""
     text_column: str = "text"
-    """Column holding the documents."""
+    """Column (Arrow, Parquet) or field (JSON lines) holding the documents."""
+    on_bad_record: str = "error"
+    """A record that is not UTF-8, broken JSON, or lacks its text (null, missing):
+    ``"error"`` stops the run naming its file and line; ``"skip"`` skips it and counts it
+    in the metrics (``bad_records``)."""
     seq_len: int = 4096
     """Tokens per packed row."""
     micro_batch_size: int = 1
@@ -543,6 +576,8 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
             except ConfigError:
                 continue
         return _convert(value, args[-1], where)
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        return _convert_table(value, hint, where)
     if origin is list:
         (inner,) = typing.get_args(hint)
         if isinstance(value, str):
@@ -571,6 +606,26 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
     return value
 
 
+def _convert_table(value: Any, hint: type, where: str) -> Any:
+    """A dataclass from a TOML table (``[[section.key]]`` or ``{k = v}``)."""
+    if dataclasses.is_dataclass(value) and isinstance(value, hint):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} entries must be tables, got {value!r}")
+    names = [f.name for f in dataclasses.fields(hint)]
+    hints = typing.get_type_hints(hint)
+    out = hint()
+    for key, item in value.items():
+        if key not in names:
+            raise ConfigError(
+                f"{where}: unknown key {key!r}"
+                + _suggest(key, names)
+                + f" (keys: {', '.join(names)})"
+            )
+        setattr(out, key, _convert(item, hints[key], f"{where}.{key}"))
+    return out
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -578,4 +633,7 @@ def _toml_value(value: Any) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        items = [f"{k} = {_toml_value(v)}" for k, v in value.items() if v is not None]
+        return "{" + ", ".join(items) + "}"
     return repr(value)

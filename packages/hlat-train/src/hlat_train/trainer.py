@@ -184,7 +184,7 @@ class Trainer:
 
     def _setup(self) -> None:
         from hlat_ckpt import Checkpointer
-        from hlat_data import ArrowSource, PackedLoader, Tokenizer
+        from hlat_data import Tokenizer
         from hlat_model import Llama
         from hlat_optim import cosine_with_warmup
         from hlat_parallel import init_parallel, parallelize, pins_memory
@@ -305,18 +305,7 @@ class Trainer:
         self.tokenizer = Tokenizer.from_file(
             c.data.tokenizer, num_threads=c.data.tokenizer_threads or None
         )
-        self.loader = PackedLoader(
-            ArrowSource(c.data.paths, text_column=c.data.text_column),
-            self.tokenizer,
-            c.data.seq_len,
-            c.data.micro_batch_size,
-            dp_rank=dims.dp_rank,
-            dp_size=dims.dp,
-            seed=c.data.seed,
-            add_bos=c.data.add_bos,
-            block_size=c.data.block_size,
-            num_workers=c.data.num_workers,
-        )
+        self.loader = self._train_loader(dims)
         self.state = TrainState()
         self.state.guard = SpikeGuard(c.spike.window, c.spike.k, c.spike.min_history, device)
         self.checkpointer: Any = (
@@ -660,7 +649,7 @@ class Trainer:
                     watchdog.activity("validation", region="long")
                     self._validate(step, progress)
                 if save:
-                    if not c.train.eval_every and c.data.valid_paths and checkpoint_step(step):
+                    if not c.train.eval_every and self._validation_sets() and checkpoint_step(step):
                         watchdog.activity("validation", region="long")
                         self._validate(step, progress)
                     watchdog.activity("checkpoint save", region="long")
@@ -965,25 +954,84 @@ class Trainer:
         if "param_norm" in seen:
             record["param_norm"] = seen["param_norm"]
         record["compute_s"] = compute_s
+        bad = getattr(self.loader, "bad_records", 0)
+        if bad:
+            record["bad_records"] = bad  # skipped so far on this rank (data.on_bad_record)
+        if hasattr(self.loader, "composition"):
+            # a mixture: this rank's realised token share and epoch per source
+            for name, entry in self.loader.composition().items():
+                record[f"data/{name}/share"] = entry["share"]
+                record[f"data/{name}/epoch"] = entry["epoch"]
         if self.world_size > 1 and self.dims.backend == "torch":
             from hlat_train.observe import rank_compute_spread
 
             record.update(rank_compute_spread(compute_s, self.device))
         return record
 
-    @torch.no_grad()
+    def _train_loader(self, dims: Any) -> Any:
+        """``PackedLoader`` over ``data.paths``, or ``MixedLoader`` over ``data.sources``."""
+        from hlat_data import MixedLoader, MixtureSource, PackedLoader
+
+        c = self.config
+        common: dict[str, Any] = {
+            "dp_rank": dims.dp_rank,
+            "dp_size": dims.dp,
+            "seed": c.data.seed,
+            "add_bos": c.data.add_bos,
+            "block_size": c.data.block_size,
+            "num_workers": c.data.num_workers,
+        }
+        shape = (self.tokenizer, c.data.seq_len, c.data.micro_batch_size)
+        if not c.data.sources:
+            return PackedLoader(self._source(c.data.paths), *shape, **common)
+        mixture = [
+            MixtureSource(s.name, self._source(s.paths), s.weight, s.epochs, s.max_tokens)
+            for s in c.data.sources
+        ]
+        return MixedLoader(mixture, *shape, on_change=c.data.mixture_change, **common)
+
+    def _source(self, paths: list[str]) -> Any:
+        """Arrow/Parquet or JSON lines, by suffix (``hlat_data.open_source``)."""
+        from hlat_data import open_source
+
+        c = self.config.data
+        return open_source(paths, c.text_column, on_bad_record=c.on_bad_record)
+
+    def _validation_sets(self) -> list[tuple[str, list[str]]]:
+        """(name, paths) of each held-out set: ``data.valid_paths`` as ``""``, then each
+        mixture source's own."""
+        c = self.config
+        sets = [("", c.data.valid_paths)] if c.data.valid_paths else []
+        return sets + [(s.name, s.valid_paths) for s in c.data.sources if s.valid_paths]
+
     def _validate(self, step: int, progress: Progress) -> float | None:
+        """The validation loss of each held-out set (:meth:`_validation_sets`), logged as
+        ``"valid"`` records (with ``"source"`` for a mixture source's own); returns the
+        first."""
+        first = None
+        for name, paths in self._validation_sets():
+            value = self._validation_loss(paths)
+            record: dict[str, Any] = {"kind": "valid", "step": step, "loss": value}
+            if name:
+                record["source"] = name
+            if self.writer:
+                self.writer.write(record)
+            label = f" ({name})" if name else ""
+            progress.write(f"step {step}: validation loss{label} {value:.4f}")
+            first = value if first is None else first
+        return first
+
+    @torch.no_grad()
+    def _validation_loss(self, paths: list[str]) -> float:
         """Mean loss over ``train.eval_batches`` held-out micro-batches (the same ones every
         time), averaged over data-parallel ranks."""
-        from hlat_data import ArrowSource, PackedLoader
+        from hlat_data import PackedLoader
         from hlat_model import cross_entropy_loss
         from hlat_parallel import loss_parallel
 
         c = self.config
-        if not c.data.valid_paths:
-            return None
         loader = PackedLoader(
-            ArrowSource(c.data.valid_paths, text_column=c.data.text_column),
+            self._source(paths),
             self.tokenizer,
             c.data.seq_len,
             c.data.micro_batch_size,
@@ -1021,11 +1069,7 @@ class Trainer:
             if count == c.train.eval_batches:
                 break
         self._reshard()
-        value = float(self._mean_over_dp(total / max(count, 1)))
-        if self.writer:
-            self.writer.write({"kind": "valid", "step": step, "loss": value})
-        progress.write(f"step {step}: validation loss {value:.4f}")
-        return value
+        return float(self._mean_over_dp(total / max(count, 1)))
 
     def _reshard(self) -> None:
         """Free the parameters FSDP gathered for a forward without backward.

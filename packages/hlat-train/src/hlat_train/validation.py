@@ -29,6 +29,40 @@ def _check_path(key: str, path: str, what: str) -> None:
         )
 
 
+def _check_mixture(data: Any) -> None:
+    if data.on_bad_record not in ("error", "skip"):
+        raise ConfigError(
+            f"data.on_bad_record must be 'error' or 'skip', got {data.on_bad_record!r}"
+        )
+    if data.mixture_change not in ("error", "continue"):
+        raise ConfigError(
+            f"data.mixture_change must be 'error' or 'continue', got {data.mixture_change!r}"
+        )
+    if not data.sources:
+        return
+    if data.paths:
+        raise ConfigError(
+            "data.paths and data.sources are both set: give one corpus (paths) or a mixture "
+            "(sources); a mixture of one source is [[data.sources]] with one table"
+        )
+    seen: set[str] = set()
+    for i, source in enumerate(data.sources):
+        where = f"data.sources[{i}]"
+        if not source.name:
+            raise ConfigError(f"{where} needs a name (it keys its loader state and metrics)")
+        if source.name in seen:
+            raise ConfigError(f"{where}: the name {source.name!r} is used twice")
+        seen.add(source.name)
+        if not source.paths:
+            raise ConfigError(f"{where} ({source.name}) has no paths")
+        if not (math.isfinite(source.weight) and source.weight > 0):
+            raise ConfigError(f"{where} ({source.name}): weight must be > 0, got {source.weight}")
+        for key in ("epochs", "max_tokens"):
+            value = getattr(source, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"{where} ({source.name}): {key} must be at least 1, got {value}")
+
+
 def validate(
     config: TrainConfig,
     world_size: int | None = None,
@@ -80,6 +114,7 @@ def validate(
         raise ConfigError(f"checkpoint.mtbf_hours must be > 0, got {config.checkpoint.mtbf_hours}")
     _check_observability(config)
     _check_hang_timeout(run.hang_timeout)
+    _check_mixture(data)
     bad_drill = [s for s in config.spike.inject_nan_at if s < 1]
     if bad_drill:
         raise ConfigError(f"spike.inject_nan_at: steps start at 1, got {bad_drill}")
@@ -166,15 +201,20 @@ def validate(
 
     tokenizer_vocab = None
     if check_files:
-        if not data.paths:
+        if not data.paths and not data.sources:
             raise ConfigError(
                 "data.paths is empty: give the training Arrow files, e.g. "
-                "--data.paths=corpus/train.arrow"
+                "--data.paths=corpus/train.arrow, or a mixture as [[data.sources]] tables"
             )
         for path in data.paths:
             _check_path("data.paths", path, "training data")
         for path in data.valid_paths:
             _check_path("data.valid_paths", path, "validation data")
+        for source in data.sources:
+            for path in source.paths:
+                _check_path(f"data.sources[{source.name}].paths", path, "training data")
+            for path in source.valid_paths:
+                _check_path(f"data.sources[{source.name}].valid_paths", path, "validation data")
         if not data.tokenizer:
             raise ConfigError("data.tokenizer is empty: give a SentencePiece .model file")
         _check_path("data.tokenizer", data.tokenizer, "tokenizer")
@@ -238,16 +278,19 @@ def validate(
                 f"{world_size // local_world_size} nodes of {local_world_size} processes"
             )
         if check_files and dp > 1:
-            from hlat_data import ArrowSource
+            from hlat_data import open_source
 
-            documents = len(ArrowSource(data.paths, text_column=data.text_column))
-            blocks = -(-documents // data.block_size)
-            if blocks < dp:
-                raise ConfigError(
-                    f"data.paths hold {documents} documents, {blocks} shuffle block(s) of "
-                    f"data.block_size {data.block_size}: fewer than dp {dp}, so some ranks "
-                    f"would get no data; set data.block_size to at most {documents // dp}"
-                )
+            corpora = [("data.paths", data.paths)] if data.paths else []
+            corpora += [(f"data.sources[{s.name}]", s.paths) for s in data.sources]
+            for key, paths in corpora:
+                documents = len(open_source(paths, data.text_column))
+                blocks = -(-documents // data.block_size)
+                if blocks < dp:
+                    raise ConfigError(
+                        f"{key} hold(s) {documents} documents, {blocks} shuffle block(s) of "
+                        f"data.block_size {data.block_size}: fewer than dp {dp}, so some ranks "
+                        f"would get no data; set data.block_size to at most {documents // dp}"
+                    )
         per_step = data.micro_batch_size * dp
         if run.global_batch_size % per_step:
             raise ConfigError(

@@ -1,0 +1,93 @@
+"""A weighted mixture in the trainer: shares and epochs per source in the metrics, a
+validation loss per source, exact resume, and a changed mixture refused unless asked for."""
+
+from __future__ import annotations
+
+import pytest
+from train_helpers import tiny_config
+
+from hlat_data import DataError
+from hlat_train import ConfigError, TrainConfig, Trainer, read_metrics
+from hlat_train.validation import validate
+
+
+def _sources(corpus, code_weight=3, extra=""):
+    return (
+        "--data.sources=["
+        f'{{name = "code", paths = ["{corpus["train"]}"], weight = {code_weight}, '
+        f'valid_paths = ["{corpus["valid"]}"]}}, '
+        f'{{name = "small", paths = ["{corpus["valid"]}"], weight = 1{extra}}}]'
+    )
+
+
+def _config(corpus, out, *extra, steps=6, code_weight=3):
+    return tiny_config(
+        corpus,
+        out,
+        "--data.paths=[]",
+        "--data.valid_paths=[]",
+        "--data.block_size=4",
+        _sources(corpus, code_weight),
+        *extra,
+        steps=steps,
+    )
+
+
+def _fit(config):
+    trainer = Trainer(config)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
+
+
+def test_a_mixture_logs_its_shares_validates_per_source_and_resumes_exactly(corpus, tmp_path):
+    horizon = "--optim.decay_steps=8"
+    _fit(_config(corpus, tmp_path / "full", horizon, steps=8))
+    records = read_metrics(str(tmp_path / "full" / "metrics.jsonl"))
+    train = [r for r in records if r["kind"] == "train"]
+    # 8 steps x 2 rows: the code source's share of the rows is 3/4 at every step
+    assert train[-1]["data/code/share"] == pytest.approx(0.75)
+    assert train[-1]["data/small/share"] == pytest.approx(0.25)
+    assert train[-1]["data/small/epoch"] == 0 == train[-1]["data/code/epoch"]
+    valid = [r for r in records if r["kind"] == "valid"]
+    assert {r.get("source") for r in valid} == {"code"}
+    assert [r["step"] for r in valid] == [2, 4, 6, 8]
+
+    _fit(_config(corpus, tmp_path / "split", horizon, steps=4))
+    summary = _fit(_config(corpus, tmp_path / "split", horizon, steps=8))
+    assert summary["resumed_from"] == 4
+    split = [
+        r for r in read_metrics(str(tmp_path / "split" / "metrics.jsonl")) if r["kind"] == "train"
+    ]
+    assert [r["loss"] for r in split if r["step"] > 4] == pytest.approx(
+        [r["loss"] for r in train if r["step"] > 4], rel=1e-5
+    )
+
+
+def test_resuming_under_another_mixture_needs_mixture_change_continue(corpus, tmp_path):
+    _fit(_config(corpus, tmp_path, steps=2))
+    with pytest.raises(DataError, match=r"'code' weight: state has 3.0.*mixture_change"):
+        _fit(_config(corpus, tmp_path, steps=4, code_weight=1))
+    summary = _fit(
+        _config(corpus, tmp_path, "--data.mixture_change=continue", steps=4, code_weight=1)
+    )
+    assert summary["resumed_from"] == 2 and summary["step"] == 4
+
+
+def test_mixture_specs_are_checked_and_round_trip_through_toml(corpus, tmp_path):
+    config = _config(corpus, tmp_path)
+    again = TrainConfig.from_dict(__import__("tomllib").loads(config.to_toml()))
+    assert again.data.sources == config.data.sources
+    assert [s.weight for s in again.data.sources] == [3.0, 1.0]
+    both = _config(corpus, tmp_path, f'--data.paths=["{corpus["train"]}"]')
+    with pytest.raises(ConfigError, match=r"data.paths and data.sources are both set"):
+        validate(both)
+    with pytest.raises(ConfigError, match=r"unknown key .wieght.*did you mean .weight."):
+        _config(corpus, tmp_path, _sources(corpus).replace("weight = 1", "wieght = 1"))
+    with pytest.raises(ConfigError, match=r"data.sources\[1\] \(small\): weight must be > 0"):
+        validate(_config(corpus, tmp_path, _sources(corpus).replace("weight = 1", "weight = 0")))
+    with pytest.raises(ConfigError, match="used twice"):
+        validate(_config(corpus, tmp_path, _sources(corpus).replace('"small"', '"code"')))
+    with pytest.raises(ConfigError, match="mixture_change must be"):
+        validate(_config(corpus, tmp_path, "--data.mixture_change=maybe"))

@@ -4,7 +4,10 @@
 ``nox -s tests-<package>`` proves one package installs and passes alone; ``nox -s
 tests-oldest`` runs every package's tests on the oldest torch the packages declare
 (``torch>=X.Y``: the newest X.Y.* release); ``lint``, ``typecheck``, ``bench`` and ``build``
-do what they say.
+do what they say; ``reuse-torchtitan`` runs the torchtitan example of ``docs/reuse`` in an
+environment of its own; ``demo`` trains a tiny Llama on the standard library and ``eval``
+scores a checkpoint with lm-evaluation-harness (``tools/evaluate.py``), both on CPU and
+outside CI.
 
 torch is pinned to a CPU-friendly release; GPU users override it, e.g.
 ``HLAT_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" nox -s tests``.
@@ -135,6 +138,44 @@ if "hlat-train" in PACKAGES:
         """The main job: train a tiny Llama on this Python's own standard library, on CPU."""
         _install(session, PACKAGES, "demo", editable=True)
         session.run("hlat-train", "demo", *session.posargs)
+
+    # lm-evaluation-harness and what its "hf" model needs; not a test dependency (heavy)
+    LM_EVAL = ["lm_eval>=0.4.9,<0.5", "accelerate>=0.26", "transformers>=4.45"]
+
+    @nox.session(name="eval", python=PYTHON)
+    def eval_(session: nox.Session) -> None:
+        """Export the newest checkpoint (``nox -s eval -- runs/demo/checkpoints``; none given:
+        a short fresh run) to Hugging Face and score it with lm-evaluation-harness, offline on
+        CPU, on a local multiple-choice task over standard-library code."""
+        _install(session, PACKAGES, "hf", editable=True)
+        # the torch just installed stays: lm_eval's dependencies may not replace it
+        torch_version = session.run_install(
+            "python", "-c", "import torch; print(torch.__version__)", silent=True
+        )
+        constraints = Path(session.create_tmp()) / "torch-constraint.txt"
+        constraints.write_text(f"torch=={str(torch_version).strip()}\n")
+        session.install(*LM_EVAL, "-c", str(constraints))
+        session.run("python", "tools/evaluate.py", *session.posargs)
+
+
+@nox.session(name="reuse-torchtitan", python=PYTHON, tags=["ci"])
+def reuse_torchtitan(session: nox.Session) -> None:
+    """hlat-optim and hlat-data inside torchtitan's trainer
+    (``docs/reuse/torchtitan_hlat_optim_data.py``), in an environment of its own: torchtitan
+    0.3 pins ``datasets<4.8``, below the test environment's, and imports triton, which CPU
+    wheels of torch do not bring."""
+    session.install(*TORCH)
+    session.install(
+        "torchtitan>=0.3,<0.4",
+        "triton",
+        "pytest>=8",
+        "-e",
+        "packages/hlat-optim",
+        "-e",
+        "packages/hlat-data[torch]",
+        *TORCH,  # repeated: nothing may lift torch to another release
+    )
+    session.run("pytest", "packages/hlat-optim/tests/test_reuse_torchtitan.py", *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -7,10 +7,10 @@ import json
 
 import pyarrow as pa
 import pytest
-from train_helpers import tiny_config
+from train_helpers import fit, tiny_config
 
 from hlat_data import DataError
-from hlat_train import Trainer, read_metrics
+from hlat_train import read_metrics
 
 
 @pytest.fixture(scope="module")
@@ -27,19 +27,11 @@ def jsonl(corpus, tmp_path_factory):
     return str(path)
 
 
-def _fit(config):
-    trainer = Trainer(config)
-    try:
-        return trainer.fit()
-    finally:
-        trainer.close()
-
-
 def test_a_bad_line_stops_the_run_naming_it_or_is_skipped_and_counted(corpus, jsonl, tmp_path):
     paths = f'--data.paths=["{jsonl}"]'
     with pytest.raises(DataError, match=r"train\.jsonl\.gz line 4"):
-        _fit(tiny_config(corpus, tmp_path / "strict", paths, steps=12))
-    summary = _fit(
+        fit(tiny_config(corpus, tmp_path / "strict", paths, steps=12))
+    summary = fit(
         tiny_config(
             corpus,
             tmp_path / "skip",

@@ -4,10 +4,10 @@ validation loss per source, exact resume, and a changed mixture refused unless a
 from __future__ import annotations
 
 import pytest
-from train_helpers import tiny_config
+from train_helpers import fit, tiny_config
 
 from hlat_data import DataError
-from hlat_train import ConfigError, TrainConfig, Trainer, read_metrics
+from hlat_train import ConfigError, TrainConfig, read_metrics
 from hlat_train.validation import validate
 
 
@@ -33,17 +33,9 @@ def _config(corpus, out, *extra, steps=6, code_weight=3):
     )
 
 
-def _fit(config):
-    trainer = Trainer(config)
-    try:
-        return trainer.fit()
-    finally:
-        trainer.close()
-
-
 def test_a_mixture_logs_its_shares_validates_per_source_and_resumes_exactly(corpus, tmp_path):
     horizon = "--optim.decay_steps=8"
-    _fit(_config(corpus, tmp_path / "full", horizon, steps=8))
+    fit(_config(corpus, tmp_path / "full", horizon, steps=8))
     records = read_metrics(str(tmp_path / "full" / "metrics.jsonl"))
     train = [r for r in records if r["kind"] == "train"]
     # 8 steps x 2 rows: the code source's share of the rows is 3/4 at every step
@@ -54,8 +46,8 @@ def test_a_mixture_logs_its_shares_validates_per_source_and_resumes_exactly(corp
     assert {r.get("source") for r in valid} == {"code"}
     assert [r["step"] for r in valid] == [2, 4, 6, 8]
 
-    _fit(_config(corpus, tmp_path / "split", horizon, steps=4))
-    summary = _fit(_config(corpus, tmp_path / "split", horizon, steps=8))
+    fit(_config(corpus, tmp_path / "split", horizon, steps=4))
+    summary = fit(_config(corpus, tmp_path / "split", horizon, steps=8))
     assert summary["resumed_from"] == 4
     split = [
         r for r in read_metrics(str(tmp_path / "split" / "metrics.jsonl")) if r["kind"] == "train"
@@ -66,10 +58,10 @@ def test_a_mixture_logs_its_shares_validates_per_source_and_resumes_exactly(corp
 
 
 def test_resuming_under_another_mixture_needs_mixture_change_continue(corpus, tmp_path):
-    _fit(_config(corpus, tmp_path, steps=2))
+    fit(_config(corpus, tmp_path, steps=2))
     with pytest.raises(DataError, match=r"'code' weight: state has 3.0.*mixture_change"):
-        _fit(_config(corpus, tmp_path, steps=4, code_weight=1))
-    summary = _fit(
+        fit(_config(corpus, tmp_path, steps=4, code_weight=1))
+    summary = fit(
         _config(corpus, tmp_path, "--data.mixture_change=continue", steps=4, code_weight=1)
     )
     assert summary["resumed_from"] == 2 and summary["step"] == 4

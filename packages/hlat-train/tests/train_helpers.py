@@ -38,6 +38,17 @@ def tiny_config(
     return TrainConfig.preset("tiny-check", [*tiny_overrides(corpus, out_dir, steps), *extra])
 
 
+def fit(config: TrainConfig) -> dict:
+    """Train ``config`` in this process; the run's summary (the trainer is closed)."""
+    from hlat_train import Trainer
+
+    trainer = Trainer(config)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
+
+
 def write_config(config: TrainConfig, path: Path) -> str:
     path.write_text(config.to_toml())
     return str(path)

@@ -16,7 +16,6 @@ refused at open.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import os
@@ -34,11 +33,11 @@ from hlat_data.source import (
     _ARROW_SUFFIXES,
     _PARQUET_SUFFIXES,
     ArrowSource,
+    FileSource,
     _File,
     _is_local,
     _resolve,
     bad_record_policy,
-    split_text,
 )
 
 _LINE_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -62,7 +61,7 @@ def is_jsonl(path: str | os.PathLike[str]) -> bool:
     return os.fspath(path).lower().endswith(JSONL_SUFFIXES)
 
 
-class JsonlSource:
+class JsonlSource(FileSource):
     """Documents from JSON lines files, one JSON object per line, with random access.
 
     The same interface as :class:`~hlat_data.ArrowSource`: ``len()``, ``files``,
@@ -143,39 +142,14 @@ class JsonlSource:
 
     # --- public ---------------------------------------------------------------------------
 
-    def __len__(self) -> int:
-        return int(self._offsets[-1])
-
-    @property
-    def files(self) -> list[str]:
-        """The data files, in the order their lines are numbered."""
-        return [f.url for f in self._files]
-
     def fingerprint(self) -> dict[str, Any]:
-        """What identifies this corpus: file names, sizes and line counts, field, split limit.
-
-        Note:
-            Names are base names, so the same files read from a local disk and from
-            ``s3://`` have the same fingerprint and a loader state moves between them. The
-            bad-record policy is not part of it: it changes no document that ``"error"``
-            reads, so a run stopped by a bad record resumes with ``"skip"``.
-        """
-        files = [(os.path.basename(f.path), f.size) for f in self._files]
+        """What identifies this corpus: file base names, sizes and line counts, field,
+        split limit. The bad-record policy is not part of it: it changes no document that
+        ``"error"`` reads, so a run stopped by a bad record resumes with ``"skip"``."""
         counts = [len(s) for s in self._starts]
-        payload = json.dumps(["jsonl", files, counts, self.text_field, self.max_chars])
-        return {
-            "hash": hashlib.sha256(payload.encode()).hexdigest()[:16],
-            "documents": len(self),
-            "files": len(self._files),
-        }
-
-    def text(self, index: int) -> str:
-        """Document ``index`` ("" for a bad record when ``on_bad_record="skip"``)."""
-        return self.texts([index])[0]
-
-    def texts(self, indices: Iterable[int]) -> list[str]:
-        """The documents at ``indices``, in that order."""
-        return self.texts_with_bad(indices)[0]
+        return self._fingerprint(
+            ["jsonl", self._base_names(), counts, self.text_field, self.max_chars]
+        )
 
     def texts_with_bad(self, indices: Iterable[int]) -> tuple[list[str], np.ndarray]:
         """The documents at ``indices``, and the positions in ``indices`` of bad records,
@@ -213,22 +187,6 @@ class JsonlSource:
                 bad.append(position)
             out.append(text)
         return out, np.array(bad, dtype=np.int64)
-
-    def documents(self, indices: Iterable[int]) -> list[list[str]]:
-        """The documents at ``indices`` split into pieces of at most ``max_chars``; an empty
-        document (or a skipped bad record) is an empty list."""
-        return self.documents_with_bad(indices)[0]
-
-    def documents_with_bad(self, indices: Iterable[int]) -> tuple[list[list[str]], np.ndarray]:
-        """:meth:`documents`, and the positions in ``indices`` of bad records read as empty."""
-        texts, bad = self.texts_with_bad(indices)
-        return [split_text(t, self.max_chars) if t else [] for t in texts], bad
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_handles"] = {}
-        state["_cache"] = OrderedDict()
-        return state
 
     def __repr__(self) -> str:
         return (

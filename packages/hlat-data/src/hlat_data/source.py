@@ -107,7 +107,66 @@ def split_text(text: str, max_chars: int) -> list[str]:
     return pieces
 
 
-class ArrowSource:
+class FileSource:
+    """What :class:`ArrowSource` and :class:`~hlat_data.JsonlSource` share: documents over
+    indexed files (``_files``, the cumulative document counts ``_offsets``), read through
+    the subclass's :meth:`texts_with_bad` and split at ``max_chars``; open handles and
+    caches stay out of pickles (a worker opens its own)."""
+
+    _files: list[_File]
+    _offsets: np.ndarray
+    max_chars: int
+
+    def __len__(self) -> int:
+        return int(self._offsets[-1])
+
+    @property
+    def files(self) -> list[str]:
+        """The data files, in the order their documents are numbered."""
+        return [f.url for f in self._files]
+
+    def _fingerprint(self, payload: list[Any]) -> dict[str, Any]:
+        """``fingerprint()`` of a corpus whose identity is ``payload`` (plain data)."""
+        return {
+            "hash": hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16],
+            "documents": len(self),
+            "files": len(self._files),
+        }
+
+    def _base_names(self) -> list[tuple[str, int]]:
+        # Note: base names, so the same files read from a local disk and from ``s3://``
+        # have the same fingerprint and a loader state moves between them
+        return [(os.path.basename(f.path), f.size) for f in self._files]
+
+    def texts_with_bad(self, indices: Iterable[int]) -> tuple[list[str], np.ndarray]:
+        raise NotImplementedError
+
+    def text(self, index: int) -> str:
+        """Document ``index`` ("" for a record skipped as bad)."""
+        return self.texts([index])[0]
+
+    def texts(self, indices: Iterable[int]) -> list[str]:
+        """The documents at ``indices``, in that order."""
+        return self.texts_with_bad(indices)[0]
+
+    def documents(self, indices: Iterable[int]) -> list[list[str]]:
+        """The documents at ``indices`` split into pieces of at most ``max_chars``; an empty
+        document (or a skipped bad record) is an empty list."""
+        return self.documents_with_bad(indices)[0]
+
+    def documents_with_bad(self, indices: Iterable[int]) -> tuple[list[list[str]], np.ndarray]:
+        """:meth:`documents`, and the positions in ``indices`` of bad records read as empty."""
+        texts, bad = self.texts_with_bad(indices)
+        return [split_text(t, self.max_chars) if t else [] for t in texts], bad
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_handles"] = {}
+        state["_cache"] = OrderedDict()
+        return state
+
+
+class ArrowSource(FileSource):
     """A corpus of text documents with cheap random access to document ``i``.
 
     Args:
@@ -185,37 +244,13 @@ class ArrowSource:
 
     # --- public ---------------------------------------------------------------------------
 
-    def __len__(self) -> int:
-        return int(self._offsets[-1])
-
-    @property
-    def files(self) -> list[str]:
-        """The data files, in the order their rows are numbered."""
-        return [f.url for f in self._files]
-
     def fingerprint(self) -> dict[str, Any]:
-        """What identifies this corpus: file names, sizes and row counts, column, split limit.
-
-        Note:
-            Names are base names, so the same files read from a local disk and from
-            ``s3://`` have the same fingerprint and a loader state moves between them.
-        """
-        files = [(os.path.basename(f.path), f.size) for f in self._files]
+        """What identifies this corpus: file base names, sizes and row counts, column,
+        split limit, null policy."""
         rows = [int(self._offsets[-1])]
-        payload = json.dumps([files, rows, self.text_column, self.max_chars, self.nulls])
-        return {
-            "hash": hashlib.sha256(payload.encode()).hexdigest()[:16],
-            "documents": len(self),
-            "files": len(self._files),
-        }
-
-    def text(self, index: int) -> str:
-        """Document ``index`` as stored ("" for a null when ``nulls="skip"``)."""
-        return self.texts([index])[0]
-
-    def texts(self, indices: Iterable[int]) -> list[str]:
-        """The documents at ``indices``, in that order."""
-        return self.texts_with_bad(indices)[0]
+        return self._fingerprint(
+            [self._base_names(), rows, self.text_column, self.max_chars, self.nulls]
+        )
 
     def texts_with_bad(self, indices: Iterable[int]) -> tuple[list[str], np.ndarray]:
         """The documents at ``indices``, and the positions in ``indices`` of those that were
@@ -232,22 +267,6 @@ class ArrowSource:
                 bad.append(position)
             out.append("" if value is None else value)
         return out, np.array(bad, dtype=np.int64)
-
-    def documents(self, indices: Iterable[int]) -> list[list[str]]:
-        """The documents at ``indices`` split into pieces of at most ``max_chars``; an empty
-        document is an empty list."""
-        return self.documents_with_bad(indices)[0]
-
-    def documents_with_bad(self, indices: Iterable[int]) -> tuple[list[list[str]], np.ndarray]:
-        """:meth:`documents`, and the positions in ``indices`` of null texts read as empty."""
-        texts, bad = self.texts_with_bad(indices)
-        return [split_text(t, self.max_chars) if t else [] for t in texts], bad
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_handles"] = {}
-        state["_cache"] = OrderedDict()
-        return state
 
     def __repr__(self) -> str:
         return f"ArrowSource({len(self)} documents in {len(self._files)} file(s), column {self.text_column!r})"

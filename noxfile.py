@@ -142,11 +142,7 @@ if "hlat-train" in PACKAGES:
     # lm-evaluation-harness and what its "hf" model needs; not a test dependency (heavy)
     LM_EVAL = ["lm_eval>=0.4.9,<0.5", "accelerate>=0.26", "transformers>=4.45"]
 
-    @nox.session(name="eval", python=PYTHON)
-    def eval_(session: nox.Session) -> None:
-        """Export the newest checkpoint (``nox -s eval -- runs/demo/checkpoints``; none given:
-        a short fresh run) to Hugging Face and score it with lm-evaluation-harness, offline on
-        CPU, on a local multiple-choice task over standard-library code."""
+    def _install_eval(session: nox.Session, *extra: str) -> None:
         _install(session, PACKAGES, "hf", editable=True)
         # the torch just installed stays: lm_eval's dependencies may not replace it
         torch_version = session.run_install(
@@ -154,8 +150,28 @@ if "hlat-train" in PACKAGES:
         )
         constraints = Path(session.create_tmp()) / "torch-constraint.txt"
         constraints.write_text(f"torch=={str(torch_version).strip()}\n")
-        session.install(*LM_EVAL, "-c", str(constraints))
+        session.install(*LM_EVAL, *extra, "-c", str(constraints))
+
+    @nox.session(name="eval", python=PYTHON)
+    def eval_(session: nox.Session) -> None:
+        """Export the newest checkpoint (``nox -s eval -- runs/demo/checkpoints``; none given:
+        a short fresh run) to Hugging Face and score it with lm-evaluation-harness, offline on
+        CPU, on a local multiple-choice task over standard-library code."""
+        _install_eval(session)
         session.run("python", "tools/evaluate.py", *session.posargs)
+
+    @nox.session(name="tests-eval", python=PYTHON, tags=["ci"])
+    def tests_eval(session: nox.Session) -> None:
+        """The tests that need lm-evaluation-harness (not a test dependency: heavy): a full
+        small run of ``tools/evaluate.py`` and the ``docs/reuse`` example that scores an
+        exported checkpoint, each checked against the model's own log-likelihoods."""
+        _install_eval(session, "pytest>=8")
+        session.run(
+            "pytest",
+            "tests/test_evaluate.py",
+            "tests/test_reuse.py::test_an_exported_checkpoint_generates_and_lm_eval_scores_it_as_transformers_does",
+            *session.posargs,
+        )
 
 
 @nox.session(name="reuse-torchtitan", python=PYTHON, tags=["ci"])

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,55 @@ def _tensors(tree, prefix: str = "") -> dict[str, torch.Tensor]:
     if isinstance(tree, (list, tuple)):
         return _tensors(dict(enumerate(tree)), prefix)
     return {}
+
+
+def test_an_exported_checkpoint_generates_and_lm_eval_scores_it_as_transformers_does(
+    tmp_path, reuse_example, monkeypatch
+):
+    """docs/reuse/hf_generate_and_lm_eval.py on a 20-step tiny-check run: transformers
+    generates from the export, and lm_eval's log-likelihood of each choice is the exported
+    model's own (run by transformers), so its accuracy is too. Needs lm_eval, which is not a
+    test dependency: it runs in ``nox -s tests-eval``."""
+    pytest.importorskip(
+        "lm_eval", reason="lm-evaluation-harness is not installed (nox -s tests-eval)"
+    )
+    import importlib.util
+
+    import transformers
+
+    spec = importlib.util.spec_from_file_location("evaluate_tool", ROOT / "tools" / "evaluate.py")
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    monkeypatch.setenv("HLAT_CACHE", str(tmp_path / "cache"))
+    checkpoints = tool.train_short_run(tmp_path / "run", 20)
+
+    example = reuse_example("hf_generate_and_lm_eval")
+    model_dir = example.export(checkpoints, str(tmp_path / "out"))
+    text = example.generate(model_dir, "def ", 8)
+    assert text.startswith("def ") and len(text) > len("def ")
+    result = example.score(model_dir, example.write_task(str(tmp_path / "out")))
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    samples = sorted(result["samples"], key=lambda s: s["doc_id"])
+    assert len(samples) == len(example.ITEMS)
+    correct = 0
+    for sample, (context, choices, label) in zip(samples, example.ITEMS, strict=True):
+        theirs = [r[0][0] for r in sample["resps"]]
+        ours = []
+        for choice in choices:
+            # as lm_eval scores a pair: the context's trailing whitespace (here its
+            # newline) moves to the continuation; the continuation's tokens are those of
+            # the whole text after as many tokens as the context alone has, and the model
+            # reads the context's own tokens followed by them
+            encode = partial(tokenizer.encode, add_special_tokens=False)
+            head = encode(context.rstrip())
+            tail = encode(context + choice)[len(head) :]
+            ids = head + tail
+            with torch.no_grad():
+                logits = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+            ours.append(sum(float(logits[i - 1, ids[i]]) for i in range(len(head), len(ids))))
+        assert ours == pytest.approx(theirs, rel=1e-4, abs=1e-3)
+        correct += max(range(2), key=lambda i: theirs[i]) == label
+    assert result["metrics"]["acc,none"] == pytest.approx(correct / len(samples))

@@ -124,8 +124,11 @@ def _llama3_style(documents, specials, template):
     return model
 
 
+@pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("pre_tokenizer", ["byte-level", "llama3-regex"])
-def test_hugging_face_byte_level_tokenizers_pack_exactly(tmp_path, documents, pre_tokenizer):
+def test_hugging_face_byte_level_tokenizers_pack_exactly(
+    tmp_path, documents, pre_tokenizer, workers
+):
     """The loader's ids are the library's own encode (no special tokens), for non-ASCII,
     emoji, control characters and digit runs, behind either pre-tokenizer."""
     tokenizers = pytest.importorskip("tokenizers")
@@ -156,7 +159,7 @@ def test_hugging_face_byte_level_tokenizers_pack_exactly(tmp_path, documents, pr
     assert (tokenizer.bos_id, tokenizer.eos_id) == (0, 1)
     loader = PackedLoader(
         ArrowSource(path), tokenizer, 64, 1, shuffle=False, block_size=1, num_epochs=1,
-        drop_last=False,
+        drop_last=False, num_workers=workers, chunk_docs=2,
     )  # fmt: skip
     stream = [t for b in loader for t in b.input_ids[0][: b.doc_lens[0].sum()].tolist()]
     expected = []

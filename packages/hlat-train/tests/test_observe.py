@@ -47,6 +47,22 @@ def _wandb_records(path: Path) -> list:
     return records
 
 
+def _finished_run_records(folder: Path, timeout: float = 60.0) -> list:
+    """The records of the offline run in ``folder`` once its last one, ``exit``, is written:
+    W&B's own process writes the file, and on a busy machine it may still be writing when
+    ``finish()`` has returned."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        records = [r for p in sorted(folder.glob("run-*.wandb")) for r in _wandb_records(p)]
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if "exit" in kinds or time.monotonic() > deadline:
+            assert "exit" in kinds, f"the run file has no exit record after {timeout} s: {kinds}"
+            return records
+        time.sleep(0.2)
+
+
 def _item_key(item) -> str:
     """A W&B record item's name: ``key``, or ``nested_key`` joined by ``/``."""
     return item.key or "/".join(item.nested_key)
@@ -75,7 +91,7 @@ def test_wandb_profiler_and_compute_time_on_a_run_that_resumes(corpus, tmp_path,
     run_id = (out / "wandb_run_id").read_text().strip()
     runs = sorted((out / "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(runs) == 1
-    records = [r for p in runs[0].glob("run-*.wandb") for r in _wandb_records(p)]
+    records = _finished_run_records(runs[0])
     # the metrics and the whole config reach the run
     history = {}
     for r in records:

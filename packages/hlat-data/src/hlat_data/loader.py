@@ -570,6 +570,12 @@ def _work(setup: Any, inbox: Any, results: Any, stop: Any) -> None:
             )
         )
         return
+    tokenizer = getattr(encode, "tokenizer", None)
+    if getattr(tokenizer, "kind", None) == "hf" and getattr(tokenizer, "num_threads", 0) == 1:
+        # Note: a worker encodes on one thread (its tokenizer is the loader's with_threads(1));
+        # Hugging Face tokenizers size their thread pool to every core of the process
+        # instead, so workers would contend for the cores; this process is ours to set
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     while True:
         item = inbox.get()
         if item is None or stop.is_set():

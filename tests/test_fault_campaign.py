@@ -4,7 +4,6 @@ with a SIGSTOPped rank (ended by the other rank's hang watchdog) and a NaN loss.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -15,16 +14,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "fault_campaign.py"
+DATA = ROOT / "tests" / "data" / "fault_campaign"
 CRASH_KINDS = "kill-rank,kill-during-save,sigterm,corrupt-newest"
 
-
-def _load_module():
-    spec = importlib.util.spec_from_file_location("fault_campaign", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(ROOT / "tools"))
+from campaign import harness, measure, report  # noqa: E402
 
 
 def _run_quick(out: Path, seed: int, kinds: str) -> tuple[dict, Path]:
@@ -122,7 +116,7 @@ def test_a_stopped_rank_is_ended_by_the_watchdog_and_a_nan_is_skipped(hang_nan_c
 
 
 def test_nan_steps_are_planned_inside_the_run():
-    fc = _load_module()
+    fc = harness
     faults = fc.schedule(6, 1, 100, min_gap=5)
     steps = fc.plan_nan_steps(faults, every=4, steps=150)
     assert steps == [f.at_step for f in faults if f.kind == "nan"]
@@ -132,7 +126,7 @@ def test_nan_steps_are_planned_inside_the_run():
 
 
 def test_schedule_is_seeded_mixes_kinds_and_fills_the_span():
-    fc = _load_module()
+    fc = harness
     a, b = fc.schedule(8, 5, 400, min_gap=6), fc.schedule(8, 5, 400, min_gap=6)
     assert [(f.kind, f.after_steps) for f in a] == [(f.kind, f.after_steps) for f in b]
     assert {f.kind for f in a} == set(fc.KINDS)
@@ -144,10 +138,47 @@ def test_schedule_is_seeded_mixes_kinds_and_fills_the_span():
 
 
 def test_projection_matches_the_formula_by_hand():
-    fc = _load_module()
-    p = fc.project(restart_s=5.0, stall_s=0.5, mtbf_s=6 * 3600)
+    p = measure.project(restart_s=5.0, stall_s=0.5, mtbf_s=6 * 3600)
     interval = math.sqrt(2 * 0.5 * 21600)  # 147 s
     expected = 1 - (5.0 + interval / 2) / 21600 - 0.5 / interval
     assert p["interval_s"] == pytest.approx(interval)
     assert p["utilisation"] == pytest.approx(expected)
     assert 0.99 < p["utilisation"] < 0.995
+
+
+@pytest.mark.parametrize(
+    ("case", "summary", "before"),
+    [
+        ("with-before", "summary.json", "summary-before.json"),
+        ("without-before", "summary.json", None),
+        # hang and NaN paragraphs, no committed saves, a fault not injected, a failed
+        # comparison, an unmet stall target, optional keys missing
+        ("variant", "summary-variant.json", "summary-before-variant.json"),
+        ("variant-without-before", "summary-variant.json", None),
+    ],
+)
+def test_report_renders_the_expected_markdown(tmp_path, case, summary, before):
+    """The report from fixed summaries equals, character for character, what the report
+    code produced for them before its text moved into the template (``expected-*.md``)."""
+    s = json.loads((DATA / summary).read_text())
+    b = json.loads((DATA / before).read_text()) if before else None
+    expected = (DATA / f"expected-{case}.md").read_text()
+    assert report.render(s, s["command"], b) == expected
+    doc = tmp_path / "docs" / "reliability.md"
+    report.write_doc(s, doc, s["command"], b)
+    assert doc.read_text() == expected
+
+
+def test_the_template_has_every_section_the_report_fills():
+    names = set(report.templates())
+    assert names == {
+        "report",
+        "fault-row",
+        "stall-row",
+        "startup-row",
+        "in-run",
+        "in-run-none",
+        "hangs",
+        "nans",
+        "before-after",
+    }

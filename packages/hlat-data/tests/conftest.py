@@ -3,6 +3,7 @@ trained on it."""
 
 from __future__ import annotations
 
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import pyarrow as pa
 import pytest
 
 from hlat_data import Tokenizer, train_tokenizer
+
+sys.path.insert(0, str(Path(__file__).parent))  # data_helpers
 
 
 def stdlib_documents(count: int = 48) -> list[str]:

@@ -8,13 +8,13 @@ import sys
 
 import numpy as np
 import pytest
+from data_helpers import assert_same_batches, make_loader
 
-from hlat_data import ArrowSource, DataError, JsonlSource, PackedLoader, open_source
+from hlat_data import ArrowSource, DataError, JsonlSource, open_source
 from hlat_data.cli import main
 
 zstandard = pytest.importorskip("zstandard")
 
-SEQ, BATCH = 64, 2
 EXTRA = ["naïve café — 日本語のテキスト 😀🎉 ", "emoji only: 🦀🐍🚀", "ünïcödé\nover\nlines\t✓"]
 
 
@@ -50,21 +50,6 @@ FORMATS = list(SUFFIX)
 
 def write_corpus(tmp_path, texts, fmt="plain", name="corpus"):
     return write(tmp_path / f"{name}{SUFFIX[fmt]}", lines_of(texts), fmt)
-
-
-def make_loader(source, tokenizer, **overrides):
-    kwargs = dict(seq_len=SEQ, micro_batch_size=BATCH, seed=7, block_size=4)
-    kwargs.update(overrides)
-    return PackedLoader(source, tokenizer, **kwargs)
-
-
-def assert_same_batches(expected, actual):
-    assert len(expected) == len(actual)
-    for i, (a, b) in enumerate(zip(expected, actual, strict=True)):
-        for field in a._fields:
-            np.testing.assert_array_equal(
-                getattr(a, field), getattr(b, field), err_msg=f"batch {i} {field}"
-            )
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -6,25 +6,9 @@ import sys
 
 import numpy as np
 import pytest
+from data_helpers import BATCH, SEQ, assert_same_batches, make_loader
 
-from hlat_data import IGNORE_INDEX, ArrowSource, DataError, PackedLoader, Tokenizer
-
-SEQ, BATCH = 64, 2
-
-
-def make_loader(source, tokenizer, **overrides):
-    kwargs = dict(seq_len=SEQ, micro_batch_size=BATCH, seed=7, block_size=4)
-    kwargs.update(overrides)
-    return PackedLoader(source, tokenizer, **kwargs)
-
-
-def assert_same_batches(expected, actual):
-    assert len(expected) == len(actual)
-    for i, (a, b) in enumerate(zip(expected, actual, strict=True)):
-        for field in a._fields:
-            np.testing.assert_array_equal(
-                getattr(a, field), getattr(b, field), err_msg=f"batch {i} {field}"
-            )
+from hlat_data import IGNORE_INDEX, ArrowSource, DataError, Tokenizer
 
 
 @pytest.fixture(scope="module")

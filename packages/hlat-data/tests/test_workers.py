@@ -175,6 +175,10 @@ def test_workers_end_with_the_loader_s_process(tmp_path, corpus, tokenizer_path,
         assert set(workers) <= {p for h in [loader.pid, *helpers] for p in _children(h)}
     finally:
         if signum == signal.SIGINT:
+            # Note: after the workers' start-up (a worker ignores SIGINT from its first
+            # line of hlat-data code on; one interrupted while its interpreter still boots
+            # prints its own KeyboardInterrupt)
+            time.sleep(2)
             os.killpg(loader.pid, signum)  # to the whole process group, as a terminal does
         else:
             loader.send_signal(signum)

@@ -48,7 +48,7 @@ from hlat_parallel.plan import PlanEntry, match_plan, parse_plan
 from hlat_parallel.torch_backend import loss_parallel
 from hlat_parallel.zero import no_grad_sync, shard_optimizer
 
-__version__ = "0.5.1"
+__version__ = "0.5.2"
 
 __all__ = [
     "SCHEDULES",

@@ -1,4 +1,6 @@
-"""TP, TP+SP, DP (ZeRO) and TP x DP give the single-process results, on real gloo groups.
+"""TP, TP+SP, DP and TP x DP give the single-process results, on real gloo groups, with each
+data-parallel layout: FSDP, ZeRO-1 (parameters and gradients whole, optimizer state
+sharded) and none (everything whole).
 
 Each layout runs in spawned processes (tests/parity_worker.py) on three models: the `tiny`
 Llama (cut to 2 layers and a 2048-token vocabulary, to keep the suite fast) with multi-head
@@ -11,6 +13,7 @@ relative (Frobenius norm of the difference).
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import pytest
@@ -33,12 +36,16 @@ CASES = {
     # [S, B, H] activations: under SP the sequence is split along dimension 0
     "seqfirst": dict(n_kv_heads=2, sequence_first=True),
 }
-# name: (world size, tp, sp, gradient-accumulation settings)
+# name: (world size, tp, sp, gradient-accumulation settings, dp_shard)
 LAYOUTS = {
-    "tp2": (2, 2, False, [1]),
-    "tp2-sp": (2, 2, True, [1]),
-    "dp2": (2, 1, False, [1, 3]),
-    "tp2-sp-dp2": (4, 2, True, [1, 3]),
+    "tp2": (2, 2, False, [1], "fsdp"),
+    "tp2-sp": (2, 2, True, [1], "fsdp"),
+    "dp2": (2, 1, False, [1, 3], "fsdp"),
+    "tp2-sp-dp2": (4, 2, True, [1, 3], "fsdp"),
+    "dp2-zero1": (2, 1, False, [1, 3], "zero1"),
+    "dp2-none": (2, 1, False, [1], "none"),
+    "tp2-sp-dp2-zero1": (4, 2, True, [1], "zero1"),
+    "tp2-sp-dp2-none": (4, 2, True, [1], "none"),
 }
 
 try:  # hlat-optim's AdamW works on local shards, so it needs aligned gradient placements
@@ -127,9 +134,10 @@ def reference(inputs) -> dict:
     }
 
 
-def launch(workdir: Path, world: int, tp: int, sp_flags: str) -> None:
-    """Start ``world`` worker processes with torchrun's environment and wait for them."""
-    run_ranks(WORKER, [str(workdir), str(tp), sp_flags], world)
+def launch(workdir: Path, world: int, tp: int, layouts: list) -> None:
+    """Start ``world`` worker processes with torchrun's environment and wait for them;
+    ``layouts``: [dp_shard, sp, gradient-accumulation settings] each."""
+    run_ranks(WORKER, [str(workdir), str(tp), json.dumps(layouts)], world)
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +150,7 @@ def launches(inputs, tmp_path_factory) -> dict:
         if (world, tp) in cache:
             return cache[(world, tp)]
         mine = [v for v in LAYOUTS.values() if v[:2] == (world, tp)]
-        sps = sorted({sp for _, _, sp, _ in mine})
-        accumulate = sorted({acc for *_, accs in mine for acc in accs})
+        accumulate = sorted({acc for _, _, _, accs, _ in mine for acc in accs})
         workdir = tmp_path_factory.mktemp(f"world{world}-tp{tp}")
         for case, data in inputs.items():
             # hlat-optim on one model is enough to show it works on DTensor shards
@@ -151,11 +158,11 @@ def launches(inputs, tmp_path_factory) -> dict:
             if case == "mha":
                 runs += [(opt, 1) for opt in OPTIMIZERS if opt != "torch"]
             torch.save({**data, "runs": runs}, workdir / f"input-{case}.pt")
-        launch(workdir, world, tp, ",".join("1" if sp else "0" for sp in sps))
+        launch(workdir, world, tp, [[shard, sp, accs] for _, _, sp, accs, shard in mine])
         results: dict = {}
         for path in workdir.glob("*-rank*.pt"):
-            sp, case, opt, acc, rank = path.stem.split("-")
-            key = (sp == "sp1", case, opt, int(acc[3:]))
+            shard, sp, case, opt, acc, rank = path.stem.split("-")
+            key = (shard, sp == "sp1", case, opt, int(acc[3:]))
             results.setdefault(key, {})[int(rank[4:])] = torch.load(path, weights_only=False)
         cache[(world, tp)] = results
         return results
@@ -167,13 +174,20 @@ def launches(inputs, tmp_path_factory) -> dict:
 def layout(request, launches) -> dict:
     """One layout's per-rank results keyed by (case, optimizer, accumulation)."""
     name = request.param
-    world, tp, sp, accumulate = LAYOUTS[name]
+    world, tp, sp, accumulate, dp_shard = LAYOUTS[name]
     results = {
-        key[1:]: ranks
+        key[2:]: ranks
         for key, ranks in launches(world, tp).items()
-        if key[0] == sp and key[3] in accumulate
+        if key[:2] == (dp_shard, sp) and key[4] in accumulate
     }
-    return {"name": name, "world": world, "tp": tp, "sp": sp, "results": results}
+    return {
+        "name": name,
+        "world": world,
+        "tp": tp,
+        "sp": sp,
+        "dp_shard": dp_shard,
+        "results": results,
+    }
 
 
 def _runs(layout: dict, accumulate: int = 1):
@@ -263,42 +277,60 @@ def test_fused_shards_hold_matching_qkv_and_gate_up_slices(layout, inputs):
             assert torch.equal(fused["layers.0.mlp.gate_up_proj.weight"], expected_gate_up), rank
 
 
-def test_zero1_each_rank_holds_its_share_of_optimizer_state(layout, reference):
+def test_each_rank_holds_its_share_of_optimizer_state(layout, reference):
     dp = layout["world"] // layout["tp"]
     for case, opt, ranks in _runs(layout):
         total_state = 2 * reference[(case, opt)]["numel"]  # AdamW: exp_avg and exp_avg_sq
         for rank, out in ranks.items():
             share = out["state_numel"] / total_state
-            # 1/dp of this rank's TP shard; replicated norm weights add a little under TP
-            expected = 1 / layout["world"]
+            # 1/dp of this rank's TP shard (fsdp, zero1) or the whole TP shard (none);
+            # replicated norm weights add a little under TP
+            expected = 1 / (layout["tp"] if layout["dp_shard"] == "none" else layout["world"])
             assert expected * 0.98 < share < expected * 1.05, (
                 f"{layout['name']} {case} rank {rank}: holds {share:.4f} of the state, "
                 f"expected about {expected:.4f} (1/{dp} of a 1/{layout['tp']} TP shard)"
             )
 
 
+def test_zero1_state_saved_with_dcp_loads_into_fsdp(layout):
+    if layout["dp_shard"] != "zero1":
+        pytest.skip("zero1 layouts")
+    for case, _, ranks in _runs(layout):
+        for rank, out in ranks.items():
+            # the same values, moved from ZeRO-1's slices into FSDP's shards by DCP
+            assert out["reshard_error"] < 1e-7, (case, rank, out["reshard_error"])
+
+
 def test_shard_optimizer_refuses_parameters_not_sharded_over_dp(layout):
-    if layout["world"] == layout["tp"]:
-        pytest.skip("dp is 1")
+    if layout["world"] == layout["tp"] or layout["dp_shard"] != "fsdp":
+        pytest.skip("dp is 1, or not fsdp")
     for _, _, ranks in _runs(layout):
         message = ranks[0]["refused"]
         assert "is not sharded over dp" in message and "call parallelize" in message
 
 
 def test_gradient_accumulation_communicates_only_on_the_final_micro_step(layout):
-    if layout["name"] != "dp2":
+    if layout["name"] not in ("dp2", "dp2-zero1"):
         pytest.skip("counted where every collective is a data-parallel one (tp 1)")
     for (_, _, acc), ranks in layout["results"].items():
         if acc != 3:
             continue
         for rank, out in ranks.items():
-            first, middle, final = out["comms"]
-            # the first micro-step gathers the parameters once; nothing is reduced before
-            # the final micro-step, which reduce-scatters the accumulated gradients
-            assert set(first) == {"all_gather"}, (rank, first)
-            assert middle == {}, (rank, middle)
-            assert final.get("reduce_scatter", 0) > 0, (rank, final)
-            assert "all_gather" not in final, (rank, final)
+            first, middle, final, sync, step = out["comms"]
+            if layout["dp_shard"] == "fsdp":
+                # the first micro-step gathers the parameters once; nothing is reduced
+                # before the final micro-step, which reduce-scatters the gradients
+                assert set(first) == {"all_gather"}, (rank, first)
+                assert middle == {}, (rank, middle)
+                assert final.get("reduce_scatter", 0) > 0, (rank, final)
+                assert "all_gather" not in final, (rank, final)
+                assert sync == {} and step == {}, (rank, sync, step)
+            else:
+                # ZeRO-1: no micro-step communicates; one bucketed all-reduce of the
+                # gradients, then the step's all-gather of the updated slices
+                assert first == middle == final == {}, (rank, first, middle, final)
+                assert set(sync) == {"all_reduce"}, (rank, sync)
+                assert set(step) == {"all_gather"}, (rank, step)
 
 
 def test_sequence_not_divisible_by_tp_is_refused_at_forward_under_sp(layout):

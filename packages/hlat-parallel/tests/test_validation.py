@@ -3,6 +3,8 @@ that says what is wrong and what to do."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -223,3 +225,18 @@ def test_tied_embeddings_are_refused_under_tensor_parallelism():
     model = small_llama(tie_embeddings=True)
     with pytest.raises(ParallelConfigError, match=r"tied embeddings"):
         parallelize(model, dims_for(2), model.parallel_plan())
+
+
+def test_an_unknown_data_parallel_layout_is_refused_before_the_model_changes():
+    model = small_llama()
+    before = {n: type(p) for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"dp_shard must be one of \('fsdp', 'zero1', 'none'\)"):
+        parallelize(model, dims_for(1), model.parallel_plan(), dp_shard="zero2")
+    assert {n: type(p) for n, p in model.named_parameters()} == before
+
+
+def test_the_nxd_path_offers_only_zero1():
+    model = small_llama()
+    dims = dataclasses.replace(dims_for(1), backend="neuron", dp=2, world_size=2)
+    with pytest.raises(ValueError, match="NeuronX Distributed's ZeRO-1; use dp_shard='zero1'"):
+        parallelize(model, dims, model.parallel_plan(), dp_shard="fsdp")

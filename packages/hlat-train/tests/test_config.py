@@ -205,3 +205,19 @@ def test_a_precision_nxd_cannot_honour_is_refused_before_any_work():
     config.set("optim.precision", "bf16-kahan")
     with pytest.raises(ConfigError, match=r"optim\.precision on parallel\.backend = 'neuron'"):
         validate(config, check_files=False)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["--parallel.dp_shard=zero2"], "parallel.dp_shard must be auto, fsdp, zero1 or none"),
+        (
+            ["--parallel.backend=neuron", "--parallel.dp_shard=fsdp"],
+            "NeuronX Distributed's data parallelism is ZeRO-1",
+        ),
+    ],
+)
+def test_a_data_parallel_layout_that_does_not_exist_is_refused(overrides, needle):
+    c = TrainConfig.preset("hlat-7b", overrides)
+    with pytest.raises(ConfigError, match=needle):
+        validate(c, world_size=64, check_files=False)

@@ -75,6 +75,24 @@ def test_tp2_and_dp2_runs_agree_with_one_process(corpus, tmp_path, dp2_reference
         torch.testing.assert_close(full_tp2[name], value, rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.parametrize("dp_shard", ["zero1", "none"])
+def test_zero1_and_unsharded_dp2_match_fsdp_and_resume_under_it(
+    corpus, tmp_path, dp2_reference, dp_shard
+):
+    out = tmp_path / dp_shard
+    every = "--checkpoint.every=4"
+    output = _finish(_launch(corpus, out, 2, f"--parallel.dp_shard={dp_shard}", every, steps=6))
+    assert f"dp 2 sharding {dp_shard}" in output
+    fsdp = _losses(dp2_reference)
+    # the same batches and arithmetic; only the order of the gradient sums differs
+    assert _losses(out) == pytest.approx(fsdp[:6], rel=1e-4)
+    # resumed under FSDP from step 6: the optimizer state moves from whole tensors or ZeRO-1
+    # slices into FSDP's shards through the checkpoint
+    output = _finish(_launch(corpus, out, 2, "--parallel.dp_shard=fsdp", every, steps=10))
+    assert "resumed from step 6 of" in output and "dp 2 sharding fsdp" in output
+    assert _losses(out) == pytest.approx(fsdp[:10], rel=1e-4)
+
+
 def test_tp2_with_sharded_init_trains(corpus, tmp_path):
     # built on the meta device, split over TP, then materialised and initialised per shard:
     # the gradient-placement hooks must follow the new parameter objects

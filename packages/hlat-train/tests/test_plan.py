@@ -15,6 +15,7 @@ from hlat_train.cli import main
 from hlat_train.plan import (
     Layout,
     analytic_shards,
+    holdings,
     make_plan,
     peak_in_flight,
     rank_stages,
@@ -105,6 +106,73 @@ def test_two_way_layout_on_a_fake_process_group_holds_half_of_each_weight(tp, wo
         expected = whole // 2 + (norms // 2 if tp > 1 else 0)
         assert held == expected * 4
         assert shards == analytic_shards(tp_shapes(llama, tp), layout, dp_rank)
+
+
+def state_bytes_of_a_step_on_a_fake_group(config: TrainConfig, layout: Layout) -> int:
+    """Optimizer-state bytes dp rank 0 holds after one step of hlat-optim's AdamW built as
+    the trainer builds it for ``layout.dp_shard``, on torch's fake process group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hlat_model import Llama
+    from hlat_optim import AdamW
+    from hlat_parallel import init_parallel, parallelize, zero1_optimizer
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.world_size)
+    try:
+        dims = init_parallel(layout.tp, False, "torch", device="cpu")
+        model = Llama(config.llama_config()).to(torch.bfloat16)
+        parallelize(model, dims, model.parallel_plan(), dp_shard=layout.dp_shard)
+        kwargs = dict(lr=1e-3, stochastic_rounding=True, impl="reference")
+        if layout.dp_shard == "zero1":
+            optimizer = zero1_optimizer(AdamW, model.parameters(), dims, **kwargs)
+        else:
+            optimizer = AdamW(model.parameters(), **kwargs)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        return sum(
+            (t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size()
+            for per_param in optimizer.state.values()
+            for t in per_param.values()
+            if torch.is_tensor(t)
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dp_shard", ["zero1", "none"])
+@pytest.mark.parametrize("tp, world", [(1, 2), (2, 4)])
+def test_zero1_and_unsharded_layouts_hold_whole_parameters_and_the_planned_state(
+    dp_shard, tp, world
+):
+    config = small_config("bf16-sr")
+    llama = config.llama_config()
+    layout = dataclasses.replace(_layout(tp, world), dp_shard=dp_shard)
+    shards = real_shards(llama, layout, 0)
+    assert shards == analytic_shards(tp_shapes(llama, tp), layout, 0)
+    assert all(s.local_numel == s.tp_numel for s in shards)  # whole TP shards
+    assert roles(tp_shapes(llama, tp), layout) == [list(range(layout.dp))]
+    held = holdings(shards, layout)["optimizer"]
+    measured = state_bytes_of_a_step_on_a_fake_group(config, layout)
+    # ZeRO-1: rank 0's slice of each tensor, which the plan rounds up per tensor
+    assert held == pytest.approx(measured, rel=0.01)
+    whole = sum(s.tp_numel for s in shards) * 4
+    assert held > whole if dp_shard == "none" else held < whole / 1.9
+
+
+def test_zero1_plan_names_its_collectives_and_writes_an_even_share(capsys):
+    config = small_config("bf16-sr", "--parallel.dp_shard=zero1")
+    plan = make_plan(config, device_memory_gib=1.0, procs_per_node=4)
+    (role,) = plan.roles
+    names = [c.what for c in role.comm]
+    assert "ZeRO-1 all-gather, updated parameters" in names
+    assert "all-reduce, gradients" in names
+    assert not any("FSDP2" in n for n in names)
+    fsdp = make_plan(small_config("bf16-sr"), device_memory_gib=1.0, procs_per_node=4)
+    # DCP writes each replicated parameter once: per rank, about what FSDP's shards write
+    total = sum(r.checkpoint_bytes * len(r.dp_ranks) for r in fsdp.roles)
+    assert role.checkpoint_bytes * 4 == pytest.approx(total, rel=0.02)
+    assert "DTensor + ZeRO-1" in plan.render()
 
 
 def test_uneven_fsdp_chunks_give_distinct_roles_that_the_real_layout_confirms():

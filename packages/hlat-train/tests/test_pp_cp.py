@@ -101,8 +101,16 @@ def test_pp2_matches_one_process(corpus, tmp_path, single_plain):
             ("--parallel.cp=2", "--parallel.pp=2", "--model.checkpointing=full"),
             marks=needs_pipeline_torch,
         ),
+        # ZeRO-1 over the flattened dp x cp mesh: slices of whole parameters, inside each
+        # stage under PP
+        (2, ("--parallel.cp=2", "--parallel.dp_shard=zero1")),
+        pytest.param(
+            4,
+            ("--parallel.cp=2", "--parallel.pp=2", "--parallel.dp_shard=zero1"),
+            marks=needs_pipeline_torch,
+        ),
     ],
-    ids=["cp2", "pp2-cp2-full-checkpointing"],
+    ids=["cp2", "pp2-cp2-full-checkpointing", "cp2-zero1", "pp2-cp2-zero1"],
 )
 def test_context_parallel_runs_match_one_process(corpus, tmp_path, single_plain, nproc, layout):
     out = tmp_path / "run"

@@ -1,10 +1,10 @@
-"""hlat-parallel: tensor, sequence, data (ZeRO), pipeline and context parallelism from plain
+"""hlat-parallel: tensor, sequence, data (FSDP, ZeRO-1), pipeline and context parallelism from plain
 data.
 
 >>> from hlat_parallel import init_parallel, parallelize
 """
 
-from hlat_parallel.apply import compile_blocks, parallelize
+from hlat_parallel.apply import DP_SHARD, compile_blocks, parallelize
 from hlat_parallel.context import (
     ContextParallelAttention,
     apply_context_parallel,
@@ -47,10 +47,12 @@ from hlat_parallel.pipeline import (
 from hlat_parallel.plan import PlanEntry, match_plan, parse_plan
 from hlat_parallel.torch_backend import loss_parallel
 from hlat_parallel.zero import no_grad_sync, shard_optimizer
+from hlat_parallel.zero1 import Zero1Optimizer, sync_gradients, zero1_optimizer
 
-__version__ = "0.5.2"
+__version__ = "0.6.0"
 
 __all__ = [
+    "DP_SHARD",
     "SCHEDULES",
     "ContextParallelAttention",
     "DeviceError",
@@ -61,6 +63,7 @@ __all__ = [
     "RankModule",
     "StageModule",
     "StageSplit",
+    "Zero1Optimizer",
     "apply_context_parallel",
     "bubble_fraction",
     "build_pipeline",
@@ -89,5 +92,7 @@ __all__ = [
     "stage_ids",
     "stage_modules",
     "stage_plan",
+    "sync_gradients",
     "unshard_sequence",
+    "zero1_optimizer",
 ]

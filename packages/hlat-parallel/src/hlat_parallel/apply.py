@@ -30,8 +30,17 @@ def compile_blocks(model: nn.Module, **options: Any) -> int:
     return count
 
 
+#: Data-parallel layouts of :func:`parallelize`.
+DP_SHARD = ("fsdp", "zero1", "none")
+
+
 def parallelize(
-    model: M, dims: ParallelDims, plan: Mapping[str, Any], *, compile: bool = False
+    model: M,
+    dims: ParallelDims,
+    plan: Mapping[str, Any],
+    *,
+    compile: bool = False,
+    dp_shard: str | None = None,
 ) -> M:
     """Apply tensor (and sequence) parallelism from ``plan``, then data parallelism; in place.
 
@@ -39,7 +48,15 @@ def parallelize(
     transformer block (:func:`compile_blocks`; backend ``neuron`` on TorchNeuron's device),
     then FSDP2's ``fully_shard`` over "dp" (with "cp" when cp > 1; each child of every
     ``nn.ModuleList`` — the transformer blocks — then the root) when dp x cp > 1, so that
-    FSDP's all-gathers stay outside the compiled graphs. A pipeline stage (:class:`~hlat_parallel.StageModule`) is
+    FSDP's all-gathers stay outside the compiled graphs.
+
+    ``dp_shard`` picks the data-parallel layout: ``"fsdp"`` (parameters, gradients and
+    optimizer state sharded; optimizer from :func:`shard_optimizer`), ``"zero1"``
+    (parameters and gradients whole, optimizer state sharded; :func:`zero1_optimizer`) or
+    ``"none"`` (everything whole; any optimizer). Under the last two the model is left
+    whole over "dp": average its gradients with :func:`sync_gradients` before clipping.
+    ``None``: ``"fsdp"`` on the torch backend, ``"zero1"`` on the neuron backend, whose
+    only layout is NxD's ZeRO-1. A pipeline stage (:class:`~hlat_parallel.StageModule`) is
     parallelized like a whole model: the plan's patterns match its original names. The
     model's own activation checkpointing keeps working: recomputation replays the same
     collectives. On the neuron backend, modules are swapped for NeuronX Distributed layers
@@ -48,6 +65,15 @@ def parallelize(
     The plan is validated against the model (patterns, layer types, divisibility by tp)
     before anything changes. Returns ``model``.
     """
+    if dp_shard is None:
+        dp_shard = "zero1" if dims.backend == "neuron" else "fsdp"
+    if dp_shard not in DP_SHARD:
+        raise ValueError(f"parallelize: dp_shard must be one of {DP_SHARD}, got {dp_shard!r}")
+    if dims.backend == "neuron" and dp_shard != "zero1" and dims.dp > 1:
+        raise ValueError(
+            f"parallelize: dp_shard={dp_shard!r} is not available on the neuron backend, whose "
+            "data parallelism is NeuronX Distributed's ZeRO-1; use dp_shard='zero1'"
+        )
     matched = match_plan(model, plan)
     check_shapes(model, matched, dims.tp)
     if dims.backend == "neuron":
@@ -68,7 +94,7 @@ def parallelize(
         from hlat_parallel.device import compile_backend_for
 
         compile_blocks(model, backend=compile_backend_for(dims.device))
-    if dims.dp_cp > 1:
+    if dims.dp_cp > 1 and dp_shard == "fsdp":
         from hlat_parallel.zero import apply_data_parallel
 
         apply_data_parallel(model, dims)

@@ -1,11 +1,13 @@
-"""Data parallelism over "dp" with sharded optimizer state, and gradient accumulation.
+"""Data parallelism over "dp" with FSDP2 (``dp_shard="fsdp"``, the default), and gradient
+accumulation.
 
-Engine: FSDP2's ``fully_shard`` with ``reshard_after_forward=False``. Parameters are stored
-1/dp per rank; each step all-gathers them once (forward and backward share the gathered
-copy), reduce-scatters the gradients and runs the optimizer on the local 1/dp shard. That
-moves the same bytes as ZeRO-1's all-reduce of gradients plus all-gather of updated
-parameters, and it keeps optimizer state 1/dp per rank (gradients and stored parameters
-too, which ZeRO-1 does not).
+Engine: FSDP2's ``fully_shard`` with ``reshard_after_forward=False``. Parameters,
+gradients and optimizer state are stored 1/dp per rank; each step all-gathers the
+parameters once (forward and backward share the gathered copy), reduce-scatters the
+gradients and runs the optimizer on the local 1/dp shard: ZeRO-3 storage with ZeRO-2's
+communication (one all-gather and one reduce-scatter per step, the bytes of ZeRO-1's
+all-reduce plus all-gather). ZeRO-1 proper (parameters and gradients whole, optimizer state
+sharded) is :mod:`hlat_parallel.zero1`.
 
 Note: chosen over ``ZeroRedundancyOptimizer`` because it composes with DTensor TP on the
 2-D mesh, overlaps communication with backward, and leaves the optimizer state as DTensors
@@ -63,11 +65,13 @@ def shard_optimizer(
     dims: ParallelDims,
     **kwargs: Any,
 ) -> torch.optim.Optimizer:
-    """Build ``optimizer_cls(params, **kwargs)`` with its state sharded 1/dp per rank (ZeRO-1).
+    """Build ``optimizer_cls(params, **kwargs)`` with its state sharded 1/dp per rank along
+    with the parameters (FSDP).
 
     torch backend: the parameters must come from a model passed to :func:`parallelize`
-    (which shards them over "dp"), so the optimizer creates its state on the local shard
-    only; a parameter that is not sharded while dp > 1 is an error. Any optimizer that
+    with ``dp_shard="fsdp"`` (which shards them over "dp"), so the optimizer creates its
+    state on the local shard only; a parameter that is not sharded while dp > 1 is an error
+    (ZeRO-1 over whole parameters is :func:`~hlat_parallel.zero1_optimizer`). Any optimizer that
     accepts DTensor parameters works (``torch.optim.AdamW``, ``hlat_optim.AdamW``).
     neuron backend: NeuronX Distributed's ``NeuronZero1Optimizer`` wraps ``optimizer_cls``
     and clips inside ``step()``; ``kw`` must then hold ``optimizer_dtype`` and ``max_norm``
@@ -88,7 +92,8 @@ def shard_optimizer(
                         f"parameter {index} of group {group_index} (shape {tuple(param.shape)}) "
                         f"is not sharded over dp x cp {dims.dp_cp}, so its optimizer state would be "
                         "replicated; call parallelize(model, dims, plan) before "
-                        "shard_optimizer(..., model.parameters(), dims)"
+                        "shard_optimizer(..., model.parameters(), dims), or build "
+                        "zero1_optimizer for a model parallelized with dp_shard='zero1'"
                     )
     return optimizer_cls(params, **kwargs)
 
@@ -100,8 +105,9 @@ def no_grad_sync(model: nn.Module) -> Iterator[None]:
     Run every micro-step but the last under it; the last one, outside, reduces the
     accumulated gradients once. The parameters gathered by the first micro-step are kept
     until the last backward, so later micro-steps do not gather them again.
-    A no-op for models without data parallelism (tp-only, or the neuron backend, where
-    gradients are reduced by the optimizer step).
+    A no-op for models without FSDP: tp-only, ``dp_shard="zero1"`` or ``"none"`` (whose
+    gradients are reduced once, by :func:`~hlat_parallel.sync_gradients`), or the neuron
+    backend (where the optimizer step reduces them).
     """
     from torch.distributed.fsdp import FSDPModule
 

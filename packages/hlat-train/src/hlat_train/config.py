@@ -201,6 +201,13 @@ class ParallelConfig:
     masking)."""
     dp: int = 0
     """Expected data-parallel degree (0: whatever was launched); a mismatch is an error."""
+    dp_shard: str = "auto"
+    """What data parallelism shards over dp (x cp): ``fsdp`` (parameters, gradients and
+    optimizer state; FSDP2, one all-gather and one reduce-scatter per step), ``zero1``
+    (optimizer state only; parameters and gradients whole, one all-reduce and one
+    all-gather per step, HLAT's layout), ``none`` (nothing: every rank holds everything,
+    one all-reduce per step). ``auto``: ``fsdp`` on the torch backend, ``zero1`` on the
+    neuron backend (NxD's ZeRO-1, its only layout)."""
     nodes: int = 0
     """Expected number of nodes (0: any); checked against torchrun's world."""
     backend: str = "auto"

@@ -109,6 +109,22 @@ class Layout:
     """Stages per pipeline rank; 0: the schedule's default (see :attr:`virtual`)."""
     pp_split: tuple[int, ...] = ()
     """Blocks per stage; empty: ``hlat_parallel.split_layers``'s balance rule."""
+    dp_shard: str = "fsdp"
+    """``fsdp``, ``zero1`` or ``none`` (``parallel.dp_shard``; always ``zero1`` on the
+    neuron backend)."""
+
+    @property
+    def fsdp(self) -> bool:
+        """Parameters and gradients sharded over dp (x cp) by FSDP2."""
+        return self.backend == "torch" and self.dp_shard == "fsdp"
+
+    @property
+    def state_shard_over(self) -> int:
+        """Ranks the optimizer state is split over: dp x cp (FSDP2, ZeRO-1 on the torch
+        backend), dp (NxD's ZeRO-1) or 1 (``none``)."""
+        if self.dp_shard == "none":
+            return 1
+        return self.dp if self.backend == "neuron" else self.dp_cp
 
     @property
     def world_size(self) -> int:
@@ -165,7 +181,13 @@ class Layout:
         if self.pp > 1:
             per_rank = f"{self.virtual} stages per rank" if self.virtual > 1 else "1 stage per rank"
             pp += f" ({self.pp_schedule}, {per_rank})"
-        engine = "DTensor + FSDP2" if self.backend == "torch" else "NxD + ZeRO-1"
+        engine = {
+            "fsdp": "DTensor + FSDP2",
+            "zero1": "DTensor + ZeRO-1",
+            "none": "DTensor, whole replicas",
+        }[self.dp_shard]
+        if self.backend == "neuron":
+            engine = "NxD + ZeRO-1"
         tokens = f"{self.seq_len} tokens"
         if self.cp > 1:
             tokens += f" ({self.seq_len // self.cp} per cp rank)"
@@ -334,6 +356,7 @@ def real_shards(llama: Any, layout: Layout, dp_rank: int, pp_rank: int = 0) -> l
             )
         else:
             dims = init_parallel(layout.tp, layout.sp, "torch", device="cpu")
+        dp_shard = layout.dp_shard if torch_backend else "zero1"
         if layout.pp > 1:
             # shapes do not depend on the activation layout; stages pass batch-first states
             llama = dataclasses.replace(llama, sequence_first=False)
@@ -344,10 +367,10 @@ def real_shards(llama: Any, layout: Layout, dp_rank: int, pp_rank: int = 0) -> l
             ids = [s.index for s in rank_stages(splits, layout, pp_rank)]
             modules = stage_modules(model, splits, ids)
             for module in modules:
-                parallelize(module, dims, _stage_plan(plan, module))
+                parallelize(module, dims, _stage_plan(plan, module), dp_shard=dp_shard)
             params = [item for module in modules for item in module.named_parameters()]
         else:
-            model = parallelize(model, dims, plan)
+            model = parallelize(model, dims, plan, dp_shard=dp_shard)
             params = list(model.named_parameters())
         shards = []
         for name, p in params:
@@ -439,15 +462,15 @@ def analytic_shards(
     shapes: list[tuple[str, tuple[int, ...]]], layout: Layout, dp_rank: int
 ) -> list[Shard]:
     """The shards of TP rank 0 of ``dp_rank`` (over dp x cp when cp > 1) by arithmetic:
-    FSDP2 chunks dim 0 over dp x cp on the torch backend; NxD keeps whole TP shards (ZeRO-1
-    splits only optimizer state). Pass :func:`stage_shapes` for one pipeline rank."""
+    FSDP2 chunks dim 0 over dp x cp on the torch backend; ZeRO-1 (torch or NxD) and
+    ``none`` keep whole TP shards (ZeRO-1 splits only optimizer state). Pass :func:`stage_shapes` for one pipeline rank."""
     size = param_bytes(layout.precision)
     shards = []
     shard_over = layout.dp_cp
     for name, shape in shapes:
         numel = math.prod(shape)
         rows = shape[0]
-        if layout.backend == "torch" and shard_over > 1:
+        if layout.fsdp and shard_over > 1:
             local = numel // rows * _chunk_rows(rows, shard_over, dp_rank)
         else:
             local = numel
@@ -466,6 +489,8 @@ def roles(shapes: list[tuple[str, tuple[int, ...]]], layout: Layout) -> list[lis
     """
     if layout.backend == "neuron":
         return [[0], list(range(1, layout.dp))] if layout.dp > 1 else [[0]]
+    if not layout.fsdp:  # whole parameters on every rank; the state's slices differ a little
+        return [list(range(layout.dp_cp))]
     all_rows = sorted({shape[0] for _, shape in shapes})
     groups: dict[tuple[int, ...], list[int]] = {}
     for r in range(layout.dp_cp):
@@ -747,8 +772,9 @@ def communication(
     to the next stage and their gradient back (``micro-batch x seq_len / cp x dim``, / tp
     under SP, in the activation dtype). Once per optimizer step over dp (dp x cp): FSDP2
     all-gathers the parameters (kept across micro-steps) and reduce-scatters the gradients
-    on the last micro-step; ZeRO-1 reduce-scatters the gradients and all-gathers the
-    updated weights. Scalars: the grad-norm partial sums over tp, dp (x cp) and pp, the
+    on the last micro-step; NxD's ZeRO-1 reduce-scatters the gradients and all-gathers the
+    updated weights; hlat's ZeRO-1 (torch backend) all-reduces the gradients and
+    all-gathers the updated slices; ``none`` all-reduces the gradients. Scalars: the grad-norm partial sums over tp, dp (x cp) and pp, the
     loss over dp (x cp) and from the last stage over pp.
     """
     lay, c = layout, llama
@@ -764,7 +790,27 @@ def communication(
     last = any(s.last for s in stages)
     dp_dim = "dp" if lay.cp == 1 else "dp x cp"
     shard_over = lay.dp_cp if lay.backend == "torch" else lay.dp
-    if shard_over > 1:
+    if shard_over > 1 and lay.backend == "torch" and not lay.fsdp:
+        # hlat_parallel.zero1: an all-reduce of the whole gradients, and under ZeRO-1 an
+        # all-gather of the updated slices
+        if lay.dp_shard == "zero1":
+            out.append(
+                Comm(
+                    "ZeRO-1 all-gather, updated parameters",
+                    dp_dim,
+                    1,
+                    ring_bytes("all_gather", padded * pb, shard_over),
+                )
+            )
+        out.append(
+            Comm(
+                "all-reduce, gradients",
+                dp_dim,
+                1,
+                ring_bytes("all_reduce", padded * gb, shard_over),
+            )
+        )
+    elif shard_over > 1:
         engine = "FSDP2" if lay.backend == "torch" else "ZeRO-1"
         what_ag = "all-gather, parameters" if lay.backend == "torch" else "all-gather, weights"
         out.append(
@@ -936,6 +982,10 @@ def holdings(shards: list[Shard], layout: Layout) -> dict[str, float]:
         # ZeRO-1 (torch_xla's sharding) pads each tensor to a multiple of dp and splits it
         owned = sum(-(-s.local_numel // layout.dp) for s in shards)
         state = owned * per
+    elif layout.dp_shard == "zero1":
+        # hlat_parallel.zero1: one slice of each tensor per dp x cp rank (the largest)
+        over = layout.dp_cp
+        state = sum(-(-s.local_numel // over) * per + OPTIMIZER_STEP_BYTES for s in shards)
     else:
         state = sum(s.local_numel * per + OPTIMIZER_STEP_BYTES for s in shards)
     return {"parameters": params, "gradients": grads, "optimizer": state}
@@ -959,12 +1009,12 @@ def role_report(
     role = Role(dp_ranks, lay.tp, held=held, pp_ranks=[pp_rank], pp=lay.pp, cp=lay.cp)
     role.stages = list(stages)
     pname, gname = _dtype_name(param_bytes(lay.precision)), _dtype_name(grad_bytes(lay))
-    fsdp = lay.backend == "torch" and lay.dp_cp > 1
+    fsdp = lay.fsdp and lay.dp_cp > 1
     over = "dp" if lay.cp == 1 else "dp x cp"
     split = f"1/{over} over FSDP2" if fsdp else "whole TP shard"
     role.memory.append((f"parameters ({pname}, {split})", held["parameters"]))
     role.memory.append((f"gradients ({gname}, {split})", held["gradients"]))
-    shard_over = lay.dp_cp if lay.backend == "torch" else lay.dp
+    shard_over = lay.state_shard_over
     sharded = f"1/{over}" if shard_over > 1 else "unsharded"
     role.memory.append(
         (
@@ -974,6 +1024,13 @@ def role_report(
         )
     )
     tp_numel = sum(s.tp_numel for s in shards)
+    if lay.backend == "torch" and lay.dp_shard == "zero1" and lay.dp_cp > 1:
+        role.memory.append(
+            (
+                f"ZeRO-1 parameter slices ({pname}, 1/{over}, stepped then all-gathered)",
+                sum(-(-s.local_numel // lay.dp_cp) for s in shards) * param_bytes(lay.precision),
+            )
+        )
     if fsdp:
         # Note: hlat-parallel shards with reshard_after_forward=False, so every block's
         # gathered weights stay from its forward to its backward.
@@ -1022,8 +1079,15 @@ def role_report(
             )
         )
     role.comm = communication(llama, lay, shards, stages)
-    writes_model = lay.backend == "torch" or dp_ranks[0] == 0
-    role.checkpoint_bytes = held["optimizer"] + (held["parameters"] if writes_model else 0.0)
+    if lay.backend == "torch" and not lay.fsdp and lay.dp_cp > 1:
+        # DCP writes a tensor replicated over dp once, on the rank with the least planned
+        # so far (torch.distributed.checkpoint's deduplication): an even share each
+        replicated = held["parameters"] + (held["optimizer"] if lay.dp_shard == "none" else 0)
+        sliced = held["optimizer"] if lay.dp_shard == "zero1" else 0.0
+        role.checkpoint_bytes = replicated / lay.dp_cp + sliced
+    else:
+        writes_model = lay.backend == "torch" or dp_ranks[0] == 0
+        role.checkpoint_bytes = held["optimizer"] + (held["parameters"] if writes_model else 0.0)
     return role
 
 
@@ -1402,9 +1466,18 @@ def resolve_layout(
         pp_schedule=par.pp_schedule,
         pp_virtual=par.pp_virtual,
         pp_split=tuple(par.pp_split),
+        dp_shard=_dp_shard(par.dp_shard, backend),
     )
     capacity = device_memory_gib if device_memory_gib is not None else spec.memory_gib
     return spec, capacity, layout
+
+
+def _dp_shard(value: str, backend: str) -> str:
+    """``parallel.dp_shard`` resolved as the trainer does (auto: fsdp on torch, zero1 on
+    neuron)."""
+    if backend == "neuron" or value == "zero1":
+        return "zero1"
+    return "none" if value == "none" else "fsdp"
 
 
 NEURON_PIPELINE_NOTE = (

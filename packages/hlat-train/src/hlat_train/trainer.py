@@ -222,9 +222,14 @@ class Trainer:
         )
         self.rank0 = dims.rank == 0
         self.device = device = dims.device
+        self.dp_shard = c.parallel.dp_shard
+        if self.dp_shard == "auto":
+            self.dp_shard = "zero1" if dims.backend == "neuron" else "fsdp"
+
         self._log(
             f"parallel backend {dims.backend} ({dims.backend_reason}); device {device}, "
-            f"process group {dims.dist_backend or 'none'}, {dims.world_size} process(es)"
+            f"process group {dims.dist_backend or 'none'}, {dims.world_size} process(es); "
+            f"dp {dims.dp} sharding {self.dp_shard}"
         )
         self._log(
             describe_watchdog(c.train.hang_timeout)
@@ -262,7 +267,11 @@ class Trainer:
         elif sharded:
             # split first, then materialise and initialise only this rank's shards
             model = parallelize(
-                llama.to(dtype), dims, llama.parallel_plan(), compile=c.model.compile
+                llama.to(dtype),
+                dims,
+                llama.parallel_plan(),
+                compile=c.model.compile,
+                dp_shard=self.dp_shard,
             )
             model.to_empty(device=device)
             if dims.backend == "neuron":
@@ -274,7 +283,9 @@ class Trainer:
             # shard, so any parallel layout starts from the same weights (and TP/DP
             # losses can be compared with one process)
             llama = Llama(self.llama_config).to(device, dtype)
-            model = parallelize(llama, dims, llama.parallel_plan(), compile=c.model.compile)
+            model = parallelize(
+                llama, dims, llama.parallel_plan(), compile=c.model.compile, dp_shard=self.dp_shard
+            )
         if dims.cp > 1 and self.pipeline is None:
             from hlat_parallel import apply_context_parallel
 
@@ -400,7 +411,13 @@ class Trainer:
         match_plan(model, plan)  # every pattern names a module of the whole model
 
         def prepare(stage: StageModule) -> None:
-            parallelize(stage, dims, stage_plan(plan, stage), compile=c.model.compile)
+            parallelize(
+                stage,
+                dims,
+                stage_plan(plan, stage),
+                compile=c.model.compile,
+                dp_shard=self.dp_shard,
+            )
             if dims.cp > 1 and stage.split.layers:
                 from hlat_parallel import apply_context_parallel
 
@@ -457,12 +474,19 @@ class Trainer:
         return dims.dp_rank * layout["cp"] * layout["tp"]
 
     def _optimizer(self, model: torch.nn.Module, dims: Any) -> torch.optim.Optimizer:
-        """hlat-optim's AdamW in the configured precision mode, its state sharded over DP."""
+        """hlat-optim's AdamW in the configured precision mode, its state sharded over DP
+        as ``parallel.dp_shard`` says (with the parameters under FSDP, alone under ZeRO-1,
+        not at all under ``none``)."""
         from hlat_optim import AdamW
-        from hlat_parallel import shard_optimizer
+        from hlat_parallel import shard_optimizer, zero1_optimizer
 
         o = self.config.optim
-        return shard_optimizer(
+        build: Any = {
+            "fsdp": shard_optimizer,
+            "zero1": zero1_optimizer,
+            "none": lambda cls, params, _dims, **kw: cls(params, **kw),
+        }[self.dp_shard]
+        return build(
             AdamW,
             model.parameters(),
             dims,
@@ -861,6 +885,7 @@ class Trainer:
         per step, the price of those policies on trn1).
         """
         from hlat_optim import clip_grad_norm_
+        from hlat_parallel import sync_gradients
 
         if self.dims.backend == "neuron":
             spike, skip = self._judge(loss, torch.zeros_like(loss))
@@ -870,6 +895,8 @@ class Trainer:
             norm = neuron.neuron_grad_norm(self.optimizer)
             grad_norm = norm if norm is not None else torch.full_like(loss, math.nan)
             return grad_norm, spike, torch.full_like(spike, skipped)
+        for part in self.model_parts:  # zero1 and none: average the gradients over dp
+            sync_gradients(part, self.dims)
         max_norm = self.config.optim.clip or math.inf
         grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, **self.dims.norm_groups())
         spike, skip = self._judge(loss, grad_norm)

@@ -154,6 +154,15 @@ def validate(
         )
     if par.backend not in ("auto", "torch", "neuron"):
         raise ConfigError(f"parallel.backend must be auto, torch or neuron, got {par.backend!r}")
+    if par.dp_shard not in ("auto", "fsdp", "zero1", "none"):
+        raise ConfigError(
+            f"parallel.dp_shard must be auto, fsdp, zero1 or none, got {par.dp_shard!r}"
+        )
+    if par.backend == "neuron" and par.dp_shard in ("fsdp", "none"):
+        raise ConfigError(
+            f"parallel.dp_shard = {par.dp_shard!r} on parallel.backend = 'neuron': NeuronX "
+            "Distributed's data parallelism is ZeRO-1; set parallel.dp_shard = 'zero1' or 'auto'"
+        )
     if par.backend == "neuron":
         from hlat_parallel.neuron_backend import zero1_precision
 

@@ -1,0 +1,394 @@
+"""ZeRO-1 and plain data parallelism: parameters and gradients whole on every data-parallel
+rank, optimizer state sharded 1/dp (ZeRO-1) or whole (``dp_shard="none"``).
+
+The step, on each rank:
+
+1. :func:`sync_gradients` averages the accumulated gradients over "dp" (with "cp", when
+   cp > 1) with bucketed all-reduces, so every rank holds the whole averaged gradient
+   (clipping can then read it, as it would without data parallelism);
+2. :class:`Zero1Optimizer` runs the wrapped optimizer on this rank's 1/dp slice of every
+   parameter (its state exists for that slice only);
+3. and all-gathers the updated slices into the whole parameters.
+
+Note: each slice is a ``DTensor`` sharded over "dp" (and, under TP, laid out over "tp" as
+its parameter is), so the optimizer state it creates is a DTensor whose global shape is the
+parameter's: ``torch.distributed.checkpoint`` saves it once and loads it into any other
+layout (FSDP, another dp or tp). The slice is cut along the first dimension that TP does
+not shard (dim 0 of a row-parallel weight or a norm, dim 1 of a column-parallel one), which
+keeps it a regular DTensor; a parameter whose every dimension TP shards keeps whole state.
+
+Note: written beside FSDP2 rather than with ``ZeroRedundancyOptimizer``, which fails on
+DTensor parameters, assigns whole tensors to ranks and checkpoints by gathering all state
+on one rank; and rather than DDP, which renames parameters (``module.``), does not take
+DTensor (TP) parameters and would reduce each micro-batch under a pipeline schedule. The
+gradient all-reduce runs after the backward (not overlapped with it), once per step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from hlat_parallel.dims import ParallelConfigError, ParallelDims
+from hlat_parallel.zero import _dp_sharded
+
+#: Bytes per all-reduce or all-gather bucket.
+BUCKET_BYTES = 64 << 20
+
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _buckets(tensors: list[torch.Tensor], limit: int) -> Iterator[list[int]]:
+    """Indices of ``tensors`` in runs of one dtype and at most ``limit`` bytes (a larger
+    tensor makes a run of its own)."""
+    run: list[int] = []
+    size = 0
+    for index, t in enumerate(tensors):
+        nbytes = t.numel() * t.element_size()
+        if run and (tensors[run[0]].dtype != t.dtype or size + nbytes > limit):
+            yield run
+            run, size = [], 0
+        run.append(index)
+        size += nbytes
+    if run:
+        yield run
+
+
+def _dp_rank_and_group(dims: ParallelDims) -> tuple[int, Any]:
+    if dims.cp == 1:
+        return dims.dp_rank, dims.dp_group
+    return dims.dp_cp_mesh.get_local_rank(), dims.dp_cp_group
+
+
+@torch.no_grad()
+def sync_gradients(model: nn.Module, dims: ParallelDims) -> None:
+    """Average the gradients of ``model``'s whole (not dp-sharded) parameters over the
+    data-parallel ranks (dp x cp), in place: the reduction of ``dp_shard="zero1"`` and
+    ``"none"``. Call it once per step, after the last micro-batch's backward and before
+    clipping; a no-op for FSDP's sharded parameters (reduced during backward), for dp x cp
+    of 1 and on the neuron backend (NxD's ZeRO-1 reduces inside ``step()``).
+
+    Note: a DTensor gradient left in another layout than its parameter (a sequence-parallel
+    norm weight's ``Partial``) is redistributed to the parameter's first, so the all-reduce
+    sums like with like.
+    """
+    if dims.backend == "neuron" or dims.dp_cp == 1:
+        return
+    params = [p for p in model.parameters() if p.grad is not None and not _dp_sharded(p)]
+    if not params:
+        return
+    grads = []
+    for param in params:
+        p: Any = param
+        grad: Any = p.grad
+        mismatched = isinstance(grad, DTensor) and isinstance(p, DTensor)
+        if mismatched and tuple(grad.placements) != tuple(p.placements):
+            grad = grad.redistribute(p.device_mesh, p.placements)
+            p.grad = grad
+        grads.append(_local(grad))
+    _, group = _dp_rank_and_group(dims)
+    pending = []
+    for run in _buckets(grads, BUCKET_BYTES):
+        flat = torch.cat([grads[i].reshape(-1) for i in run])
+        pending.append((run, flat, dist.all_reduce(flat, group=group, async_op=True)))
+    for run, flat, work in pending:
+        work.wait()
+        flat.div_(dims.dp_cp)
+        offset = 0
+        for i in run:
+            n = grads[i].numel()
+            grads[i].copy_(flat[offset : offset + n].view_as(grads[i]))
+            offset += n
+
+
+class _Slot:
+    """One parameter and this rank's slice of it: the dimension cut over dp, the slice's
+    range on every dp rank, and the slice as a DTensor parameter the optimizer steps."""
+
+    def __init__(self, param: torch.Tensor, dims: ParallelDims, index: int) -> None:
+        if _dp_sharded(param):
+            raise ParallelConfigError(
+                f"parameter {index} (shape {tuple(param.shape)}) is already sharded over dp "
+                "(FSDP, parallelize(..., dp_shard='fsdp')); build its optimizer with "
+                "shard_optimizer, or parallelize with dp_shard='zero1'"
+            )
+        self.param = param
+        local = _local(param).detach()
+        rank, _ = _dp_rank_and_group(dims)
+        n = dims.dp_cp
+        tp_dims: set[int] = set()
+        if isinstance(param, DTensor):
+            names = param.device_mesh.mesh_dim_names or ()
+            if tuple(names) != ("tp",):
+                raise ParallelConfigError(
+                    f"parameter {index}: a ZeRO-1 slice is cut from a plain tensor or a "
+                    f"DTensor on the 'tp' mesh, not one on {names}"
+                )
+            tp_dims = {pl.dim for pl in param.placements if isinstance(pl, Shard)}
+        free = [d for d in range(local.dim()) if d not in tp_dims]
+        self.dim: int | None = free[0] if free else None
+        if self.dim is None:
+            self.ranges = [(0, 0)] * n
+            piece = local.clone()
+            placements: list[Any] = [Replicate()]
+        else:
+            size = local.shape[self.dim]
+            chunk = -(-size // n)
+            self.ranges = [(min(r * chunk, size), min(r * chunk + chunk, size)) for r in range(n)]
+            lo, hi = self.ranges[rank]
+            piece = local.narrow(self.dim, lo, hi - lo).clone()
+            placements = [Shard(self.dim)]
+        self.chunk_numel = 0
+        if self.dim is not None:
+            other = local.numel() // max(local.shape[self.dim], 1) if local.numel() else 0
+            self.chunk_numel = max(hi - lo for lo, hi in self.ranges) * other
+        if isinstance(param, DTensor):
+            mesh = dims.mesh["dp" if dims.cp == 1 else "dp_cp", "tp"]
+            placements += list(param.placements)
+        else:
+            mesh = dims.mesh["dp"] if dims.cp == 1 else dims.dp_cp_mesh
+        self.shard = nn.Parameter(
+            DTensor.from_local(
+                piece, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+            ),
+            requires_grad=param.requires_grad,
+        )
+
+    def piece_of(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s slice of ``tensor`` (the parameter's local layout)."""
+        if self.dim is None:
+            return tensor
+        lo, hi = self.ranges[rank]
+        return tensor.narrow(self.dim, lo, hi - lo)
+
+
+class _Group(MutableMapping):
+    """A parameter group as the caller sees it: the wrapped optimizer's group (learning
+    rate, betas...), with ``params`` naming the model's parameters rather than the slices."""
+
+    def __init__(self, inner: dict[str, Any], params: list[torch.Tensor]) -> None:
+        self._inner = inner
+        self._params = params
+
+    def __getitem__(self, key: str) -> Any:
+        return self._params if key == "params" else self._inner[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "params":
+            raise TypeError("Zero1Optimizer: a parameter group's params cannot be replaced")
+        self._inner[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._inner[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._inner)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+
+class _State(Mapping):
+    """The optimizer state keyed by the model's parameters (what
+    ``torch.distributed.checkpoint.state_dict`` looks up), held for the slices."""
+
+    def __init__(self, owner: Zero1Optimizer) -> None:
+        self._owner = owner
+
+    def _items(self) -> Iterator[tuple[torch.Tensor, Any]]:
+        state = self._owner.inner.state
+        for slot in self._owner._slots:
+            if slot.shard in state:
+                yield slot.param, state[slot.shard]
+
+    def __getitem__(self, param: torch.Tensor) -> Any:
+        for key, value in self._items():
+            if key is param:
+                return value
+        raise KeyError("parameter has no optimizer state")
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (key for key, _ in self._items())
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self._items())
+
+
+class Zero1Optimizer(torch.optim.Optimizer):
+    """ZeRO-1: ``optimizer_cls`` over this rank's 1/dp slice of every parameter, then an
+    all-gather of the updated slices into the whole parameters (see the module's notes).
+
+    Build it with :func:`zero1_optimizer`. It behaves as the wrapped optimizer to a
+    trainer: ``param_groups`` (learning-rate schedulers set ``lr`` there) lists the model's
+    parameters, ``step(**kwargs)`` passes ``kwargs`` on (``skip=`` of
+    ``hlat_optim.AdamW``), and ``state_dict()`` is the wrapped optimizer's, whose tensors
+    are DTensors with their parameters' global shapes. Gradients must be averaged first
+    (:func:`sync_gradients`); the step reads this rank's slice of them.
+    """
+
+    def __init__(
+        self,
+        optimizer_cls: Callable[..., torch.optim.Optimizer],
+        params: Iterable[Any],
+        dims: ParallelDims,
+        **kwargs: Any,
+    ) -> None:
+        items = list(params)
+        if not items:
+            raise ValueError("Zero1Optimizer got an empty parameter list")
+        groups = items if isinstance(items[0], dict) else [{"params": items}]
+        self.dims = dims
+        self._slots: list[_Slot] = []
+        inner_groups = []
+        for group in groups:
+            shards = []
+            for param in group["params"]:
+                slot = _Slot(param, dims, len(self._slots))
+                self._slots.append(slot)
+                shards.append(slot.shard)
+            inner_groups.append({**group, "params": shards})
+        self.inner = optimizer_cls(inner_groups, **kwargs)
+        # Note: Optimizer.__init__ is not called; the wrapped optimizer owns the groups,
+        # defaults and state, and the attributes below are views of them.
+        self.defaults = self.inner.defaults
+        start = 0
+        self._groups: list[_Group] = []
+        for inner in self.inner.param_groups:
+            count = len(inner["params"])
+            mine = [slot.param for slot in self._slots[start : start + count]]
+            self._groups.append(_Group(inner, mine))
+            start += count
+        for hooks in (
+            "_optimizer_step_pre_hooks",
+            "_optimizer_step_post_hooks",
+            "_optimizer_state_dict_pre_hooks",
+            "_optimizer_state_dict_post_hooks",
+            "_optimizer_load_state_dict_pre_hooks",
+            "_optimizer_load_state_dict_post_hooks",
+        ):
+            setattr(self, hooks, OrderedDict())
+
+    @property
+    def param_groups(self) -> list[Any]:  # type: ignore[override]
+        return self._groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return _State(self)
+
+    def __repr__(self) -> str:
+        return f"Zero1Optimizer(dp={self.dims.dp_cp}, {self.inner!r})"
+
+    @torch.no_grad()
+    def _slice_gradients(self) -> None:
+        rank, _ = _dp_rank_and_group(self.dims)
+        for slot in self._slots:
+            grad: Any = slot.param.grad
+            if grad is None:
+                slot.shard.grad = None
+                continue
+            p: Any = slot.param
+            if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(p.placements):
+                grad = grad.redistribute(p.device_mesh, p.placements)
+            piece = slot.piece_of(_local(grad), rank).contiguous()
+            shard: Any = slot.shard
+            slot.shard.grad = DTensor.from_local(
+                piece.to(shard.dtype),
+                shard.device_mesh,
+                shard.placements,
+                run_check=False,
+                shape=shard.shape,
+                stride=shard.stride(),
+            )
+
+    @torch.no_grad()
+    def _gather(self) -> None:
+        """Write every rank's updated slice into the whole parameters (bucketed
+        all-gathers of equal-sized, zero-padded pieces)."""
+        _, group = _dp_rank_and_group(self.dims)
+        n = self.dims.dp_cp
+        slots = [s for s in self._slots if s.dim is not None and s.param.requires_grad]
+        if n == 1:
+            for slot in slots:
+                slot.piece_of(_local(slot.param), 0).copy_(_local(slot.shard))
+            return
+        sizes = [torch.empty(s.chunk_numel, dtype=s.shard.dtype, device="meta") for s in slots]
+        for run in _buckets(sizes, BUCKET_BYTES // n):
+            total = sum(slots[i].chunk_numel for i in run)
+            mine = _local(slots[run[0]].shard).new_zeros(total)
+            offset = 0
+            for i in run:
+                piece = _local(slots[i].shard).reshape(-1)
+                mine[offset : offset + piece.numel()].copy_(piece)
+                offset += slots[i].chunk_numel
+            out = mine.new_empty(n * total)
+            _all_gather_single(out, mine, group=group)
+            for r in range(n):
+                offset = r * total
+                for i in run:
+                    slot = slots[i]
+                    target = slot.piece_of(_local(slot.param), r)
+                    count = target.numel()
+                    target.copy_(out[offset : offset + count].view(target.shape))
+                    offset += slot.chunk_numel
+
+    def step(self, closure: Any = None, **kwargs: Any) -> Any:
+        """Step the slices with this rank's slice of each (averaged) gradient, then gather
+        the whole parameters."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._slice_gradients()
+        self.inner.step(**kwargs)
+        self._gather()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for slot in self._slots:
+            slot.shard.grad = None
+            if slot.param.grad is not None:
+                if set_to_none:
+                    slot.param.grad = None
+                else:
+                    slot.param.grad.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError("Zero1Optimizer: build it with every parameter group")
+
+
+def zero1_optimizer(
+    optimizer_cls: Callable[..., torch.optim.Optimizer],
+    params: Iterable[Any],
+    dims: ParallelDims,
+    **kwargs: Any,
+) -> torch.optim.Optimizer:
+    """``optimizer_cls(params, **kwargs)`` as ZeRO-1: its state sharded 1/dp (x cp) per
+    rank, parameters and gradients whole (a model parallelized with ``dp_shard="zero1"``;
+    average its gradients with :func:`sync_gradients` before clipping and stepping).
+
+    neuron backend: NeuronX Distributed's ``NeuronZero1Optimizer``, as
+    :func:`~hlat_parallel.shard_optimizer` builds it there.
+    """
+    if dims.backend == "neuron":
+        from hlat_parallel.neuron_backend import neuron_zero1_optimizer
+
+        return neuron_zero1_optimizer(optimizer_cls, list(params), dims, **kwargs)  # type: ignore[arg-type]
+    return Zero1Optimizer(optimizer_cls, params, dims, **kwargs)

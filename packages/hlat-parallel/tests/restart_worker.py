@@ -1,7 +1,8 @@
 """One rank of a torchrun job restarted once, launched by tests/test_restart.py.
 
-Usage: restart_worker.py OUT_DIR. Every attempt joins the process group with
-``init_parallel`` and all-reduces rank + 1. On attempt 0, rank 1 then fails; torchrun
+Usage: restart_worker.py OUT_DIR [plain]. Every attempt joins the process group with
+``init_parallel`` (or, with ``plain``, torch's own ``init_process_group`` from the
+environment) and all-reduces rank + 1. On attempt 0, rank 1 then fails; torchrun
 (``--max-restarts 1``) restarts both ranks, which must form a new group and all-reduce.
 Each rank writes ``attempt<n>-rank<r>.txt`` with the all-reduced value.
 """
@@ -35,11 +36,15 @@ def main() -> None:
                 time.sleep(0.05)
             time.sleep(1)
     # a bounded timeout, so that a failed rendezvous ends the job instead of hanging it
-    dims = init_parallel(tp=1, timeout=datetime.timedelta(seconds=30))
-    total = torch.tensor([float(dims.rank + 1)])
+    if sys.argv[2:] == ["plain"]:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=15))
+        rank = dist.get_rank()
+    else:
+        rank = init_parallel(tp=1, timeout=datetime.timedelta(seconds=30)).rank
+    total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)
-    (out / f"attempt{attempt}-rank{dims.rank}.txt").write_text(f"{total.item():g}\n")
-    if attempt == 0 and dims.rank == 1:
+    (out / f"attempt{attempt}-rank{rank}.txt").write_text(f"{total.item():g}\n")
+    if attempt == 0 and rank == 1:
         sys.exit("rank 1 fails on purpose on attempt 0")
     dist.barrier()  # on attempt 0 rank 0 waits here until torchrun stops it
     dist.destroy_process_group()

@@ -24,18 +24,35 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_workers_restarted_by_torchrun_form_a_new_process_group(tmp_path):
+def _restarted_job(out: Path, *mode: str) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         "--nproc-per-node", "2", "--max-restarts", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
-        str(WORKER), str(tmp_path),
+        str(WORKER), str(out), *mode,
     ]  # fmt: skip
     # Eight gloo devices on the loopback interface: eight connections between the two
     # ranks, each with its own address, so a stale address is all but certain to be used.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": ",".join(["lo"] * 8)}
     # the timeout only stops a hung job; it is no part of what is checked
-    job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_torchs_own_rendezvous_alone_does_not_survive_the_restart(tmp_path):
+    """Why ``init_parallel`` keeps a store namespace per attempt: the same job with torch's
+    ``init_process_group`` from the environment (torchrun's c10d rendezvous) forms its
+    first group, but not the second: the restarted rank 0 connects to the address the dead
+    rank 1 published on the store both attempts share."""
+    job = _restarted_job(tmp_path, "plain")
+    assert "rank 1 fails on purpose on attempt 0" in job.stderr
+    markers = {path.stem for path in tmp_path.glob("*.txt")}
+    assert {"attempt0-rank0", "attempt0-rank1"} <= markers  # the first group worked
+    assert job.returncode != 0 and "attempt1-rank0" not in markers, job.stderr[-3000:]
+    assert "Connection refused" in job.stderr  # gloo dialled the dead worker's address
+
+
+def test_workers_restarted_by_torchrun_form_a_new_process_group(tmp_path):
+    job = _restarted_job(tmp_path)
     log = job.stdout[-3000:] + job.stderr[-3000:]
     assert job.returncode == 0, log
     assert "rank 1 fails on purpose on attempt 0" in job.stderr  # attempt 0 really failed

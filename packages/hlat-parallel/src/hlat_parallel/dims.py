@@ -330,9 +330,10 @@ def _attempt_store(
 
     Note: torch's own handling is not enough here. Its env:// rendezvous reuses the agent's
     store without a per-attempt prefix (it assumes a new store per retry), and its dynamic
-    rendezvous prefixes only the agents' keys. With a plain ``init_process_group`` instead
-    of this store, ``tests/test_restart.py`` fails on torch 2.13 ("Gloo connectFullMesh
-    failed ... Connection refused": the dead worker's address).
+    rendezvous prefixes only the agents' keys. ``tests/test_restart.py`` runs the same
+    restarted job both ways: with a plain ``init_process_group`` the second attempt fails
+    ("Gloo connectFullMesh failed ... Connection refused": the dead worker's address);
+    through this store it forms a new group.
     """
     attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"

@@ -104,6 +104,19 @@ def test_two_ranks_record_the_checksums_they_computed_while_writing(replicated_c
         assert s["checksums_in_write"] == s["files"] == 3, s
 
 
+@pytest.mark.parametrize("step", [1, 2], ids=["sync", "async"])
+def test_each_replicated_tensor_is_staged_by_one_rank_only(replicated_checkpoints, step):
+    _, stats = replicated_checkpoints
+    staged = [stats[rank][step - 1]["rank_bytes"] for rank in range(2)]
+    replicated_bytes = REPLICATED_NUMEL * 4
+    shard_bytes = SHARDED_NUMEL * 4 // 2
+    # each rank its shard; of the two replicated tensors, one each (the owners balance the
+    # bytes), not both on both ranks; plus the small per-rank JSON entries
+    for rank_bytes in staged:
+        assert shard_bytes + replicated_bytes <= rank_bytes < shard_bytes + 1.1 * replicated_bytes
+    assert sum(staged) < 2 * shard_bytes + 2.2 * replicated_bytes
+
+
 def test_a_replicated_tensor_is_written_once_not_once_per_rank(replicated_checkpoints):
     import torch.distributed.checkpoint as dcp
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import state_json
+from . import replicas, state_json
 from .manifest import Manifest
 from .policy import CheckpointError as CheckpointError
 from .policy import CheckpointInfo as CheckpointInfo
@@ -147,6 +147,7 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hlat-ckpt")
         self._pending_step = -1
         self._buffers: dict[str, torch.Tensor] = {}
+        self._not_mine: set[str] = set()
         self._rng = RNGState()
 
     # --- public API ------------------------------------------------------------------------
@@ -171,6 +172,9 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
             self._refuse_saved(step)
         flat = self._collect(state, entries)
         layout = self._layout(flat)
+        # a tensor several ranks hold (replicated over data parallelism) is staged and
+        # written by one of them (hlat_ckpt.replicas)
+        flat = {key: t for key, t in flat.items() if key not in self._not_mine}
         kinds = {name: kind for name, (kind, _) in entries.items()}
         if not self.async_save:
             self._write(step, name, flat, kinds, layout, started, None, wait_s)
@@ -404,14 +408,18 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
             flat.update(tensors)
         # Serialised now, so later changes to the live objects cannot leak into an async save.
         flat[f"{prefix}/_json"] = _bytes_tensor(state_json.dumps(rank_skel))
+        self._not_mine = set()
         if self._group is not None:
             # Ranks may hold different parameters (pipeline stages): rank 0 writes the union
-            # of every rank's keys.
+            # of every rank's keys. The same exchange tells which rank writes each tensor
+            # that several ranks hold.
+            items = {key: replicas.item_of(t) for key, t in flat.items()}
             gathered: builtins.list[Any] = [None] * self.world_size
-            dist.all_gather_object(gathered, global_skel, group=self._group)
-            for other in gathered:
+            dist.all_gather_object(gathered, (global_skel, items), group=self._group)
+            for other, _ in gathered:
                 for name, skel in other.items():
                     global_skel[name] = {**skel, **global_skel[name]}
+            self._not_mine = replicas.not_mine([i for _, i in gathered], self.rank)
         if self.rank == 0:
             flat[_GLOBAL_JSON] = _bytes_tensor(state_json.dumps(global_skel))
         return flat
@@ -533,6 +541,7 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         # DCP's final collective returns only after every rank's files and the metadata are
         # written, so the commit can list them and collect every rank's checksums.
         written = Written(step, kinds, layout, started, stall_s, wait_s, write_start, name)
+        written.rank_bytes = sum(replicas.item_of(t)[1] for t in flat.values())
         if isinstance(writer, ChecksumWriter):
             written.checksums = writer.checksums()
         self._commit(dirname, written)

@@ -91,6 +91,9 @@ class SaveStats:
     bytes: int
     files: int
     checksums_in_write: int = 0
+    rank_bytes: int = 0
+    """Tensor bytes this rank staged (async) and handed to the writer: its shards and its
+    share of the tensors replicated over ranks, each of which one rank writes."""
 
 
 @dataclass
@@ -107,6 +110,8 @@ class Written:
     write_start: float
     name: str = ""
     """The checkpoint's final directory name (``step_<N>``, or ``step_<N>-<lineage>``)."""
+    rank_bytes: int = 0
+    """Tensor bytes this rank handed to the writer (:attr:`SaveStats.rank_bytes`)."""
     checksums: dict[str, tuple[str, int]] = field(default_factory=dict)
     """``{file: (checksum, bytes)}`` that this rank computed while writing its files; the
     commit reads back only the files of its share that have none (or whose byte count is
@@ -641,6 +646,7 @@ class CheckpointPolicy(Generic[PendingT]):
             bytes=total[0],
             files=total[1],
             checksums_in_write=total[2],
+            rank_bytes=written.rank_bytes,
         )
         with self._stats_lock:
             self._finished.append(stats)

@@ -828,8 +828,9 @@ class Trainer:
         (an async save's once its background write is done): ``stall_s`` the training loop
         was blocked in ``save()`` (of which ``wait_s`` waiting for the previous save),
         ``write_s`` writing, checksumming (``checksum_s``) and committing (in the background
-        for ``async_save``), ``save_s`` from the call to the commit, and the ``bytes`` and
-        ``files`` of the whole checkpoint."""
+        for ``async_save``), ``save_s`` from the call to the commit, the ``bytes`` and
+        ``files`` of the whole checkpoint, and ``rank_bytes`` rank 0 staged and wrote (its
+        shards and its share of the replicated tensors)."""
         for s in self.checkpointer.pop_save_stats():
             self._save_seconds = [*self._save_seconds[-2:], s.save_s]
             self._last_stats = s
@@ -846,6 +847,7 @@ class Trainer:
                         "save_s": s.save_s,
                         "bytes": s.bytes,
                         "files": s.files,
+                        "rank_bytes": getattr(s, "rank_bytes", 0),
                     }
                 )
 

@@ -131,7 +131,7 @@ class ExtraFileCheckpointer(Checkpointer):
 
 
 def test_files_without_a_whole_checksum_from_the_write_are_read_back(tmp_path):
-    ck = ExtraFileCheckpointer(tmp_path, async_save=False)
+    ck = ExtraFileCheckpointer(tmp_path, async_save=False, io_threads=1)
     ck.save(1, make_state(0))
     manifest = json.loads((tmp_path / "step_0000000001" / MANIFEST_NAME).read_text())
     assert set(manifest["files"]) == {"__0_0.distcp", ".metadata", "extra.bin"}
@@ -170,7 +170,7 @@ def test_each_file_and_directory_is_fsynced_once_with_all_its_bytes(tmp_path, mo
         real_fsync(fd)
 
     root = tmp_path / "ckpt"
-    ck = Checkpointer(root, async_save=False, save_rng=False)
+    ck = Checkpointer(root, async_save=False, save_rng=False, io_threads=1)
     # a small state: DCP's .metadata stays smaller than the file's write buffer
     state = {"model": torch.nn.Linear(4, 4)}
     ck.save(1, state)

@@ -79,7 +79,9 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         layout: free-form description of the parallel layout (e.g. ``{"tp": 2, "dp": 4}``),
             recorded in the manifest.
         io_threads: file-writing threads per rank on local disks (DCP's ``thread_count``:
-            each thread writes a file of its own).
+            each thread writes a file of its own); ``None``: 2 for a process alone on its
+            node (torchrun's ``LOCAL_WORLD_SIZE``, else the world size, is 1), 1 when
+            several share it.
         verify_checksums: before loading, read every file of the checkpoint and compare it
             with the checksum the manifest recorded (each rank reads the files it would
             have written); a damaged checkpoint is skipped by :meth:`load_latest` and
@@ -118,7 +120,7 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         save_rng: bool = True,
         process_group: dist.ProcessGroup | None = None,
         layout: dict[str, Any] | None = None,
-        io_threads: int = 1,
+        io_threads: int | None = None,
         verify_checksums: bool = True,
         rank_state_from: Callable[[Mapping[str, Any], int], int] | None = None,
     ):
@@ -133,18 +135,26 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
             layout=dict(layout or {}),
             verify_checksums=verify_checksums,
         )
+        if io_threads is None:
+            # torchrun's LOCAL_WORLD_SIZE; without it, all ranks are taken to share a node
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+            io_threads = 2 if local == 1 else 1
         if io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {io_threads}")
-        # Note: one writing thread per rank by default. The ranks of a node already write
-        # their files to its disk in parallel (one each), which is what fills a local disk;
-        # more threads per rank split each rank's tensors into more, smaller files, and DCP
-        # overlaps the copy of accelerator tensors to host memory with the writing only at
-        # thread_count=1. The checksum computed in the write does not make the thread
-        # CPU-bound: large buffers are checksummed in a helper thread while they are
-        # written. A single process per node on a fast NVMe disk may gain from a few.
+        # Note: one writing thread per rank where several ranks share a node. They already
+        # write their files to its disk in parallel (one each), which is what fills a local
+        # disk; more threads per rank split each rank's tensors into more, smaller files,
+        # and DCP overlaps the copy of accelerator tensors to host memory with the writing
+        # only at thread_count=1. A process alone on its node takes two: one thread left
+        # the disk idle between files (the benchmark: a synchronous 1.07 GB save 1.46 s
+        # with one thread, 0.89 s with two, against 0.95 s for a default dcp.save and
+        # 0.64 s for a raw write + fsync, medians of one run). The checksum computed in the
+        # write does not make a thread CPU-bound: large buffers are checksummed in a
+        # helper thread while they are written (zlib.crc32 runs at 4.2 GB/s here).
         self.io_threads = io_threads
         self.rank_state_from = rank_state_from
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hlat-ckpt")
+        self._deleting: Future[None] | None = None
         self._pending_step = -1
         self._buffers: dict[str, torch.Tensor] = {}
         self._not_mine: set[str] = set()
@@ -195,6 +205,31 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         written before they pass.
         """
         self._write(step, self._prepare(step), *args)
+
+    def wait(self) -> None:
+        """Block until the pending save is committed and the checkpoints retention dropped
+        are deleted; raise :class:`~hlat_ckpt.CheckpointError` if the save failed."""
+        self._settle()
+        super().wait()
+
+    def _settle(self) -> None:
+        deleting, self._deleting = self._deleting, None
+        if deleting is not None:
+            deleting.result()
+
+    def _delete(self, doomed: builtins.list[str]) -> None:
+        """After a synchronous save, delete in the background thread: the caller has its
+        checkpoint committed and goes on training; the next save (or :meth:`wait`) waits
+        for the deletion. An async save is already in that thread and deletes there.
+
+        Note: deleting a 1 GB checkpoint took about 0.17 s on a local disk here, a sixth
+        of a synchronous save of the same size; torchtitan purges old checkpoints in a
+        thread of its own for the same reason.
+        """
+        if self.async_save:
+            super()._delete(doomed)
+        else:
+            self._deleting = self._executor.submit(super()._delete, doomed)
 
     def close(self) -> None:
         """Wait for the last save and stop the background writer."""
@@ -544,6 +579,7 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         written.rank_bytes = sum(replicas.item_of(t)[1] for t in flat.values())
         if isinstance(writer, ChecksumWriter):
             written.checksums = writer.checksums()
+            written.errors = writer.errors()
         self._commit(dirname, written)
 
     def _abandon(self, dirname: str) -> None:

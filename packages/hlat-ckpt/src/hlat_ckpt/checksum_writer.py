@@ -136,6 +136,12 @@ class ChecksumFileSystem(FileSystem):
         super().__init__()
         self._lock = threading.Lock()
         self._sums: dict[str, tuple[int, int]] = {}  # path: (crc, bytes)
+        self.errors: list[str] = []
+        """Every error raised while a file was opened, written or synced, ``"path: error"``.
+
+        Note: DCP's extra writing threads (``thread_count > 1``, torch 2.13) die on an
+        error without passing it on: ``dcp.save`` returns and writes metadata without
+        the lost items. The caller checks this list after ``dcp.save`` instead."""
 
     @contextmanager
     def create_stream(
@@ -147,18 +153,23 @@ class ChecksumFileSystem(FileSystem):
             return
         key = os.fspath(path)
         self._forget(key)  # a file written again, or updated in place, is read back
-        with super().create_stream(path, mode) as raw:
-            if mode != "wb":
-                yield raw
-                return
-            stream = ChecksumStream(raw, lambda s: self._record(key, s))
-            try:
-                yield stream
-            except BaseException:
-                stream.exact = False  # the writer gave up on this file
-                raise
-            finally:
-                stream.close()
+        try:
+            with super().create_stream(path, mode) as raw:
+                if mode != "wb":
+                    yield raw
+                    return
+                stream = ChecksumStream(raw, lambda s: self._record(key, s))
+                try:
+                    yield stream
+                except BaseException:
+                    stream.exact = False  # the writer gave up on this file
+                    raise
+                finally:
+                    stream.close()
+        except BaseException as e:
+            with self._lock:
+                self.errors.append(f"{key}: {type(e).__name__}: {e}")
+            raise
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         super().rename(path, new_path)
@@ -211,3 +222,10 @@ class ChecksumWriter(FileSystemWriter):
         """``{file name in the checkpoint: ("crc32:<8 hex>", bytes)}`` of the files this
         process wrote and checksummed in full."""
         return cast(ChecksumFileSystem, self.fs).checksums(self.path)
+
+    def errors(self) -> list[str]:
+        """The errors of this process's file writes (see :attr:`ChecksumFileSystem.errors`),
+        including those of DCP's extra threads, which ``dcp.save`` does not raise."""
+        fs = cast(ChecksumFileSystem, self.fs)
+        with fs._lock:
+            return list(fs.errors)

@@ -112,6 +112,8 @@ class Written:
     """The checkpoint's final directory name (``step_<N>``, or ``step_<N>-<lineage>``)."""
     rank_bytes: int = 0
     """Tensor bytes this rank handed to the writer (:attr:`SaveStats.rank_bytes`)."""
+    errors: builtins.list[str] = field(default_factory=builtins.list)
+    """File-write errors of this rank that the engine did not raise (the commit fails)."""
     checksums: dict[str, tuple[str, int]] = field(default_factory=dict)
     """``{file: (checksum, bytes)}`` that this rank computed while writing its files; the
     commit reads back only the files of its share that have none (or whose byte count is
@@ -349,6 +351,7 @@ class CheckpointPolicy(Generic[PendingT]):
         """The committed checkpoints under the root, in commit order (manifests are read;
         the files are not checked, see :meth:`load_latest`). ``current`` is ``False`` for
         those of abandoned lineages."""
+        self._settle()
         manifests, _ = scan(self._storage)
         commits = {d: m.commit(d) for d, m in manifests.items()}
         current = {c.dirname for c in lineages.current_ancestry(commits.values())}
@@ -568,7 +571,9 @@ class CheckpointPolicy(Generic[PendingT]):
         sums: dict[str, str] = {}
         in_write: builtins.list[str] = []
         problem: str | None = None
-        if listed[0] is not None:
+        if written.errors:
+            problem = f"rank {self.rank} could not write its files: {'; '.join(written.errors)}"
+        elif listed[0] is not None:
             try:
                 sums, in_write = self._share_checksums(dirname, listed[0], written.checksums)
             except Exception as e:
@@ -691,6 +696,15 @@ class CheckpointPolicy(Generic[PendingT]):
                 by_step.setdefault(step, []).append(dirname)
         for step in incomplete_to_delete(by_step, committed.step):
             doomed += by_step[step]
+        if doomed:
+            self._delete(doomed)
+
+    def _settle(self) -> None:
+        """Finish deletions an engine runs in the background (before listing the root)."""
+
+    def _delete(self, doomed: builtins.list[str]) -> None:
+        """Delete the checkpoint directories ``doomed`` (rank 0, after a commit); an engine
+        may do it in the background, as long as :meth:`wait` waits for it."""
         for dirname in doomed:
             try:
                 # Markers first: a deletion cut short leaves an incomplete checkpoint that

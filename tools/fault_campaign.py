@@ -27,7 +27,8 @@ Runs ``torchrun --nproc-per-node 2 --max-restarts N -m hlat_train train`` on a t
 It measures wall time, productive time, effective utilisation, restart latency, lost work
 per fault and checkpoint stall per save, checks that the final model and optimizer equal an
 uninterrupted run with the same seed bit for bit, and writes ``summary.json``,
-``timeline.png`` and (``--doc``) ``docs/reliability.md``.
+``timeline.png``, ``sensitivity.png`` and (``--doc``) ``docs/reliability.md`` with
+``docs/reliability/sensitivity.png``.
 
     python tools/fault_campaign.py --faults 8 --seed 0 --out runs/faults --doc docs/reliability.md
     python tools/fault_campaign.py --quick --faults 2 --out /tmp/faults      # about a minute
@@ -61,7 +62,7 @@ from campaign.measure import (
     measure_startup,
     summarise,
 )
-from campaign.report import plot_timeline, write_doc
+from campaign.report import plot_sensitivity, plot_timeline, write_doc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,9 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--_repeats", dest="repeats", type=int, default=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.measure_save:
-        measure_save_worker(
-            args.measure_save, [int(x) for x in args.sizes.split(",")], args.repeats
-        )
+        measure_save_worker(args.measure_save, args.sizes.split(","), args.repeats)
         return 0
     before = json.loads(Path(args.before).read_text()) if args.before else None
     if args.from_summary:
@@ -113,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--from-summary needs --doc")
         summary = json.loads(Path(args.from_summary).read_text())
         write_doc(summary, Path(args.doc), summary["command"], before)
+        plot_sensitivity(summary, Path(args.doc).with_suffix("") / "sensitivity.png")
         return 0
     if args.faults < 1:
         parser.error(f"--faults must be at least 1, got {args.faults}")
@@ -181,8 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_timeline(records, faults, ref, out / "timeline.png")
+    plot_sensitivity(summary, out / "sensitivity.png")
     if args.doc:
         write_doc(summary, Path(args.doc), summary["command"], before)
+        plot_sensitivity(summary, Path(args.doc).with_suffix("") / "sensitivity.png")
     c = summary["campaign"]
     print(
         f"effective utilisation {c['utilisation']:.1%} (uninterrupted "

@@ -30,7 +30,6 @@ HOUR = 3600.0
 HLAT_7B_PARAMS = 6.74e9
 HLAT_7B_BYTES_PER_PARAM = 6
 HLAT_NODES = 64  # HLAT's 7B run: the state is sharded over every node's host memory
-HLAT_MTBF_S = 6 * HOUR
 
 
 def surviving(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -121,51 +120,91 @@ def checkpoint_saves(run_dir: Path) -> dict[str, Any]:
 # --- checkpoint stall: timed around Checkpointer.save in a 2-process gloo job ----------------
 
 
-def measure_save_worker(out: str, sizes: list[int], repeats: int) -> None:
-    """Runs under torchrun: for each model width, a model + AdamW state saved by
-    ``hlat_ckpt.Checkpointer`` synchronously and asynchronously; the time ``save()`` blocks."""
-    import tempfile
-
+def measure_save_worker(out: str, sizes: list[str], repeats: int) -> None:
+    """Runs under torchrun: for each model shape (``"<dim>x<layers>"``), hlat's own state as
+    a run of ``hlat-7b``'s precision holds it (a ``hlat_model.Llama`` in bf16 with
+    ``hlat_optim.AdamW``'s stochastic rounding and bf16 moments, FSDP over the ranks through
+    ``hlat_parallel``, built on the meta device and initialised per shard as the trainer
+    does), saved by ``hlat_ckpt.Checkpointer`` synchronously and asynchronously: the time
+    ``save()`` blocks, the background write of the async saves, and a load of the state."""
     import torch
     import torch.distributed as dist
 
     from hlat_ckpt import Checkpointer
+    from hlat_model import Llama, LlamaConfig
+    from hlat_optim import AdamW
+    from hlat_parallel import init_parallel, parallelize, shard_optimizer
 
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    dims = init_parallel(tp=1)
     results = []
-    for width in sizes:
+    for spec in sizes:
+        dim, layers = (int(x) for x in spec.split("x"))
+        config = LlamaConfig.preset(
+            "tiny", dim=dim, n_layers=layers, n_heads=dim // 64, n_kv_heads=dim // 64,
+            ffn_dim=dim * 8 // 3 // 64 * 64, vocab_size=32000, max_seq_len=256,
+        )  # fmt: skip
         torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        model(torch.randn(2, width)).sum().backward()
-        opt.step()
-        state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
-        row: dict[str, Any] = {"width": width, "state_bytes_per_rank": state_bytes}
+        with torch.device("meta"):
+            model = Llama(config)
+        parallelize(model.to(torch.bfloat16), dims, model.parallel_plan())
+        model.to_empty(device="cpu")
+        model.init_weights()
+        opt = shard_optimizer(AdamW, model.parameters(), dims, lr=1e-4, stochastic_rounding=True)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()  # creates the moments
+        opt.zero_grad()
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in model.parameters()]
+        moments = [
+            v.to_local() if hasattr(v, "to_local") else v
+            for state in opt.state.values()
+            for v in state.values()
+            if torch.is_tensor(v) and v.dim() > 0
+        ]
+        state_bytes = sum(t.numel() * t.element_size() for t in [*local, *moments])
+        row: dict[str, Any] = {
+            "shape": spec,
+            "params": sum(p.numel() for p in model.parameters()),
+            "state_bytes_per_rank": state_bytes,
+        }
+        state = {"model": model, "optimizer": opt}
         for mode in ("sync", "async"):
-            root = tempfile.mkdtemp(prefix=f"stall-{mode}-", dir=os.environ["STALL_DIR"])
-            ckpt = Checkpointer(root, keep_last=2, async_save=mode == "async")
-            times = []
+            # one root for all ranks (a temporary name per rank would split the checkpoint)
+            root = os.path.join(os.environ["STALL_DIR"], f"stall-{mode}-{spec}")
+            ckpt = Checkpointer(root, keep_last=1, async_save=mode == "async", save_rng=False)
+            times, writes = [], []
             for step in range(1, repeats + 2):
                 dist.barrier()
                 start = time.perf_counter()
-                ckpt.save(step, {"model": model, "optimizer": opt})
+                ckpt.save(step, state)
                 elapsed = time.perf_counter() - start
+                ckpt.wait()  # a step of real training would run here
                 if step > 1:  # the first save pays one-time set-up (groups, buffers)
                     times.append(elapsed)
-                ckpt.wait()  # a step of real training would run here
-            ckpt.close()
+                    writes.extend(s.write_s for s in ckpt.pop_save_stats())
+                else:
+                    ckpt.pop_save_stats()
             row[f"{mode}_s"] = statistics.median(times)
+            if mode == "async":
+                row["async_write_s"] = statistics.median(writes)
+                dist.barrier()
+                start = time.perf_counter()
+                if ckpt.load_latest(state) != repeats + 1:
+                    raise RuntimeError(f"the last save of {spec} did not load back")
+                row["load_s"] = time.perf_counter() - start
+            ckpt.close()
         results.append(row)
-    if rank == 0:
+        del state, opt, model
+    if dims.rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
 def measure_stall(out_dir: Path, quick: bool) -> dict[str, Any]:
-    """Median time ``Checkpointer.save`` blocks the caller, sync vs async, at two state sizes;
-    a line through them gives the fixed cost and the staging bandwidth."""
-    sizes = [128, 512] if quick else [256, 1536]
+    """Median time ``Checkpointer.save`` blocks the caller, sync vs async, the background
+    write and a load, at two state sizes of hlat's model and optimizer; lines through them
+    give the fixed cost and the rates of staging, writing and loading, per byte."""
+    sizes = ["128x2", "256x2"] if quick else ["512x4", "2048x16"]
     repeats = 3 if quick else 5
     result = out_dir / "stall.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "STALL_DIR": str(out_dir)}
@@ -175,24 +214,33 @@ def measure_stall(out_dir: Path, quick: bool) -> dict[str, Any]:
         "--_measure-save",
         str(result),
         "--_sizes",
-        ",".join(map(str, sizes)),
+        ",".join(sizes),
         "--_repeats",
         str(repeats),
     ]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"the checkpoint stall measurement failed:\n{done.stdout}{done.stderr}")
     rows = json.loads(result.read_text())
     small, large = rows[0], rows[-1]
     d_bytes = large["state_bytes_per_rank"] - small["state_bytes_per_rank"]
-    d_async = max(large["async_s"] - small["async_s"], 1e-9)
-    bandwidth = d_bytes / d_async
+
+    def rate(key: str) -> float:
+        return d_bytes / max(large[key] - small[key], 1e-9)
+
+    bandwidth = rate("async_s")
     fixed = max(0.0, small["async_s"] - small["state_bytes_per_rank"] / bandwidth)
     return {
         "rows": rows,
+        "model": "hlat_model.Llama, bf16, hlat_optim.AdamW (bf16-sr), FSDP over 2 ranks",
         "staging_bandwidth_gb_s": bandwidth / 1e9,
         "async_fixed_s": fixed,
         "async_over_sync": [r["async_s"] / r["sync_s"] for r in rows],
+        # the largest state's own rates (a line through two points of a noisy disk can
+        # come out steeper than either point)
+        "write_gb_s": large["state_bytes_per_rank"] / large["async_write_s"] / 1e9,
+        "sync_gb_s": large["state_bytes_per_rank"] / large["sync_s"] / 1e9,
+        "load_gb_s": large["state_bytes_per_rank"] / large["load_s"] / 1e9,
     }
 
 
@@ -222,7 +270,8 @@ def measure_startup(repeats: int = 3) -> dict[str, float]:
 
 def project(restart_s: float, stall_s: float, mtbf_s: float) -> dict[str, float]:
     """utilisation = 1 - (restart latency + lost work) / MTBF - stall / interval, with the
-    interval by Young/Daly, sqrt(2 x stall x MTBF), and the expected lost work half of it."""
+    interval by Young/Daly, sqrt(2 x stall x MTBF), and the expected lost work half of it
+    (the first-order model of earlier reports, kept for their before/after tables)."""
     interval = math.sqrt(2 * stall_s * mtbf_s)
     lost = interval / 2
     utilisation = 1 - (restart_s + lost) / mtbf_s - stall_s / interval
@@ -233,6 +282,112 @@ def project(restart_s: float, stall_s: float, mtbf_s: float) -> dict[str, float]
         "interval_s": interval,
         "expected_lost_work_s": lost,
         "utilisation": utilisation,
+    }
+
+
+# HLAT's trn1 layout at 64 nodes: 32 NeuronCores (ranks) per node, TP 8, so 4 data-parallel
+# replicas of the weights per node (ZeRO-1 keeps weights whole over dp).
+RANKS_PER_NODE = 32
+HLAT_TP = 8
+# docs/cluster/cost.md's throughput for hlat-7b on 64 trn1 nodes (MFU 0.35, an assumption):
+# 1.48 M tokens/s, global batch 1024 x 4096 tokens
+HLAT_7B_STEP_S = 1024 * 4096 / 1.48e6
+# Llama 3 (Meta, "The Llama 3 Herd of Models", 2024, section 3.3.4): 419 unexpected
+# interruptions in 54 days of a 16,384-GPU job; scaled to 2,048 accelerators assuming
+# interruptions grow with the accelerator count
+LLAMA3_MTBF_AT_2048_H = 54 * 24 / 419 * 16384 / 2048
+# Restart pieces a cluster adds and this machine cannot measure: (what, seconds, source)
+CLUSTER_RESTART_ASSUMED = (
+    (
+        "Neuron runtime start and graph load from the node-local compile cache",
+        60.0,
+        "assumed: no public figure found (Neuron's persistent-cache documentation gives "
+        "none); measure it with a restart on trn1",
+    ),
+    (
+        "rendezvous and process groups at 2,048 ranks",
+        30.0,
+        "assumed: no public figure found; measure it with `hlat-train preflight` at the job's size",
+    ),
+)
+
+
+def project_hlat_7b(
+    stall: dict[str, Any],
+    restart_s: float,
+    mtbf_hours: float,
+    every: int | str,
+) -> dict[str, Any]:
+    """The utilisation of ``hlat-7b`` on 64 trn1 nodes, from this machine's measurements
+    on hlat's own model and optimizer, scaled per byte, and the cluster pieces assumed in
+    :data:`CLUSTER_RESTART_ASSUMED`; the interval is ``every`` as the preset sets it
+    (``"auto"``: :func:`hlat_train.interval.daly_interval`, what the trainer picks), the
+    utilisation :func:`hlat_train.interval.expected_utilisation`. Also the sensitivity to
+    the MTBF (1 to 24 h) and to the interval, and the bytes each node stages."""
+    from hlat_train.interval import daly_interval, expected_utilisation
+
+    total = HLAT_7B_PARAMS * HLAT_7B_BYTES_PER_PARAM
+    per_node = total / HLAT_NODES
+    weights = HLAT_7B_PARAMS * 2  # bf16
+    # ZeRO-1 if every rank staged its whole replica of the weights (hlat-ckpt < 0.7)
+    zero1_every_rank = weights * RANKS_PER_NODE / HLAT_TP + (total - weights) / HLAT_NODES
+    staging = stall["staging_bandwidth_gb_s"] * 1e9
+    write_rate = stall["write_gb_s"] * 1e9
+    stall_s = stall["async_fixed_s"] + per_node / staging
+    write_s = per_node / write_rate
+    load_s = per_node / write_rate
+    assumed = sum(seconds for _, seconds, _ in CLUSTER_RESTART_ASSUMED)
+    restart_total = restart_s + load_s + assumed
+    mtbf_s = mtbf_hours * HOUR
+
+    def interval_for(mtbf: float) -> float:
+        if every == "auto":
+            return max(daly_interval(stall_s, mtbf), write_s)
+        return float(every) * HLAT_7B_STEP_S
+
+    interval = interval_for(mtbf_s)
+    utilisation = expected_utilisation(interval, stall_s, restart_total, mtbf_s)
+    fixed_1000 = 1000 * HLAT_7B_STEP_S
+    mtbf_grid = [float(h) for h in range(1, 25)]
+    interval_grid = [60.0 * m for m in (1, 2, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 240)]
+    return {
+        "state_bytes": total,
+        "state_bytes_per_node": per_node,
+        "zero1_every_rank_bytes_per_node": zero1_every_rank,
+        "stall_s": stall_s,
+        "write_s": write_s,
+        "restart_measured_s": restart_s,
+        "restart_load_s": load_s,
+        "restart_assumed": [list(x) for x in CLUSTER_RESTART_ASSUMED],
+        "restart_total_s": restart_total,
+        "mtbf_hours": mtbf_hours,
+        "every": every,
+        "interval_s": interval,
+        "expected_lost_work_s": (interval + stall_s) / 2,
+        "utilisation": utilisation,
+        "utilisation_measured_restart_only": expected_utilisation(
+            interval, stall_s, restart_s + load_s, mtbf_s
+        ),
+        "fixed_1000_steps_s": fixed_1000,
+        "utilisation_fixed_1000_steps": expected_utilisation(
+            fixed_1000, stall_s, restart_total, mtbf_s
+        ),
+        "llama3_mtbf_at_2048_h": LLAMA3_MTBF_AT_2048_H,
+        "sensitivity": {
+            "mtbf_hours": mtbf_grid,
+            "auto": [
+                expected_utilisation(interval_for(h * HOUR), stall_s, restart_total, h * HOUR)
+                for h in mtbf_grid
+            ],
+            "fixed_1000_steps": [
+                expected_utilisation(fixed_1000, stall_s, restart_total, h * HOUR)
+                for h in mtbf_grid
+            ],
+            "interval_s": interval_grid,
+            "at_interval": [
+                expected_utilisation(i, stall_s, restart_total, mtbf_s) for i in interval_grid
+            ],
+        },
     }
 
 
@@ -282,13 +437,10 @@ def summarise(
     productive = productive_s(records)
     ref_productive = productive_s(ref["records"])
     restart_median = statistics.median(restarts) if restarts else math.nan
-    fixed, bw = stall["async_fixed_s"], stall["staging_bandwidth_gb_s"] * 1e9
-    per_node = HLAT_7B_PARAMS * HLAT_7B_BYTES_PER_PARAM / HLAT_NODES
-    projection = project(restart_median, fixed + per_node / bw, HLAT_MTBF_S)
-    projection["state_bytes_per_node"] = per_node
-    one_node = project(
-        restart_median, fixed + HLAT_7B_PARAMS * HLAT_7B_BYTES_PER_PARAM / bw, HLAT_MTBF_S
-    )
+    from hlat_train import TrainConfig
+
+    preset = TrainConfig.preset("hlat-7b").checkpoint
+    projection = project_hlat_7b(stall, restart_median, preset.mtbf_hours, preset.every)
     return {
         "setup": {
             "steps": steps,
@@ -332,5 +484,4 @@ def summarise(
         "stall": stall,
         "startup": startup,
         "projection_hlat_7b": projection,
-        "projection_hlat_7b_one_node": one_node,
     }

@@ -17,7 +17,7 @@ from string import Template
 from typing import Any
 
 from .harness import Fault
-from .measure import HLAT_7B_BYTES_PER_PARAM, HLAT_7B_PARAMS, HLAT_NODES, median_restart_latency
+from .measure import median_restart_latency
 
 TEMPLATES = Path(__file__).with_name("report.md")
 _SECTION = re.compile(r"^<!-- ([a-z][a-z-]*) -->$", re.MULTILINE)
@@ -180,6 +180,8 @@ def render(summary: dict[str, Any], command: str, before: dict[str, Any] | None 
             sync_ms=f"{r['sync_s'] * 1e3:.1f}",
             async_ms=f"{r['async_s'] * 1e3:.1f}",
             async_over_sync=f"{r['async_s'] / r['sync_s']:.1%}",
+            shape=_shape(r),
+            write_ms=f"{r['async_write_s'] * 1e3:.1f}" if "async_write_s" in r else "-",
         )
         for r in st["rows"]
     )
@@ -198,8 +200,6 @@ def render(summary: dict[str, Any], command: str, before: dict[str, Any] | None 
         if cs["saves"]
         else _fill("in-run-none")
     )
-    large = st["rows"][-1]
-    sync_rate = large["state_bytes_per_rank"] / large["sync_s"]
     text = _fill(
         "report",
         command=command,
@@ -236,19 +236,7 @@ def render(summary: dict[str, Any], command: str, before: dict[str, Any] | None 
         staging_gb_s_short=f"{st['staging_bandwidth_gb_s']:.1f}",
         async_over_sync=", ".join(f"{x:.1%}" for x in st["async_over_sync"]),
         target_met="met" if max(st["async_over_sync"]) < 0.10 else "NOT met",
-        p_restart_latency_s=f"{p['restart_latency_s']:.2f}",
-        hlat_7b_state_gb=f"{HLAT_7B_PARAMS * HLAT_7B_BYTES_PER_PARAM / 1e9:.1f}",
-        hlat_nodes=HLAT_NODES,
-        state_gb_per_node=f"{p['state_bytes_per_node'] / 1e9:.2f}",
-        p_stall_s=f"{p['stall_s']:.2f}",
-        p_interval_s=f"{p['interval_s']:.0f}",
-        p_expected_lost_work_s=f"{p['expected_lost_work_s']:.0f}",
-        p_stall_share=f"{p['stall_s'] / p['interval_s']:.3%}",
-        p_fault_share=f"{(p['restart_latency_s'] + p['expected_lost_work_s']) / p['mtbf_s']:.3%}",
-        p_utilisation=f"{p['utilisation']:.2%}",
-        one_node_utilisation=f"{s['projection_hlat_7b_one_node']['utilisation']:.2%}",
-        sync_gb_s=f"{sync_rate / 1e9:.2f}",
-        node_write_s=f"{p['state_bytes_per_node'] / sync_rate:.1f}",
+        **_projection_values(p, st),
         crash_restart_median_s=f"{median_restart_latency(s['faults'], ('kill-rank', 'kill-during-save')):.1f}",
         imports_s=f"{s['startup'].get('import hlat-train and its packages', math.nan):.1f}",
         import_torch_s=f"{s['startup'].get('import torch', math.nan):.1f}",
@@ -256,6 +244,82 @@ def render(summary: dict[str, Any], command: str, before: dict[str, Any] | None 
         corrupt=s["setup"].get("corrupt", "manifest"),
     )
     return text + "\n"
+
+
+def _shape(row: dict[str, Any]) -> str:
+    """A stall row's model: ``hlat_model.Llama dim x layers`` (or an older summary's
+    ``nn.Sequential`` width)."""
+    if "shape" in row:
+        dim, layers = row["shape"].split("x")
+        return f"Llama {dim} x {layers} layers ({row['params'] / 1e6:.0f} M parameters)"
+    return f"4 x Linear({row['width']}, {row['width']})"
+
+
+def _projection_values(p: dict[str, Any], st: dict[str, Any]) -> dict[str, str]:
+    """The projection section's values."""
+    assumed_rows = "\n".join(
+        _fill("assumed-row", what=what, seconds=f"{seconds:.0f}", source=source)
+        for what, seconds, source in p["restart_assumed"]
+    )
+    return {
+        "every": str(p["every"]),
+        "mtbf_hours": f"{p['mtbf_hours']:g}",
+        "state_gb": f"{p['state_bytes'] / 1e9:.1f}",
+        "state_gb_per_node": f"{p['state_bytes_per_node'] / 1e9:.2f}",
+        "stall_model": st.get("model", "4 x nn.Linear with torch's AdamW"),
+        "p_stall_s": f"{p['stall_s']:.2f}",
+        "p_write_s": f"{p['write_s']:.1f}",
+        "write_gb_s": f"{st['write_gb_s']:.2f}",
+        "load_gb_s": f"{st['load_gb_s']:.2f}",
+        "p_restart_measured_s": f"{p['restart_measured_s']:.1f}",
+        "p_restart_load_s": f"{p['restart_load_s']:.1f}",
+        "assumed_rows": assumed_rows,
+        "p_restart_total_s": f"{p['restart_total_s']:.0f}",
+        "llama3_mtbf_h": f"{p['llama3_mtbf_at_2048_h']:.0f}",
+        "p_interval_s": f"{p['interval_s']:.0f}",
+        "p_interval_min": f"{p['interval_s'] / 60:.1f}",
+        "p_expected_lost_work_s": f"{p['expected_lost_work_s']:.0f}",
+        "p_utilisation": f"{p['utilisation']:.2%}",
+        "p_utilisation_measured_only": f"{p['utilisation_measured_restart_only']:.2%}",
+        "p_utilisation_fixed_1000": f"{p['utilisation_fixed_1000_steps']:.2%}",
+        "fixed_1000_min": f"{p['fixed_1000_steps_s'] / 60:.0f}",
+        "zero1_every_rank_gb": f"{p['zero1_every_rank_bytes_per_node'] / 1e9:.1f}",
+    }
+
+
+def plot_sensitivity(summary: dict[str, Any], path: Path) -> None:
+    """Utilisation against the MTBF and against the checkpoint interval
+    (``summary["projection_hlat_7b"]["sensitivity"]``) as a two-panel PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    p = summary["projection_hlat_7b"]
+    sens = p["sensitivity"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    left.plot(sens["mtbf_hours"], [100 * u for u in sens["auto"]], label="auto interval")
+    left.plot(
+        sens["mtbf_hours"],
+        [100 * u for u in sens["fixed_1000_steps"]],
+        label=f"every 1000 steps ({p['fixed_1000_steps_s'] / 60:.0f} min)",
+    )
+    left.axhline(98.81, color="grey", linestyle=":", label="HLAT, 98.81 %")
+    left.set_xlabel("MTBF (hours)")
+    left.set_ylabel("projected utilisation (%)")
+    left.set_title("hlat-7b, 64 trn1 nodes")
+    left.legend(fontsize=8)
+    minutes = [i / 60 for i in sens["interval_s"]]
+    right.plot(minutes, [100 * u for u in sens["at_interval"]], marker="o")
+    right.axvline(p["interval_s"] / 60, color="grey", linestyle=":", label="auto")
+    right.set_xscale("log")
+    right.set_xlabel("checkpoint interval (minutes)")
+    right.set_title(f"MTBF {p['mtbf_hours']:g} h")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def write_doc(

@@ -154,7 +154,9 @@ def test_hlat_7b_projection_uses_the_trainers_interval_and_model():
     interval = daly_interval(stall_s, 12 * 3600)
     assert p["stall_s"] == pytest.approx(stall_s) and p["restart_total_s"] == pytest.approx(restart)
     assert p["interval_s"] == pytest.approx(interval)
-    assert p["utilisation"] == pytest.approx(expected_utilisation(interval, stall_s, restart, 43200))
+    assert p["utilisation"] == pytest.approx(
+        expected_utilisation(interval, stall_s, restart, 43200)
+    )
     # a fixed interval in steps: at docs/cluster/cost.md's step time
     fixed = measure.project_hlat_7b(stall, restart_s=5.0, mtbf_hours=12.0, every=1000)
     assert fixed["interval_s"] == pytest.approx(1000 * 4194304 / 1.48e6)
@@ -214,4 +216,5 @@ def test_the_template_has_every_section_the_report_fills():
         "nans",
         "before-after",
         "assumed-row",
+        "companion",
     }

@@ -1,7 +1,7 @@
 """Fault campaign: measured goodput of a real `hlat-train train` job under injected faults.
 
 Runs ``torchrun --nproc-per-node 2 --max-restarts N -m hlat_train train`` on a tiny Llama
-(fp32, CPU, gloo) and, from a seeded schedule, injects:
+(fp32, or bf16-sr with ``--precision``; CPU, gloo) and, from a seeded schedule, injects:
 
 - ``kill-rank``: SIGKILL of one worker (a crashed node); torchrun restarts the workers.
 - ``kill-during-save``: SIGKILL of one worker while a checkpoint directory is being written
@@ -62,7 +62,7 @@ from campaign.measure import (
     measure_startup,
     summarise,
 )
-from campaign.report import plot_sensitivity, plot_timeline, write_doc
+from campaign.report import companion_of, plot_sensitivity, plot_timeline, write_doc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +90,20 @@ def main(argv: list[str] | None = None) -> int:
         default=HANG_TIMEOUT_S,
         help=f"train.hang_timeout of both runs, seconds (default {HANG_TIMEOUT_S:g})",
     )
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16-sr"),
+        default="fp32",
+        help="optim.precision of both runs (bf16-sr: bf16 weights and moments, stochastic "
+        "rounding, as hlat-7b trains; default fp32)",
+    )
     parser.add_argument("--doc", default="", help="also write this Markdown report")
+    parser.add_argument(
+        "--companion",
+        default="",
+        help="summary.json of the same campaign in another precision: --doc reports its "
+        "outcome beside this one's",
+    )
     parser.add_argument(
         "--from-summary", default="", help="only rewrite --doc from this summary.json"
     )
@@ -107,10 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         measure_save_worker(args.measure_save, args.sizes.split(","), args.repeats)
         return 0
     before = json.loads(Path(args.before).read_text()) if args.before else None
+    companion = json.loads(Path(args.companion).read_text()) if args.companion else None
     if args.from_summary:
         if not args.doc:
             parser.error("--from-summary needs --doc")
         summary = json.loads(Path(args.from_summary).read_text())
+        if companion is not None:
+            summary["companion"] = companion_of(companion)
         write_doc(summary, Path(args.doc), summary["command"], before)
         plot_sensitivity(summary, Path(args.doc).with_suffix("") / "sensitivity.png")
         return 0
@@ -138,7 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     ref_dir, run_dir = out / "reference", out / "campaign"
     configs = [
         write_config(
-            corpus, d, steps, every, args.quick, True, args.hang_timeout, nan_steps=nan_steps
+            corpus,
+            d,
+            steps,
+            every,
+            args.quick,
+            True,
+            args.hang_timeout,
+            nan_steps=nan_steps,
+            precision=args.precision,
         )
         for d in (ref_dir, run_dir)
     ]
@@ -173,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         stall=stall,
         startup=startup,
     )
+    summary["setup"]["precision"] = args.precision
+    if companion is not None:
+        summary["companion"] = companion_of(companion)
     restart_median = summary["campaign"]["restart_latency_median_s"]
     projection = summary["projection_hlat_7b"]
     hangs = [f for f in injected if f.kind == "hang-rank"]

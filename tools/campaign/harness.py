@@ -129,6 +129,7 @@ def write_config(
     async_save: bool,
     hang_timeout: float = HANG_TIMEOUT_S,
     nan_steps: list[int] | None = None,
+    precision: str = "fp32",
 ) -> Path:
     """A TOML config for one run (validated by hlat-train as it is built)."""
     from hlat_train import TrainConfig
@@ -145,7 +146,7 @@ def write_config(
         "--optim.warmup_steps=2",
         "--optim.lr=3e-3",
         "--optim.impl=reference",
-        "--optim.precision=fp32",  # the preset's auto would follow the CPU
+        f"--optim.precision={precision}",  # the preset's auto would follow the CPU
         f"--checkpoint.every={every}",
         "--checkpoint.keep_last=3",
         f"--checkpoint.async_save={'true' if async_save else 'false'}",

@@ -125,6 +125,47 @@ def _before_after(after: dict[str, Any], before: dict[str, Any]) -> str:
     )
 
 
+def companion_of(other: dict[str, Any]) -> dict[str, Any]:
+    """What the report shows of another campaign (another precision): its command, faults
+    and final comparison."""
+    c, final = other["campaign"], other["final"]
+    return {
+        "precision": other["setup"].get("precision", "fp32"),
+        "command": other["command"],
+        "faults": c["faults_injected"],
+        "kinds": ", ".join(f"{k} {v}" for k, v in c["kinds"].items()),
+        "bit_identical": final["bit_identical"],
+        "tensors": final["tensors_compared"],
+        "trajectory": final["loss_trajectory_identical"],
+        "restart_s": c["restart_latency_median_s"],
+        "utilisation": c["utilisation"],
+    }
+
+
+def _companion_text(s: dict[str, Any]) -> str:
+    """The paragraph on the companion campaign (``--companion``), after a blank line; empty
+    without one."""
+    c = s.get("companion")
+    if not c:
+        return ""
+    return (
+        "\n"
+        + _fill(
+            "companion",
+            c_precision=c["precision"],
+            c_command=c["command"],
+            c_faults=c["faults"],
+            c_kinds=c["kinds"],
+            c_bit_identical="yes" if c["bit_identical"] else "NO",
+            c_tensors=c["tensors"],
+            c_trajectory="yes" if c["trajectory"] else "no",
+            c_restart_s=f"{c['restart_s']:.2f}",
+            c_utilisation=f"{c['utilisation']:.1%}",
+        )
+        + "\n"
+    )
+
+
 def _hang_and_nan_text(s: dict[str, Any]) -> str:
     """The paragraphs on the ``hang-rank`` and ``nan`` faults of a summary, each after a
     blank line (empty without either)."""
@@ -242,6 +283,8 @@ def render(summary: dict[str, Any], command: str, before: dict[str, Any] | None 
         import_torch_s=f"{s['startup'].get('import torch', math.nan):.1f}",
         before_after="\n" + _before_after(s, before) + "\n" if before else "",
         corrupt=s["setup"].get("corrupt", "manifest"),
+        precision=s["setup"].get("precision", "fp32"),
+        companion=_companion_text(s),
     )
     return text + "\n"
 

@@ -127,6 +127,8 @@ def measure_save_worker(out: str, sizes: list[str], repeats: int) -> None:
     ``hlat_parallel``, built on the meta device and initialised per shard as the trainer
     does), saved by ``hlat_ckpt.Checkpointer`` synchronously and asynchronously: the time
     ``save()`` blocks, the background write of the async saves, and a load of the state."""
+    import shutil
+
     import torch
     import torch.distributed as dist
 
@@ -193,6 +195,9 @@ def measure_save_worker(out: str, sizes: list[str], repeats: int) -> None:
                     raise RuntimeError(f"the last save of {spec} did not load back")
                 row["load_s"] = time.perf_counter() - start
             ckpt.close()
+            dist.barrier()
+            if dims.rank == 0:  # gigabytes each at the largest size
+                shutil.rmtree(root, ignore_errors=True)
         results.append(row)
         del state, opt, model
     if dims.rank == 0:

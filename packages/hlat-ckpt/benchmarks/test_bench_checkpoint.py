@@ -175,6 +175,26 @@ def test_save_hlat_ckpt_async_stall(benchmark, model, nbytes, out):
     benchmark.extra_info["note"] = "stall per save, not throughput"
 
 
+def test_save_dcp_async_stall(benchmark, model, out):
+    """The same stall for ``dcp.async_save`` with its defaults (the peer hlat-ckpt's async
+    save is built beside); its previous write finished (untimed) before each round."""
+    pending = []
+
+    def setup():
+        while pending:
+            pending.pop().result()
+        fresh(out / "dcp-async")
+
+    def run():
+        pending.append(
+            dcp.async_save(model.state_dict(), checkpoint_id=str(out / "dcp-async"), no_dist=True)
+        )
+
+    benchmark.pedantic(run, setup=setup, rounds=ROUNDS + 1, warmup_rounds=1, iterations=1)
+    setup()
+    benchmark.extra_info["note"] = "stall per save, not throughput"
+
+
 def test_load_torch_load(benchmark, model, nbytes, out):
     torch.save(model.state_dict(), out / "model.pt")
     benchmark.pedantic(

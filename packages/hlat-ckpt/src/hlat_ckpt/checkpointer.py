@@ -476,6 +476,14 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
 
         Note: reusing the buffers is what keeps the stall small: fresh allocations of the
         same size cost page faults that take longer than the copy itself.
+
+        Note: built beside ``dcp.async_save`` and its stager rather than on them. The
+        background thread here runs, in order, the storage checks and the step agreement,
+        DCP's write, the checksum commit and retention; ``dcp.async_save``'s executor runs
+        DCP's write only, so the commit would need a thread of its own after its future
+        anyway. And its default staging blocked longer: in the benchmark (one process,
+        1.07 GB, torch 2.13) ``dcp.async_save`` blocked the caller 288 ms against 66 ms
+        here (medians of 6 rounds, the same run).
         """
         from torch.distributed.tensor import DTensor
 

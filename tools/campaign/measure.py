@@ -312,7 +312,11 @@ CLUSTER_RESTART_ASSUMED = (
     (
         "rendezvous and process groups at 2,048 ranks",
         30.0,
-        "assumed: no public figure found; measure it with `hlat-train preflight` at the job's size",
+        "torchrun's c10d rendezvous waits its `last_call` timeout, 30 s by default "
+        "(torch.distributed.elastic.rendezvous.dynamic_rendezvous), once the minimum of a "
+        "node range (`--nnodes MIN:MAX`) has joined; a fixed node count completes when all "
+        "join. Process-group creation at 2,048 ranks: no public figure found, measure it "
+        "with `hlat-train preflight` at the job's size",
     ),
 )
 

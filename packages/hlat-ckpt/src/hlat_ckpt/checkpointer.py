@@ -584,7 +584,7 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         # DCP's final collective returns only after every rank's files and the metadata are
         # written, so the commit can list them and collect every rank's checksums.
         written = Written(step, kinds, layout, started, stall_s, wait_s, write_start, name)
-        written.rank_bytes = sum(replicas.item_of(t)[1] for t in flat.values())
+        written.rank_bytes = sum(replicas.local_nbytes(t) for t in flat.values())
         if isinstance(writer, ChecksumWriter):
             written.checksums = writer.checksums()
             written.errors = writer.errors()

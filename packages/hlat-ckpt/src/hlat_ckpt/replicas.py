@@ -26,6 +26,14 @@ Item = tuple[tuple[int, ...], int]
 """A tensor as the owner rule sees it: the global offsets of the rank's chunk, its bytes."""
 
 
+def local_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of this rank's chunk of ``tensor`` (its local tensor for a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
 def item_of(tensor: torch.Tensor) -> Item:
     """(global offsets of this rank's chunk, bytes of the chunk): zeros for a plain tensor."""
     from torch.distributed.tensor import DTensor
@@ -36,9 +44,8 @@ def item_of(tensor: torch.Tensor) -> Item:
         _, offsets = compute_local_shape_and_global_offset(
             tensor.shape, tensor.device_mesh, tensor.placements
         )
-        local = tensor.to_local()
-        return tuple(int(o) for o in offsets), local.numel() * local.element_size()
-    return (0,) * tensor.dim(), tensor.numel() * tensor.element_size()
+        return tuple(int(o) for o in offsets), local_nbytes(tensor)
+    return (0,) * tensor.dim(), local_nbytes(tensor)
 
 
 def owners(per_rank: Sequence[Mapping[str, Item]]) -> dict[tuple[str, tuple[int, ...]], int]:

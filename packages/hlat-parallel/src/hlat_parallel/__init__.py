@@ -4,7 +4,7 @@ data.
 >>> from hlat_parallel import init_parallel, parallelize
 """
 
-from hlat_parallel.apply import DP_SHARD, compile_blocks, parallelize
+from hlat_parallel.apply import DP_SHARD, compile_blocks, parallelize, resolve_dp_shard
 from hlat_parallel.context import (
     ContextParallelAttention,
     apply_context_parallel,
@@ -86,6 +86,7 @@ __all__ = [
     "pins_memory",
     "rank_module",
     "resolve_device",
+    "resolve_dp_shard",
     "shard_optimizer",
     "shard_sequence",
     "split_layers",

@@ -34,6 +34,17 @@ def compile_blocks(model: nn.Module, **options: Any) -> int:
 DP_SHARD = ("fsdp", "zero1", "none")
 
 
+def resolve_dp_shard(dp_shard: str | None, backend: str) -> str:
+    """The data-parallel layout ``dp_shard`` names on ``backend`` (pure): ``None`` or
+    ``"auto"`` is ``"fsdp"`` on the torch backend and ``"zero1"`` on the neuron backend,
+    whose only layout is NxD's ZeRO-1; an unknown name is a ``ValueError``."""
+    if dp_shard in (None, "auto"):
+        return "zero1" if backend == "neuron" else "fsdp"
+    if dp_shard not in DP_SHARD:
+        raise ValueError(f"dp_shard must be one of {DP_SHARD}, got {dp_shard!r}")
+    return dp_shard
+
+
 def parallelize(
     model: M,
     dims: ParallelDims,
@@ -65,10 +76,7 @@ def parallelize(
     The plan is validated against the model (patterns, layer types, divisibility by tp)
     before anything changes. Returns ``model``.
     """
-    if dp_shard is None:
-        dp_shard = "zero1" if dims.backend == "neuron" else "fsdp"
-    if dp_shard not in DP_SHARD:
-        raise ValueError(f"parallelize: dp_shard must be one of {DP_SHARD}, got {dp_shard!r}")
+    dp_shard = resolve_dp_shard(dp_shard, dims.backend)
     if dims.backend == "neuron" and dp_shard != "zero1" and dims.dp > 1:
         raise ValueError(
             f"parallelize: dp_shard={dp_shard!r} is not available on the neuron backend, whose "

@@ -138,6 +138,8 @@ class _Slot:
             tp_dims = {pl.dim for pl in param.placements if isinstance(pl, Shard)}
         free = [d for d in range(local.dim()) if d not in tp_dims]
         self.dim: int | None = free[0] if free else None
+        self.chunk_numel = 0
+        """Elements of the largest rank's slice: the padded size each rank all-gathers."""
         if self.dim is None:
             self.ranges = [(0, 0)] * n
             piece = local.clone()
@@ -149,10 +151,7 @@ class _Slot:
             lo, hi = self.ranges[rank]
             piece = local.narrow(self.dim, lo, hi - lo).clone()
             placements = [Shard(self.dim)]
-        self.chunk_numel = 0
-        if self.dim is not None:
-            other = local.numel() // max(local.shape[self.dim], 1) if local.numel() else 0
-            self.chunk_numel = max(hi - lo for lo, hi in self.ranges) * other
+            self.chunk_numel = chunk * (local.numel() // size if size else 0)
         if isinstance(param, DTensor):
             mesh = dims.mesh["dp" if dims.cp == 1 else "dp_cp", "tp"]
             placements += list(param.placements)
@@ -213,10 +212,11 @@ class _State(Mapping):
                 yield slot.param, state[slot.shard]
 
     def __getitem__(self, param: torch.Tensor) -> Any:
-        for key, value in self._items():
-            if key is param:
-                return value
-        raise KeyError("parameter has no optimizer state")
+        slot = self._owner._slot_of.get(id(param))
+        state = self._owner.inner.state
+        if slot is None or slot.shard not in state:
+            raise KeyError("parameter has no optimizer state")
+        return state[slot.shard]
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return (key for key, _ in self._items())
@@ -258,6 +258,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 self._slots.append(slot)
                 shards.append(slot.shard)
             inner_groups.append({**group, "params": shards})
+        self._slot_of = {id(slot.param): slot for slot in self._slots}
         self.inner = optimizer_cls(inner_groups, **kwargs)
         # Note: Optimizer.__init__ is not called; the wrapped optimizer owns the groups,
         # defaults and state, and the attributes below are views of them.

@@ -1449,6 +1449,8 @@ def resolve_layout(
             "change --nodes, --procs-per-node or the parallel degrees"
         )
     dp = world // replica
+    from hlat_parallel import resolve_dp_shard
+
     layout = Layout(
         nodes=nodes,
         procs_per_node=ppn,
@@ -1466,18 +1468,10 @@ def resolve_layout(
         pp_schedule=par.pp_schedule,
         pp_virtual=par.pp_virtual,
         pp_split=tuple(par.pp_split),
-        dp_shard=_dp_shard(par.dp_shard, backend),
+        dp_shard=resolve_dp_shard(par.dp_shard, backend),
     )
     capacity = device_memory_gib if device_memory_gib is not None else spec.memory_gib
     return spec, capacity, layout
-
-
-def _dp_shard(value: str, backend: str) -> str:
-    """``parallel.dp_shard`` resolved as the trainer does (auto: fsdp on torch, zero1 on
-    neuron)."""
-    if backend == "neuron" or value == "zero1":
-        return "zero1"
-    return "none" if value == "none" else "fsdp"
 
 
 NEURON_PIPELINE_NOTE = (

@@ -187,7 +187,7 @@ class Trainer:
         from hlat_data import Tokenizer
         from hlat_model import Llama
         from hlat_optim import cosine_with_warmup
-        from hlat_parallel import init_parallel, parallelize, pins_memory
+        from hlat_parallel import init_parallel, parallelize, pins_memory, resolve_dp_shard
 
         c = self.config
         if c.parallel.backend == "neuron" and c.optim.precision == "auto":
@@ -222,9 +222,7 @@ class Trainer:
         )
         self.rank0 = dims.rank == 0
         self.device = device = dims.device
-        self.dp_shard = c.parallel.dp_shard
-        if self.dp_shard == "auto":
-            self.dp_shard = "zero1" if dims.backend == "neuron" else "fsdp"
+        self.dp_shard = resolve_dp_shard(c.parallel.dp_shard, dims.backend)
 
         self._log(
             f"parallel backend {dims.backend} ({dims.backend_reason}); device {device}, "

@@ -194,6 +194,31 @@ def reuse_torchtitan(session: nox.Session) -> None:
     session.run("pytest", "packages/hlat-optim/tests/test_reuse_torchtitan.py", *session.posargs)
 
 
+@nox.session(name="bench-torchtitan", python=PYTHON)
+def bench_torchtitan(session: nox.Session) -> None:
+    """The whole trainer against torchtitan's on the same Llama shape and data
+    (``packages/hlat-train/benchmarks/test_bench_vs_torchtitan.py``), in an environment of its
+    own for the reason ``reuse-torchtitan`` gives."""
+    session.install(*TORCH)
+    editable: list[str] = []
+    for package in PACKAGES:
+        editable += ["-e", f"packages/{package}"]
+    session.install(
+        "torchtitan>=0.3,<0.4",
+        "triton",
+        "pytest>=8",
+        "pytest-benchmark>=4",
+        *editable,
+        "-e",
+        "packages/hlat-data[torch]",
+        *TORCH,  # repeated: nothing may lift torch to another release
+    )
+    targets = session.posargs or ["packages/hlat-train/benchmarks/test_bench_vs_torchtitan.py"]
+    session.run(
+        "pytest", "--benchmark-only", "--benchmark-columns=min,median,rounds", "-s", *targets
+    )
+
+
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """pytest-benchmark suites of every package (or ``nox -s bench -- packages/hlat-optim``)."""

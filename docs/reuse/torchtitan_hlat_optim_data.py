@@ -387,9 +387,9 @@ def trainer_config(
     )
 
 
-def train(out: Path, data: Path, **config: Any) -> None:
-    """One torchtitan run in this process (under torchrun, or alone: then a one-process
-    gloo group on a free port), resuming from the newest checkpoint in ``out``."""
+def single_process_env() -> None:
+    """Outside torchrun, the environment of a one-process group on a free local port (what
+    torchtitan's trainer reads to initialise its process group)."""
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -398,6 +398,12 @@ def train(out: Path, data: Path, **config: Any) -> None:
             RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         )  # fmt: skip
+
+
+def train(out: Path, data: Path, **config: Any) -> None:
+    """One torchtitan run in this process (under torchrun, or alone: then a one-process
+    gloo group on a free port), resuming from the newest checkpoint in ``out``."""
+    single_process_env()
     init_logger()
     out.mkdir(parents=True, exist_ok=True)
     trainer = trainer_config(out, data, **config).build()

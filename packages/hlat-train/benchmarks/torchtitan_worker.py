@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -114,14 +112,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-3)
     args = parser.parse_args()
-    if "RANK" not in os.environ:  # alone: a one-process gloo group
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(
-            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        )  # fmt: skip
+    reuse.single_process_env()
     init_logger()
     args.out.mkdir(parents=True, exist_ok=True)
     dtype, param_dtype = DTYPES[args.precision]

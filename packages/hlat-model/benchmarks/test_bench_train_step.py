@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hlat_model import Llama, LlamaConfig, cross_entropy_loss, flops_per_token
-from hlat_model.linear import Linear
+from hlat_model.linear import Linear, _Fp32AccumulateLinear, cpu_bf16_reason
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,15 +48,21 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _gemm_step(config: LlamaConfig, dtype: torch.dtype, native: bool = False):
-    """Forward + backward of every linear layer of the model at its real shapes, nothing else:
-    through hlat-model's ``Linear``, or (``native``) torch's own ``nn.Linear``."""
-    shapes = [
+def _shapes(config: LlamaConfig) -> list[tuple[int, int]]:
+    """(in, out) of every linear layer of the model."""
+    return [
         (config.dim, (config.n_heads + 2 * config.kv_heads) * config.head_dim),
         (config.n_heads * config.head_dim, config.dim),
         (config.dim, 2 * config.ffn_dim),
         (config.ffn_dim, config.dim),
     ] * config.n_layers + [(config.dim, config.vocab_size)]
+
+
+def _gemm_step(config: LlamaConfig, dtype: torch.dtype, native: bool = False, path: str = ""):
+    """Forward + backward of every linear layer of the model at its real shapes, nothing else:
+    through hlat-model's ``Linear``, or (``native``) torch's own ``nn.Linear``; ``path =
+    "fp32_accumulate"`` forces ``Linear``'s fp32-accumulating bf16 path whatever the CPU."""
+    shapes = _shapes(config)
     layers = [
         (torch.nn.Linear(i, o, bias=False) if native else Linear(i, o)).to(dtype) for i, o in shapes
     ]
@@ -64,7 +70,10 @@ def _gemm_step(config: LlamaConfig, dtype: torch.dtype, native: bool = False):
 
     def step() -> None:
         for layer, x in zip(layers, inputs, strict=True):
-            layer(x).sum().backward()
+            if path == "fp32_accumulate":
+                _Fp32AccumulateLinear.apply(x, layer.weight).sum().backward()
+            else:
+                layer(x).sum().backward()
 
     return step
 
@@ -160,3 +169,54 @@ def test_compiled_blocks_against_eager(benchmark, dtype):
         first_step_s=round(first_s, 1),
     )
     print(f"\n[{dtype} compiled] {benchmark.extra_info}")
+
+
+def test_linear_paths_against_the_cpu_rule(benchmark):
+    """The two bf16 paths of ``Linear`` (oneDNN's bf16 product, and the fp32-accumulating
+    one) and of the attention core (bf16 SDPA, and SDPA on fp32 copies), forward + backward
+    at the model's shapes, on this CPU; and which one :func:`cpu_bf16_reason` picks. Run it
+    with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE`` (or ``AVX2``) to see the CPU kinds without bf16
+    instructions: oneDNN then uses the kernels it would use there. The rule reads the CPU's
+    flags, so it still answers for this CPU."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**CONFIG)
+    bf16 = torch.bfloat16
+    native = _gemm_step(config, bf16, native=True)
+    fp32_accumulate = _gemm_step(config, bf16, path="fp32_accumulate")
+    heads = config.n_heads
+    q, k, v = (
+        torch.randn(BATCH, heads, SEQ, config.head_dim, dtype=bf16, requires_grad=True)
+        for _ in range(3)
+    )
+
+    def attention_bf16() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    def attention_fp32() -> None:
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+        out.to(bf16).sum().backward()
+
+    timings: dict[str, float] = {}
+    for name, fn in [
+        ("attention_bf16", attention_bf16),
+        ("attention_fp32", attention_fp32),
+        ("linear_fp32_accumulate", fp32_accumulate),
+    ]:
+        fn()
+        timings[name] = min(_timed(fn) for _ in range(ROUNDS))
+    native()
+    benchmark.pedantic(native, rounds=ROUNDS, iterations=1)
+    timings["linear_bf16"] = benchmark.stats.stats.min
+    rule = cpu_bf16_reason()
+    benchmark.extra_info.update(
+        onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA", "(all)"),
+        rule=rule or "emulated: fp32-accumulating paths",
+        **{f"{k}_s": round(v, 4) for k, v in timings.items()},
+        linear_bf16_vs_fp32_accumulate=round(
+            timings["linear_bf16"] / timings["linear_fp32_accumulate"], 2
+        ),
+        attention_bf16_vs_fp32=round(timings["attention_bf16"] / timings["attention_fp32"], 2),
+    )
+    print(f"\n{benchmark.extra_info}")

@@ -1,29 +1,56 @@
 """A bias-free ``nn.Linear`` that stays fast for bf16 on CPUs without native bf16 math.
 
-On x86 CPUs without AVX512-BF16/AMX, oneDNN emulates bf16 matrix products and runs them 5-50x
-slower than fp32 (worst for the transposed layouts of backward). There we compute the
-product in fp32 from the bf16 operands and round the result to bf16: the same numbers a
-native bf16 GEMM produces (bf16 inputs, fp32 accumulation, bf16 output), at fp32 speed, with
-only bf16 tensors saved for backward. Everywhere else (GPU, Neuron, DTensor shards, CPUs with
-native bf16, other dtypes) it is exactly ``nn.Linear``.
+On x86 CPUs without AVX512-BF16/AMX, oneDNN emulates bf16 matrix products and runs them
+slower than fp32: 2.4x with AVX-512, 74x with AVX2 only (worst for the transposed layouts of
+backward). There we compute the product in fp32 from the bf16 operands and round the result
+to bf16: the same numbers a native bf16 GEMM produces (bf16 inputs, fp32 accumulation, bf16
+output), at fp32 speed, with only bf16 tensors saved for backward. Everywhere else (GPU,
+Neuron, DTensor shards, CPUs with native bf16, other dtypes) it is exactly ``nn.Linear``.
 """
 
 from __future__ import annotations
 
 import functools
+import platform
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
+def cpu_bf16_reason() -> str | None:
+    """Why this CPU multiplies bf16 matrices natively (a phrase for a log line), or None
+    where bf16 products would be emulated.
+
+    x86: AMX tiles or AVX512-BF16. Note: oneDNN's own check
+    (``torch.ops.mkldnn._is_mkldnn_bf16_supported``) also says yes on AVX-512 CPUs without
+    BF16 instructions, where its bf16 kernels convert in software: with oneDNN held to
+    ``ONEDNN_MAX_CPU_ISA=AVX512_CORE``, the model's bf16 products (forward and backward) ran
+    2.4x slower through ``F.linear`` than through :class:`Linear`'s fp32-accumulating path,
+    and causal attention 1.4x slower than in fp32 (``benchmarks/test_bench_train_step.py::
+    test_linear_paths_against_the_cpu_rule``). Other CPUs (Arm): oneDNN's check, which is
+    the BF16 extension (bfmmla) there.
+    """
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64", "i386", "i686"):
+        cpu = torch.cpu
+        if getattr(cpu, "_is_amx_tile_supported", lambda: False)():
+            return "this CPU has AMX tiles"
+        if getattr(cpu, "_is_avx512_bf16_supported", lambda: False)():
+            return "this CPU has AVX512-BF16"
+        return None
+    try:
+        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return "this CPU has the Arm BF16 extension"
+    except (AttributeError, RuntimeError):
+        pass
+    return None
+
+
 @functools.cache
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 matrices natively (oneDNN's own check)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except Exception:  # private op missing in some builds: assume native (plain F.linear)
-        return True
+    """Whether this CPU multiplies bf16 matrices natively: :func:`cpu_bf16_reason`, once."""
+    return cpu_bf16_reason() is not None
 
 
 class _Fp32AccumulateLinear(torch.autograd.Function):

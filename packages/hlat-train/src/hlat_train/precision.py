@@ -4,15 +4,17 @@ native, fp32 where bf16 would be emulated.
 bf16-sr is HLAT's mode and halves the bytes of weights, gradients and optimizer states; it
 pays in speed only where the hardware multiplies bf16 natively. Where it is emulated (x86 CPUs
 without AVX512-BF16 or AMX), bf16 products run slower than fp32 ones, so ``auto`` trains in
-fp32 there.
+fp32 there. The CPU rule is hlat-model's (``hlat_model.linear.cpu_bf16_reason``), the one
+its ``Linear`` and attention use to pick their bf16 path.
 """
 
 from __future__ import annotations
 
-import platform
 from dataclasses import dataclass
 
 import torch
+
+from hlat_model.linear import cpu_bf16_reason
 
 __all__ = ["PrecisionChoice", "native_bf16", "resolve_precision"]
 
@@ -30,30 +32,11 @@ class PrecisionChoice:
         return f"precision auto -> {self.mode} ({self.reason})"
 
 
-def _cpu_bf16() -> str | None:
-    """Why this CPU multiplies bf16 natively, or None where bf16 is emulated."""
-    machine = platform.machine().lower()
-    if machine in ("x86_64", "amd64", "i386", "i686"):
-        cpu = torch.cpu
-        if getattr(cpu, "_is_amx_tile_supported", lambda: False)():
-            return "this CPU has AMX tiles"
-        if getattr(cpu, "_is_avx512_bf16_supported", lambda: False)():
-            return "this CPU has AVX512-BF16"
-        return None
-    # Arm: oneDNN's own check is the BF16 extension (bfmmla), which it uses when present.
-    try:
-        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return "this CPU has the Arm BF16 extension"
-    except (AttributeError, RuntimeError):
-        pass
-    return None
-
-
 def native_bf16(device: torch.device) -> str | None:
     """Why ``device`` multiplies bf16 matrices natively (a phrase for the log), or None."""
     kind = device.type
     if kind == "cpu":
-        return _cpu_bf16()
+        return cpu_bf16_reason()
     if kind == "cuda":
         if torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False):
             return f"{torch.cuda.get_device_name(device)} has bf16 tensor cores"

@@ -1,0 +1,101 @@
+"""Which bf16 path ``Linear`` and the attention core take on a CPU, and that the
+fp32-accumulating path gives the numbers of a native bf16 kernel (bf16 operands, fp32
+accumulation, one rounding to bf16)."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hlat_model.attention as attention_module
+import hlat_model.linear as linear_module
+from hlat_model.attention import AttentionMask, attention
+from hlat_model.linear import Linear, cpu_bf16_reason
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or not _cpu_flags(), reason="reads x86 flags from /proc"
+)
+def test_the_rule_on_this_cpu_follows_the_flags_the_kernel_reports():
+    native = bool({"avx512_bf16", "amx_tile", "amx_bf16"} & _cpu_flags())
+    assert (cpu_bf16_reason() is not None) == native
+    assert linear_module.cpu_has_native_bf16() == native
+
+
+@pytest.mark.parametrize(
+    ("avx512_bf16", "amx", "native"),
+    [(False, False, False), (True, False, True), (False, True, True)],
+    ids=["avx2-or-plain-avx512", "avx512-bf16", "amx"],
+)
+def test_on_x86_only_bf16_instructions_count(avx512_bf16, amx, native, monkeypatch):
+    """A plain AVX-512 CPU is 'emulated' although oneDNN's own check says yes there: its bf16
+    kernels convert in software (see ``cpu_bf16_reason``)."""
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    reason = cpu_bf16_reason()
+    assert (reason is not None) == native
+    if native:
+        assert ("AMX" if amx else "AVX512-BF16") in reason
+
+
+def _linear_case(seed: int = 0) -> tuple[Linear, torch.Tensor]:
+    torch.manual_seed(seed)
+    layer = Linear(96, 80).to(torch.bfloat16)
+    x = torch.randn(3, 7, 96, dtype=torch.bfloat16, requires_grad=True)
+    return layer, x
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "emulated"])
+def test_linear_takes_the_path_of_the_rule(native, monkeypatch):
+    monkeypatch.setattr(linear_module, "cpu_has_native_bf16", lambda: native)
+    layer, x = _linear_case()
+    out = layer(x)
+    fp32_path = type(out.grad_fn).__name__.startswith("_Fp32AccumulateLinear")
+    assert fp32_path == (not native), type(out.grad_fn).__name__
+    # fp32 weights and inputs never take the bf16 path
+    assert not type(Linear(4, 3)(torch.randn(2, 4)).grad_fn).__name__.startswith("_Fp32")
+
+
+def test_the_fp32_accumulating_path_rounds_once_from_fp32_products(monkeypatch):
+    monkeypatch.setattr(linear_module, "cpu_has_native_bf16", lambda: False)
+    layer, x = _linear_case(1)
+    out = layer(x)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    w32, x32, g32 = layer.weight.float(), x.detach().float(), grad.float()
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, F.linear(x32, w32).to(torch.bfloat16))
+    assert torch.equal(x.grad, (g32 @ w32).to(torch.bfloat16))
+    flat_g, flat_x = g32.reshape(-1, g32.shape[-1]), x32.reshape(-1, x32.shape[-1])
+    assert torch.equal(layer.weight.grad, (flat_g.t() @ flat_x).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "emulated"])
+def test_attention_in_bf16_agrees_on_both_paths(native, monkeypatch):
+    """Emulated: SDPA on fp32 copies, rounded once, exactly; native: bf16 SDPA, within bf16's
+    rounding of the same result."""
+    monkeypatch.setattr(attention_module, "cpu_has_native_bf16", lambda: native)
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(2, 4, 16, 8, dtype=torch.bfloat16) for _ in range(3))
+    out = attention(q, k, v, AttentionMask("causal"))
+    reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert out.dtype == torch.bfloat16
+    if native:
+        torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
+    else:
+        assert torch.equal(out, reference.to(torch.bfloat16))

@@ -306,8 +306,11 @@ CLUSTER_RESTART_ASSUMED = (
     (
         "Neuron runtime start and graph load from the node-local compile cache",
         60.0,
-        "assumed: no public figure found (Neuron's persistent-cache documentation gives "
-        "none); measure it with a restart on trn1",
+        "assumed: no public figure for a training restart found; the nearest is AWS's "
+        "measurement of about 40 s to load Llama-2-7B onto a trn1.32xlarge at TP 32 from a "
+        "pre-populated compile cache, weights included (an inference load: "
+        "aws-neuron/transformers-neuronx issue 80, 2024-04-09); 60 s leaves room for the "
+        "training graphs. Measure it with a restart on trn1",
     ),
     (
         "rendezvous and process groups at 2,048 ranks",

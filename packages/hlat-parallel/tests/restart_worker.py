@@ -24,19 +24,22 @@ from hlat_parallel import init_parallel
 def main() -> None:
     out = Path(sys.argv[1])
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    plain = sys.argv[2:] == ["plain"]
     if attempt == 1:
-        # Rank 0 joins first and rank 1 a moment later, so that rank 0 reads whatever rank 1
-        # published last: on a store shared by both attempts, the address of the rank 1
-        # that died.
+        # Rank 0 joins first and rank 1 later, so that rank 0 reads whatever rank 1 published
+        # last: on a store shared by both attempts, the address of the rank 1 that died.
+        # With ``plain`` rank 1 waits long enough for a busy machine: rank 0 fails at once on
+        # the dead address (and torchrun then stops rank 1), while a rank 1 that joined
+        # before rank 0 read the address would overwrite it and let the group form.
         joining = out / "attempt1-rank0.joining"
         if os.environ["RANK"] == "0":
             joining.touch()
         else:
             while not joining.exists():
                 time.sleep(0.05)
-            time.sleep(1)
+            time.sleep(10 if plain else 1)
     # a bounded timeout, so that a failed rendezvous ends the job instead of hanging it
-    if sys.argv[2:] == ["plain"]:
+    if plain:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=15))
         rank = dist.get_rank()
     else:

@@ -199,18 +199,12 @@ def bench_torchtitan(session: nox.Session) -> None:
     """The whole trainer against torchtitan's on the same Llama shape and data
     (``packages/hlat-train/benchmarks/test_bench_vs_torchtitan.py``), in an environment of its
     own for the reason ``reuse-torchtitan`` gives."""
-    session.install(*TORCH)
-    editable: list[str] = []
-    for package in PACKAGES:
-        editable += ["-e", f"packages/{package}"]
+    _install(session, PACKAGES, "torch", editable=True)  # hlat-data[torch], the rest plain
     session.install(
         "torchtitan>=0.3,<0.4",
         "triton",
         "pytest>=8",
         "pytest-benchmark>=4",
-        *editable,
-        "-e",
-        "packages/hlat-data[torch]",
         *TORCH,  # repeated: nothing may lift torch to another release
     )
     targets = session.posargs or ["packages/hlat-train/benchmarks/test_bench_vs_torchtitan.py"]

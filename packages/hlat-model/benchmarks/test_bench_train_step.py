@@ -58,13 +58,15 @@ def _shapes(config: LlamaConfig) -> list[tuple[int, int]]:
     ] * config.n_layers + [(config.dim, config.vocab_size)]
 
 
-def _gemm_step(config: LlamaConfig, dtype: torch.dtype, native: bool = False, path: str = ""):
-    """Forward + backward of every linear layer of the model at its real shapes, nothing else:
-    through hlat-model's ``Linear``, or (``native``) torch's own ``nn.Linear``; ``path =
-    "fp32_accumulate"`` forces ``Linear``'s fp32-accumulating bf16 path whatever the CPU."""
+def _gemm_step(config: LlamaConfig, dtype: torch.dtype, path: str = "hlat"):
+    """Forward + backward of every linear layer of the model at its real shapes, nothing else,
+    through ``path``: hlat-model's ``Linear`` (``"hlat"``), torch's own ``nn.Linear``
+    (``"torch"``), or ``Linear``'s fp32-accumulating bf16 path whatever the CPU
+    (``"fp32_accumulate"``)."""
     shapes = _shapes(config)
     layers = [
-        (torch.nn.Linear(i, o, bias=False) if native else Linear(i, o)).to(dtype) for i, o in shapes
+        (torch.nn.Linear(i, o, bias=False) if path == "torch" else Linear(i, o)).to(dtype)
+        for i, o in shapes
     ]
     inputs = [torch.randn(BATCH, SEQ, i, dtype=dtype, requires_grad=True) for i, _ in shapes]
 
@@ -107,7 +109,7 @@ def test_train_step_tokens_per_second(benchmark, dtype):
     setup()
     peer_times.clear(), gemm_times.clear()
     benchmark.pedantic(ours_step, setup=setup, rounds=ROUNDS, iterations=1)
-    native_gemm_time = _timed(_gemm_step(config, torch_dtype, native=True))
+    native_gemm_time = _timed(_gemm_step(config, torch_dtype, "torch"))
 
     tokens_per_step = BATCH * SEQ
     ours_tps = tokens_per_step / benchmark.stats.stats.min
@@ -183,11 +185,10 @@ def test_linear_paths_against_the_cpu_rule(benchmark):
     torch.manual_seed(0)
     config = LlamaConfig(**CONFIG)
     bf16 = torch.bfloat16
-    native = _gemm_step(config, bf16, native=True)
-    fp32_accumulate = _gemm_step(config, bf16, path="fp32_accumulate")
-    heads = config.n_heads
+    native = _gemm_step(config, bf16, "torch")
+    fp32_accumulate = _gemm_step(config, bf16, "fp32_accumulate")
     q, k, v = (
-        torch.randn(BATCH, heads, SEQ, config.head_dim, dtype=bf16, requires_grad=True)
+        torch.randn(BATCH, config.n_heads, SEQ, config.head_dim, dtype=bf16, requires_grad=True)
         for _ in range(3)
     )
 

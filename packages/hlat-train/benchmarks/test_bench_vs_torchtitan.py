@@ -77,7 +77,7 @@ def _launch(args: list[str], nproc: int, log: Path) -> None:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}); its log: {log}")
 
 
-def run_hlat(data: Path, out: Path, nproc: int, precision: str) -> list[float]:
+def run_hlat(data: Path, out: Path, nproc: int, precision: str) -> dict[int, float]:
     """``hlat-train train`` at the benchmark's shape; each step's seconds (rank 0)."""
     model = [f"--model.{k}={v}" for k, v in SHAPE.items()]
     _launch(
@@ -94,10 +94,10 @@ def run_hlat(data: Path, out: Path, nproc: int, precision: str) -> list[float]:
         out.with_suffix(".log"),
     )  # fmt: skip
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["step_s"] for r in records if r.get("kind") == "train"]
+    return {r["step"]: r["step_s"] for r in records if r.get("kind") == "train"}
 
 
-def run_torchtitan(data: Path, out: Path, nproc: int, precision: str) -> list[float]:
+def run_torchtitan(data: Path, out: Path, nproc: int, precision: str) -> dict[int, float]:
     """torchtitan's ``Trainer`` (``torchtitan_worker.py``) at the same shape; each step's
     seconds (rank 0; its first step has no predecessor and is not recorded)."""
     shape = json.dumps({**SHAPE, "seq_len": SEQ})
@@ -108,30 +108,31 @@ def run_torchtitan(data: Path, out: Path, nproc: int, precision: str) -> list[fl
         out.with_suffix(".log"),
     )  # fmt: skip
     records = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
-    return [r["step_s"] for r in records]
+    return {r["step"]: r["step_s"] for r in records}
 
 
-def steady_tokens_per_s(step_s: list[float], nproc: int, skip: int) -> float:
-    return SEQ * MICRO_BATCH * nproc / statistics.median(step_s[skip:])
+def steady_tokens_per_s(step_s: dict[int, float], nproc: int) -> float:
+    """Tokens/s of the median step after ``WARMUP``."""
+    steady = [seconds for step, seconds in step_s.items() if step > WARMUP]
+    return SEQ * MICRO_BATCH * nproc / statistics.median(steady)
 
 
 @pytest.mark.parametrize(
     ("nproc", "precision"), SETTINGS, ids=[f"{n}proc-{p}" for n, p in SETTINGS]
 )
 def test_trainer_against_torchtitan(benchmark, data, tmp_path, nproc, precision):
-    peer: list[list[float]] = []
-    ours: list[list[float]] = []
-    rounds = iter(range(100))
+    peer: list[dict[int, float]] = []
+    ours: list[dict[int, float]] = []
 
     def setup() -> None:
-        peer.append(run_torchtitan(data, tmp_path / f"torchtitan-{next(rounds)}", nproc, precision))
+        peer.append(run_torchtitan(data, tmp_path / f"torchtitan-{len(peer)}", nproc, precision))
 
     def hlat() -> None:
         ours.append(run_hlat(data, tmp_path / f"hlat-{len(ours)}", nproc, precision))
 
     benchmark.pedantic(hlat, setup=setup, rounds=int(os.environ.get("HLAT_BENCH_ROUNDS", "1")))
-    hlat_tps = max(steady_tokens_per_s(s, nproc, WARMUP) for s in ours)
-    peer_tps = max(steady_tokens_per_s(s, nproc, WARMUP - 1) for s in peer)
+    hlat_tps = max(steady_tokens_per_s(s, nproc) for s in ours)
+    peer_tps = max(steady_tokens_per_s(s, nproc) for s in peer)
     benchmark.extra_info.update(
         processes=nproc,
         precision=precision,

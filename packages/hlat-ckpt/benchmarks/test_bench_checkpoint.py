@@ -10,7 +10,11 @@ peer's median alike; before each round, untimed, the previous round's checkpoint
 back every dirty page, so that no round pays for the one before. The synchronous Checkpointer save prints its ratio
 to ``dcp.save`` of the same run. ``HLAT_CKPT_BENCH_MIB`` sets the size of each of the 16
 tensors (default 64 MiB), e.g. 1 to check that the file runs; ``HLAT_CKPT_BENCH_ROUNDS`` the
-timed rounds of each peer (default 5: a round of a save on a shared disk varies by 2x).
+timed rounds of each peer (default 5: a round of a save on a shared disk varies by 2x);
+``HLAT_CKPT_BENCH_GAP_S`` seconds of idleness before each save round, after the sync
+(default 0: back to back; in training, saves are minutes apart, and on a 2-core
+development machine the DCP-based saves took 2x to 2.6x as long after 5 idle seconds, the
+raw write and torch.save no longer; README).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import time
 import warnings
 
 import pytest
@@ -30,6 +35,7 @@ from hlat_ckpt import Checkpointer
 GB = 1e9
 ROUNDS = int(os.environ.get("HLAT_CKPT_BENCH_ROUNDS", "5"))
 TENSOR_MIB = int(os.environ.get("HLAT_CKPT_BENCH_MIB", "64"))
+GAP_S = float(os.environ.get("HLAT_CKPT_BENCH_GAP_S", "0"))
 MEDIANS: dict[str, float] = {}  # save medians of this run, by peer, for the ratios
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -68,8 +74,11 @@ def report(benchmark, nbytes: int) -> None:
 
 def settle() -> None:
     """Untimed, before each save round: write back every dirty page, so that no round
-    pays for the writes of the one before (or of the peer before)."""
+    pays for the writes of the one before (or of the peer before); then idle for
+    ``HLAT_CKPT_BENCH_GAP_S``."""
     os.sync()
+    if GAP_S > 0:
+        time.sleep(GAP_S)
 
 
 def fresh(path) -> str:

@@ -2,8 +2,11 @@
 manifest; the fsyncs of a save."""
 
 import collections
+import io
 import json
 import os
+import threading
+import zipfile
 import zlib
 
 import pytest
@@ -12,7 +15,7 @@ from ckpt_helpers import make_state
 
 import hlat_ckpt.policy
 from hlat_ckpt import MANIFEST_NAME, Checkpointer, CheckpointError
-from hlat_ckpt.checksum_writer import OVERLAP_BYTES, ChecksumFileSystem
+from hlat_ckpt.checksum_writer import OVERLAP_BYTES, ChecksumFileSystem, zip_crc_skipped
 from hlat_ckpt.manifest import checksum_files, file_checksum
 from hlat_ckpt.storage import Storage
 
@@ -193,3 +196,87 @@ def test_each_file_and_directory_is_fsynced_once_with_all_its_bytes(tmp_path, mo
     assert by_name["__0_0.distcp"] == (final / "__0_0.distcp").stat().st_size
     assert by_name[".metadata.tmp"] == (final / ".metadata").stat().st_size
     assert by_name[manifest_part[0]] == (final / MANIFEST_NAME).stat().st_size
+
+
+def zip_records(shard, metadata):
+    """``{fqn: [(record name, its zip header's CRC-32)]}`` of the tensors DCP wrote
+    into ``shard``: each is a ``torch.save`` zip at the offset its metadata gives."""
+    data = shard.read_bytes()
+    found = {}
+    for index, info in metadata.storage_data.items():
+        if info.relative_path != shard.name:
+            continue
+        piece = io.BytesIO(data[info.offset : info.offset + info.length])
+        with zipfile.ZipFile(piece) as z:
+            found[index.fqn] = [(i.filename, i.CRC) for i in z.infolist()]
+    return found
+
+
+@pytest.mark.parametrize("io_threads", [1, 2], ids=["1-thread", "2-threads"])
+@pytest.mark.parametrize("user_option", [True, False], ids=["crc-on", "crc-off"])
+def test_torch_save_writes_no_record_crc_into_a_checkpoint_and_the_option_comes_back(
+    tmp_path, user_option, io_threads
+):
+    import torch.distributed.checkpoint as dcp
+
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(user_option)
+    try:
+        state = big_state()
+        ck = Checkpointer(tmp_path, async_save=False, io_threads=io_threads)
+        ck.save(1, state)
+        assert torch.serialization.get_crc32_options() is user_option
+        folder = tmp_path / "step_0000000001"
+        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+        manifest = json.loads((folder / MANIFEST_NAME).read_text())
+        records = {}
+        for i in range(io_threads):  # each writing thread's file
+            shard = folder / f"__0_{i}.distcp"
+            found = zip_records(shard, metadata)
+            assert found, shard.name
+            records.update(found)
+            # the manifest's checksum of the whole file is still what a load checks
+            assert manifest["checksums"][shard.name] == crc_of(shard.read_bytes())
+        assert "wide/weight" in records
+        for fqn, entries in records.items():
+            data = [(name, crc) for name, crc in entries if "/data/" in name]
+            assert data and all(crc == 0 for _, crc in data), (fqn, entries)
+        loaded = big_state()
+        with torch.no_grad():
+            loaded["wide"].weight.zero_()
+        assert Checkpointer(tmp_path).load_latest(loaded) == 1
+        assert torch.equal(loaded["wide"].weight, state["wide"].weight)
+
+        # a plain torch.save outside a checkpoint keeps the user's option
+        buf = io.BytesIO()
+        torch.save(torch.arange(10.0), buf)
+        with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
+            crcs = [i.CRC for i in z.infolist() if "/data/" in i.filename]
+        assert (crcs[0] != 0) is user_option
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
+def test_overlapping_checkpoint_writes_restore_the_option_when_the_last_one_ends():
+    first_in, second_done, order = threading.Event(), threading.Event(), []
+
+    def first():
+        with zip_crc_skipped():
+            first_in.set()
+            second_done.wait(10)
+            order.append(("first, after the second ended", torch.serialization.get_crc32_options()))
+        order.append(("after both", torch.serialization.get_crc32_options()))
+
+    assert torch.serialization.get_crc32_options() is True
+    t = threading.Thread(target=first)
+    t.start()
+    assert first_in.wait(10)
+    with zip_crc_skipped():
+        order.append(("second", torch.serialization.get_crc32_options()))
+    second_done.set()
+    t.join(10)
+    assert order == [
+        ("second", False),
+        ("first, after the second ended", False),
+        ("after both", True),
+    ]

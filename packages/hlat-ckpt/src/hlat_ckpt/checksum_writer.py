@@ -18,6 +18,7 @@ it with the first save.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import threading
@@ -25,9 +26,11 @@ import zlib
 from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, cast
 
+import torch
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
 from .manifest import CHECKSUM_ALGORITHM
@@ -36,6 +39,77 @@ OVERLAP_BYTES = 1 << 20
 """Writes at least this large are checksummed in a helper thread while the calling thread
 writes the same buffer (``zlib.crc32`` and file writes both release the GIL), so the
 checksum costs no time beside the write; smaller ones are checksummed inline."""
+
+
+class _Users:
+    """How many open blocks of :func:`zip_crc_skipped` share one scope of torch's switch,
+    and the switch's value before the first of them."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.before = True
+
+
+_users_lock = threading.Lock()
+_process_users = _Users()
+_thread_users = threading.local()
+
+
+@functools.cache
+def _switch_is_per_thread() -> bool:
+    """Whether ``set_crc32_options`` sets the option for the calling thread only (torch
+    keeps user overrides of its config modules in a ``ContextVar`` in newer versions,
+    e.g. 2.13) or for the process (e.g. 2.9)."""
+    try:
+        from torch.utils.serialization import config
+
+        entry = config._config["save.compute_crc32"]  # type: ignore[attr-defined]
+    except (ImportError, AttributeError, KeyError):
+        return False
+    return isinstance(getattr(entry, "user_override", None), ContextVar)
+
+
+def _scope() -> _Users:
+    if not _switch_is_per_thread():
+        return _process_users
+    users = getattr(_thread_users, "users", None)
+    if users is None:
+        users = _thread_users.users = _Users()
+    return cast(_Users, users)
+
+
+@contextmanager
+def zip_crc_skipped() -> Generator[None, None, None]:
+    """Within this block ``torch.save`` writes its zip records without their CRC-32
+    (``torch.serialization.set_crc32_options(False)``); the option as it was is restored
+    when the last open block of its scope ends.
+
+    DCP writes each tensor with ``torch.save`` into the checkpoint file, and ``torch.save``
+    computes a CRC-32 of every record for its zip header by default: a second pass over
+    every byte, beside the CRC-32 of the whole file that the manifest keeps (computed while
+    writing, or read back at the commit). Nothing reads the records' one: ``torch.load``
+    and DCP's loads do not check it, and the manifest's covers the same bytes.
+
+    Note: where torch keeps the switch per thread (2.13), each of DCP's writing threads
+    enters this block when it opens a file (:class:`ChecksumFileSystem`), and nothing else
+    in the process is affected. Where the switch is the process's (2.9), a ``torch.save``
+    in another thread while a checkpoint is written (the training thread during an async
+    save) also writes zero CRCs into its zip headers: ``torch.load`` reads such files as
+    usual, but a zip tool's integrity test flags them.
+    """
+    scope = _scope()
+    with _users_lock:
+        if scope.count == 0:
+            scope.before = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+        scope.count += 1
+    try:
+        yield
+    finally:
+        with _users_lock:
+            scope.count -= 1
+            if scope.count == 0:
+                torch.serialization.set_crc32_options(scope.before)
 
 
 def format_crc(crc: int) -> str:
@@ -160,7 +234,8 @@ class ChecksumFileSystem(FileSystem):
                     return
                 stream = ChecksumStream(raw, lambda s: self._record(key, s))
                 try:
-                    yield stream
+                    with zip_crc_skipped():  # the file's CRC-32 is computed here
+                        yield stream
                 except BaseException:
                     stream.exact = False  # the writer gave up on this file
                     raise

@@ -11,7 +11,7 @@ import pytest
 from train_helpers import tiny_config, torchrun, write_config
 
 from hlat_train import ConfigError, Trainer, read_metrics
-from hlat_train.validation import validate
+from hlat_train.validation import compiled_tp_checkpoints_fail, validate
 
 pytestmark = pytest.mark.slow
 
@@ -51,29 +51,72 @@ def test_compiled_blocks_train_like_eager_and_resume(corpus, tmp_path, eager):
     assert _losses(out) == pytest.approx(eager, rel=1e-5)
 
 
-def _torchrun(config, path) -> list[float]:
+def _torchrun(config, path, nproc: int = 2) -> list[float]:
     proc = torchrun(
-        2, write_config(config, path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        nproc,
+        write_config(config, path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, output[-3000:]
     return _losses(Path(config.train.out_dir))
 
 
-def test_compiled_blocks_under_fsdp_match_eager_fsdp(corpus, tmp_path):
+TP_SP = ("--parallel.tp=2", "--parallel.sp=true")
+# selective where this torch compiles it under TP (validation refuses it elsewhere)
+TP_CHECKPOINTING = "full" if compiled_tp_checkpoints_fail() else "selective"
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        SETTINGS,
+        (f"--model.checkpointing={TP_CHECKPOINTING}", "--data.document_mask=true", HORIZON, *TP_SP),
+    ],
+    ids=["dp2-fsdp2-selective", f"tp2-sp-x-dp2-fsdp2-{TP_CHECKPOINTING}"],
+)
+def test_compiled_blocks_under_parallelism_match_eager(corpus, tmp_path, layout):
+    """FSDP2 over two ranks with selective checkpointing; or four ranks, TP2 with sequence
+    parallelism (the embedding's output reduced asynchronously into the first compiled
+    block) times FSDP2 over DP2, with selective checkpointing where this torch compiles it
+    under TP, else full; document masking in both. The compiled run's losses are the eager
+    run's."""
+    nproc = 4 if "--parallel.tp=2" in layout else 2
     runs = {}
     for name, extra in (("eager", ()), ("compiled", ("--model.compile=true",))):
-        config = tiny_config(corpus, tmp_path / name, *SETTINGS, *extra, steps=6)
-        runs[name] = _torchrun(config, tmp_path / f"{name}.toml")  # DP2: FSDP2 over 2 ranks
+        config = tiny_config(corpus, tmp_path / name, *layout, *extra, steps=6)
+        runs[name] = _torchrun(config, tmp_path / f"{name}.toml", nproc)
     assert len(runs["compiled"]) == 6
     assert runs["compiled"] == pytest.approx(runs["eager"], rel=1e-5)
 
 
-@pytest.mark.parametrize("layout", ["--parallel.tp=2", "--parallel.pp=2", "--parallel.cp=2"])
-def test_compile_with_model_parallelism_is_refused_before_any_work(corpus, tmp_path, layout):
+@pytest.mark.parametrize("layout", ["--parallel.pp=2", "--parallel.cp=2"])
+def test_compile_with_pipeline_or_context_parallelism_is_refused_before_any_work(
+    corpus, tmp_path, layout
+):
     config = tiny_config(corpus, tmp_path, "--model.compile=true", layout)
-    with pytest.raises(ConfigError, match=r"model\.compile = true with parallel\.tp"):
+    with pytest.raises(ConfigError, match=r"model\.compile = true with parallel\.pp"):
         validate(config, world_size=4)
+
+
+def test_compile_with_tp_and_selective_checkpointing_is_refused_where_torch_fails_it(
+    corpus, tmp_path
+):
+    config = tiny_config(corpus, tmp_path, "--model.compile=true", *SETTINGS, *TP_SP)
+    if compiled_tp_checkpoints_fail():
+        with pytest.raises(ConfigError, match=r"model\.checkpointing = 'selective' on torch"):
+            validate(config, world_size=2)
+    else:
+        validate(config, world_size=2)  # this torch compiles it (the test above runs it)
+    for mode in ("full", "none"):  # the same layout compiles with these
+        validate(
+            tiny_config(
+                corpus, tmp_path, "--model.compile=true", *TP_SP, f"--model.checkpointing={mode}"
+            ),
+            world_size=2,
+        )
 
 
 def test_compile_on_the_trn1_backend_is_refused_before_any_work(corpus, tmp_path):

@@ -16,18 +16,38 @@ M = TypeVar("M", bound=nn.Module)
 def compile_blocks(model: nn.Module, **options: Any) -> int:
     """``torch.compile`` each child of every ``nn.ModuleList`` or ``nn.ModuleDict`` (the
     transformer blocks), in place (``Module.compile``: parameter names do not change); the
-    number of modules compiled.
+    number of modules compiled. Apply tensor parallelism first, as :func:`parallelize` does.
 
     Note: blocks of one model share their code, so the first compiled block's graph serves
     the others; ``options`` go to ``torch.compile`` (e.g. ``backend="neuron"``).
+
+    Note: every module outside the blocks gets a forward hook that turns an
+    ``AsyncCollectiveTensor`` it returns into a plain tensor (a copy, which waits for the
+    collective, recorded by autograd). Tensor parallelism leaves one where a module's output
+    is reduced asynchronously and handed on as a local tensor (``RowwiseParallel`` on the
+    embedding). A compiled block that takes one returns a plain tensor as its gradient where
+    the reduction's backward needs a DTensor, and the backward fails with "'Tensor' object
+    has no attribute '_local_tensor'" (torch 2.13, any backend through AOT autograd).
     """
-    count = 0
+    blocks: list[nn.Module] = []
     for module in model.modules():
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             for child in module.children():
                 child.compile(**options)
-                count += 1
-    return count
+                blocks.append(child)
+    try:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    except ImportError:  # torch built without distributed: no collectives to wait for
+        return len(blocks)
+
+    def wait_async_output(module: nn.Module, args: Any, output: Any) -> Any:
+        return output.clone() if isinstance(output, AsyncCollectiveTensor) else None
+
+    inside = {id(m) for block in blocks for m in block.modules()}
+    for module in model.modules():
+        if id(module) not in inside:
+            module.register_forward_hook(wait_async_output)
+    return len(blocks)
 
 
 #: Data-parallel layouts of :func:`parallelize`.

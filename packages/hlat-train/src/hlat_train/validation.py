@@ -176,13 +176,12 @@ def validate(
             "model.compile = true on parallel.backend = 'neuron' (trn1): XLA compiles the "
             "whole step there; set model.compile = false, or use the torch backend"
         )
-    if config.model.compile and (par.tp > 1 or par.pp > 1 or par.cp > 1):
+    if config.model.compile and (par.pp > 1 or par.cp > 1):
         raise ConfigError(
-            f"model.compile = true with parallel.tp = {par.tp}, pp = {par.pp}, cp = {par.cp}: "
-            "compiled blocks are tested on one process and under FSDP2 (data parallelism) "
-            "only; with tensor parallelism torch.compile of the DTensor blocks fails on torch "
-            "2.13, and pipeline and context parallelism are untested. Set model.compile = "
-            "false for this layout"
+            f"model.compile = true with parallel.pp = {par.pp}, cp = {par.cp}: compiled blocks "
+            "are tested on one process, under FSDP2 (data parallelism) and under tensor and "
+            "sequence parallelism; with pipeline and context parallelism they are untested. "
+            "Set model.compile = false for this layout"
         )
     if par.backend == "neuron" and (par.pp > 1 or par.cp > 1):
         raise ConfigError(
@@ -241,6 +240,19 @@ def validate(
             f"tokenizer {data.tokenizer} has {tokenizer_vocab} pieces but model.vocab_size is "
             f"{llama.vocab_size}; set model.vocab_size >= {tokenizer_vocab} (or 0 to follow "
             "the tokenizer)"
+        )
+    selective_tp = par.tp > 1 and llama.checkpointing == "selective"
+    if config.model.compile and selective_tp and compiled_tp_checkpoints_fail():
+        import torch
+
+        raise ConfigError(
+            f"model.compile = true with parallel.tp = {par.tp} and model.checkpointing = "
+            f"'selective' on torch {torch.__version__}: torch 2.13 fails to compile the "
+            "backward of a tensor-parallel block with checkpointed regions inside it (AOT "
+            "autograd saves the device mesh for backward: 'expected all "
+            "tensors_saved_with_vc_check to be Tensors'; torch 2.9 compiles it, the "
+            "versions between are untested). Set model.checkpointing = 'full' or 'none', "
+            "or model.compile = false"
         )
     if data.seq_len > llama.max_seq_len:
         raise ConfigError(
@@ -427,3 +439,13 @@ def _check_hang_timeout(value: float) -> None:
             f"is merely busy would be ended): give at least {MIN_HANG_TIMEOUT:g} s, 0 for the "
             "automatic timeout, or a negative value to turn the watchdog off"
         )
+
+
+def compiled_tp_checkpoints_fail() -> bool:
+    """Whether the installed torch is one that cannot compile a tensor-parallel block with
+    ``torch.utils.checkpoint`` regions inside (``selective`` checkpointing): 2.13 fails,
+    2.9 works; 2.10 and later count as failing until tested."""
+    import torch
+    from torch.torch_version import TorchVersion
+
+    return TorchVersion(torch.__version__) >= "2.10"

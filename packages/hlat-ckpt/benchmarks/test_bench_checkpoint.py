@@ -13,7 +13,8 @@ tensors (default 64 MiB), e.g. 1 to check that the file runs; ``HLAT_CKPT_BENCH_
 timed rounds of each peer (default 5: a round of a save on a shared disk varies by 2x);
 ``HLAT_CKPT_BENCH_GAP_S`` seconds of idleness before each save round, after the sync
 (default 0: back to back; in training, saves are minutes apart, and on a virtual disk
-with online discard every new file wrote up to 2x slower after 5 idle seconds; README).
+with online discard every peer, each writing new files, took 1.6x to 2.6x as long after 5
+idle seconds; README).
 """
 
 from __future__ import annotations

@@ -20,13 +20,14 @@ from torch.distributed.tensor import DTensor
 from hlat_model import Llama, LlamaConfig, cross_entropy_loss
 from hlat_parallel import init_parallel, loss_parallel, parallelize
 
+CONFIG = LlamaConfig(
+    vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64
+)
+
 
 def run(dims, state: dict, tokens: torch.Tensor, compile: bool) -> dict:
-    config = LlamaConfig(
-        vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64
-    )
     with torch.device("meta"):
-        model = Llama(config)
+        model = Llama(CONFIG)
     model.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True)
     parallelize(model, dims, model.parallel_plan(), compile=compile)
     losses = []
@@ -48,10 +49,7 @@ def main() -> None:
     workdir, sp = Path(sys.argv[1]), sys.argv[2] == "1"
     dims = init_parallel(tp=2, sp=sp)
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=64
-    )
-    state = Llama(config).state_dict()
+    state = Llama(CONFIG).state_dict()
     tokens = torch.randint(0, 256, (2, 33))
     rank = dist.get_rank()
     for compile in (False, True):

@@ -59,6 +59,10 @@ PEERS = {
     "torch fused fp32": (torch.float32, lambda ps: torch.optim.AdamW(ps, fused=True)),
     "torch foreach fp32": (torch.float32, lambda ps: torch.optim.AdamW(ps, foreach=True)),
     "hlat bf16-SR, bf16 states": (torch.bfloat16, lambda ps: AdamW(ps)),
+    "hlat bf16-SR, bf16 states, compiled": (
+        torch.bfloat16,
+        lambda ps: AdamW(ps, impl="compiled"),
+    ),
     "hlat bf16-SR, fp32 states": (
         torch.bfloat16,
         lambda ps: AdamW(ps, state_dtype=torch.float32),

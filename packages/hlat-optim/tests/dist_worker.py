@@ -54,26 +54,39 @@ def main() -> None:
     result["dtensor_norm"] = clip_grad_norm_([sharded, replicated], max_norm=1.0)
     result["dtensor_clipped"] = sharded.grad.full_tensor()
 
-    # AdamW on bf16 DTensor parameters sharded on dim 0 and on dim 1, and replicated.
-    params = {
-        "shard0": torch.nn.Parameter(
-            distribute_tensor(globals_(3, 8, 6).bfloat16(), mesh, [Shard(0)])
-        ),
-        # Two equal column halves: only the rounding stream can tell the dim-1 shards apart.
-        "shard1": torch.nn.Parameter(distribute_tensor(halves(4).bfloat16(), mesh, [Shard(1)])),
-        "replicate": torch.nn.Parameter(
-            distribute_tensor(globals_(5, 8, 6).bfloat16(), mesh, [Replicate()])
-        ),
-    }
-    opt = AdamW(list(params.values()), lr=1e-2, weight_decay=0.1, impl="reference")
-    for step in range(3):
-        for i, p in enumerate(params.values()):
-            g = halves(100 + 10 * step + i) if i == 1 else globals_(100 + 10 * step + i, 8, 6)
-            p.grad = distribute_tensor(g.bfloat16(), mesh, p.placements)
-        opt.step()
-    for name, p in params.items():
-        result[name] = p.detach().full_tensor()
-        result[name + "_local"] = p.detach().to_local().clone()
+    # AdamW on bf16 DTensor parameters sharded on dim 0 and on dim 1, and replicated; the
+    # reference update, then the compiled one on flat buffers (through the "eager" backend).
+    for impl in ("reference", "compiled"):
+        params = {
+            "shard0": torch.nn.Parameter(
+                distribute_tensor(globals_(3, 8, 6).bfloat16(), mesh, [Shard(0)])
+            ),
+            # Two equal column halves: only the rounding stream can tell the dim-1 shards
+            # apart.
+            "shard1": torch.nn.Parameter(distribute_tensor(halves(4).bfloat16(), mesh, [Shard(1)])),
+            "replicate": torch.nn.Parameter(
+                distribute_tensor(globals_(5, 8, 6).bfloat16(), mesh, [Replicate()])
+            ),
+        }
+        opt = AdamW(
+            list(params.values()), lr=1e-2, weight_decay=0.1, impl=impl, compile_backend="eager"
+        )
+        for step in range(3):
+            for i, p in enumerate(params.values()):
+                seed = 100 + 10 * step + i
+                g = halves(seed) if i == 1 else globals_(seed, 8, 6)
+                p.grad = distribute_tensor(g.bfloat16(), mesh, p.placements)
+            opt.step()
+        suffix = "" if impl == "reference" else "_compiled"
+        for name, p in params.items():
+            result[name + suffix] = p.detach().full_tensor()
+            result[name + "_local" + suffix] = p.detach().to_local().clone()
+            state = opt.state[p]["exp_avg_sq"]
+            result[name + "_state" + suffix] = (
+                [repr(x) for x in state.placements],
+                state.to_local().clone(),
+                state.to_local().untyped_storage().data_ptr(),
+            )
     # A dim-0 shard whose gradient arrives replicated (as DTensor's autograd leaves a
     # vocab-parallel embedding's): the update brings it to the parameter's layout.
     realigned = torch.nn.Parameter(

@@ -109,3 +109,20 @@ def test_stochastic_round_of_a_dtensor_rounds_each_shard_and_keeps_placements(ra
         assert r["sr_placements"] == ["Shard(dim=0)"]
         assert r["sr_local"].dtype == torch.bfloat16
         assert torch.equal(r["sr_local"], r["sr_expected_local"])
+
+
+def test_the_compiled_flat_update_of_dtensor_shards_equals_the_reference(ranks):
+    for r in ranks:
+        storages = set()
+        for name in ("shard0", "shard1", "replicate"):
+            assert torch.equal(
+                r[name + "_local_compiled"].view(torch.int16),
+                r[name + "_local"].view(torch.int16),
+            )
+            placements, local, storage = r[name + "_state_compiled"]
+            reference_placements, reference_local, _ = r[name + "_state"]
+            # the state keeps its DTensor layout, over a view of the optimizer's flat buffer
+            assert placements == reference_placements
+            assert torch.equal(local.view(torch.int16), reference_local.view(torch.int16))
+            storages.add(storage)
+        assert len(storages) == 1  # the three states share one buffer

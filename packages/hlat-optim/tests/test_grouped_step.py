@@ -89,61 +89,100 @@ def test_grouped_compiled_step_is_bit_identical_to_reference_and_native(mode):
 
 
 def _wrap_calls(monkeypatch, backend):
-    """Records the number of tensors of each call of the compiled group update and of each
-    table built, calling the real functions."""
-    compiled = adamw_module._compiled_group(backend)
-    calls, tables = [], []
+    """Records the number of elements of each call of the compiled flat update (tensors
+    aligned to blocks) and the tensors each table describes, calling the real functions
+    unless ``dry["on"]``."""
+    compiled = adamw_module._compiled_update(backend)
+    calls, tables, dry = [], [], {"on": False}
 
     def counting_update(*args):
-        calls.append(len(args[0]))
-        compiled(*args)
+        calls.append(args[0].numel())
+        if not dry["on"]:
+            compiled(*args)
 
-    build = adamw_module._group_table
+    build = adamw_module._flat_table
 
-    def counting_table(hypers, ints, device):
-        table = build(hypers, ints, device)
-        tables.append((table.shape[0], table.device))
+    def counting_table(hyper, keys, device):
+        table = build(hyper, keys, device)
+        tables.append((len(keys) - 1, table.device))  # less the one no tensor reads
         return table
 
     monkeypatch.setitem(adamw_module._compiled, (backend, "cpu"), counting_update)
-    monkeypatch.setattr(adamw_module, "_group_table", counting_table)
-    return calls, tables
+    monkeypatch.setattr(adamw_module, "_flat_table", counting_table)
+    return calls, tables, dry
 
 
-def test_compiled_calls_per_step_are_one_per_chunk_of_each_group_with_one_table_copy(monkeypatch):
+class _Ops(TorchDispatchMode):
+    """Counts the dispatched ops that compute or copy: every op but views (``view``,
+    ``detach``, ``split``: no kernel on any device)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.namespace == "aten":
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _aligned(numel):
+    return -(-numel // adamw_module.FLAT_BLOCK) * adamw_module.FLAT_BLOCK
+
+
+def test_a_compiled_step_makes_one_call_per_group_whatever_the_number_of_tensors(monkeypatch):
     # Note: through torch.compile's "eager" backend, which runs the traced graph as is: the
-    # calls do not depend on the backend, inductor's results are tested above, and inductor
-    # would spend minutes of C++ compilation on the larger model's graphs.
-    calls, tables = _wrap_calls(monkeypatch, "eager")
-    monkeypatch.setattr(adamw_module, "_CHUNK", 5)
-    for scale, chunks in ((1, [3]), (4, [5, 5, 2])):
+    # calls do not depend on the backend, and inductor's results are tested above.
+    calls, tables, dry = _wrap_calls(monkeypatch, "eager")
+    ops = {}
+    for scale in (2, 4, 16):
         params, groups = _model(scale)
         opt = _optimizer(groups, "compiled", "bf16-sr", compile_backend="eager")
-        for step in range(3):
-            calls.clear(), tables.clear()
-            _run(opt, params, 1, start=step)
-            # two groups (bf16 and fp32), each cut into chunks of at most _CHUNK tensors,
-            # each group's table built and copied once
-            assert sorted(calls) == sorted(chunks * 2)
-            assert sorted(tables) == [(3 * scale, torch.device("cpu"))] * 2
+        _run(opt, params, 2)
+        calls.clear(), tables.clear()
+        _run(opt, params, 1, start=2)
+        # two param groups, each of bf16 and fp32 tensors: four calls, each on one flat
+        # buffer of all its tensors, and one table for each
+        expected = [
+            [
+                sum(_aligned(p.numel()) for p in g["params"] if p.dtype == dtype),
+                sum(p.dtype == dtype for p in g["params"]),
+            ]
+            for g in groups
+            for dtype in (torch.bfloat16, torch.float32)
+        ]
+        assert len(groups[0]["params"]) == 3 * scale
+        assert sorted(calls) == sorted(numel for numel, _ in expected)
+        assert sorted(n for n, _ in tables) == sorted(n for _, n in expected)
+        assert {device for _, device in tables} == {torch.device("cpu")}
+        # The ops dispatched around the calls. Note: the compiled call itself is left out
+        # (dynamo does not run under a Python dispatch mode).
+        _gradients(params, 3)
+        dry["on"] = True
+        with _Ops() as counted:
+            opt.step()
+        dry["on"] = False
+        ops[scale] = counted.count
+    # they do not grow with the number of tensors either
+    assert ops[2] == ops[4] == ops[16], ops
 
 
-def test_every_full_chunk_reuses_one_compiled_graph(monkeypatch):
+def test_one_compiled_graph_serves_groups_of_any_size(monkeypatch):
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(adamw_module, "_CHUNK", 4)
     monkeypatch.setattr(adamw_module, "_compiled", {})
     torch._dynamo.reset()
-    params, groups = _model(4)  # 12 bf16 and 12 fp32 tensors: three full chunks each
-    opt = _optimizer(groups, "compiled", "bf16-sr")  # inductor
     counters.clear()
-    _run(opt, params, 2)
-    # one graph for the bf16 chunks, one for the fp32 chunks, however many chunks
+    for scale in (2, 4):
+        params, groups = _model(scale)
+        opt = _optimizer(groups, "compiled", "bf16-sr")  # inductor
+        _run(opt, params, 2)
+        reference_params, reference_groups = _model(scale)
+        _run(_optimizer(reference_groups, "reference", "bf16-sr"), reference_params, 2)
+        for a, b in zip(params, reference_params, strict=True):
+            assert torch.equal(_bits(a), _bits(b))
+    # one graph for the bf16 groups, one for the fp32 groups, whatever their sizes
     assert counters["stats"]["unique_graphs"] == 2
-    reference_params, reference_groups = _model(4)
-    _run(_optimizer(reference_groups, "reference", "bf16-sr"), reference_params, 2)
-    for a, b in zip(params, reference_params, strict=True):
-        assert torch.equal(_bits(a), _bits(b))
 
 
 class _ScalarReads(TorchDispatchMode):
@@ -314,3 +353,78 @@ def test_compile_backend_chooses_the_torch_compile_backend():
         opt.step()
     with pytest.raises(ValueError, match=r"compile_backend must be the name of a torch.compile"):
         _optimizer(groups, "compiled", "bf16-sr", compile_backend="")
+
+
+def _storages(opt, params):
+    return {
+        opt.state[p][name].untyped_storage().data_ptr()
+        for p in params
+        for name in ("exp_avg", "exp_avg_sq")
+    }
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_parameter_without_a_gradient_in_some_steps_is_updated_as_by_the_reference(mode):
+    runs = {}
+    for impl in ("reference", "compiled"):
+        params, groups = _model(2)
+        opt = _optimizer(groups, impl, mode)
+        for step in range(5):
+            _gradients(params, step)
+            if step in (2, 3):
+                params[0].grad = None  # this step leaves the first parameter out
+            if step == 3:
+                params[5].grad = None
+            opt.step()
+            if impl == "compiled":
+                # the states of a step's tensors share one buffer per param group, dtype and
+                # step count (the tensors that missed steps count fewer); the tensors left
+                # out keep states of their own, in no shared buffer
+                stepped = [p for p in params if p.grad is not None]
+                left_out = [p for p in params if p.grad is None]
+                kinds = {
+                    (i, p.dtype, opt.state[p]["step"].item())
+                    for i, g in enumerate(groups)
+                    for p in g["params"]
+                    if p.grad is not None
+                }
+                assert len(_storages(opt, stepped)) == 2 * len(kinds)
+                for p in left_out:
+                    for name in ("exp_avg", "exp_avg_sq"):
+                        state = opt.state[p][name]
+                        assert state.untyped_storage().nbytes() == state.nbytes
+        runs[impl] = _snapshot(opt, params)
+    _assert_same(runs["compiled"], runs["reference"])
+
+
+def test_flat_states_are_views_of_one_buffer_per_state_and_save_and_load_as_tensors():
+    params, groups = _model(2)
+    opt = _optimizer(groups, "compiled", "mixed")
+    _run(opt, params, 2)
+    bf16 = [p for p in groups[0]["params"] if p.dtype == torch.bfloat16]
+    # exp_avg, exp_avg_sq and master weights: one buffer each for these parameters
+    assert len({opt.state[p]["exp_avg"].untyped_storage().data_ptr() for p in bf16}) == 1
+    assert len({opt.state[p]["master"].untyped_storage().data_ptr() for p in bf16}) == 1
+    for p in bf16:
+        assert opt.state[p]["exp_avg"].shape == p.shape
+    # a state dict loaded into a new optimizer is copied into new flat buffers on its first
+    # step, and the run goes on as the uninterrupted one
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    opt2 = _optimizer(groups, "compiled", "mixed")
+    opt2.load_state_dict(torch.load(buf))
+    assert opt2.state[bf16[0]]["exp_avg"].untyped_storage().data_ptr() not in _storages(opt, bf16)
+    reference = copy.deepcopy(opt.state_dict())
+    _gradients(params, 2)
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    after = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, b in zip(params, before, strict=True):
+            p.copy_(b)
+    opt2.step()
+    for p, a in zip(params, after, strict=True):
+        assert torch.equal(_bits(p), _bits(a))
+    assert len({opt2.state[p]["exp_avg"].untyped_storage().data_ptr() for p in bf16}) == 1
+    assert reference["state"][0]["exp_avg"].shape == params[0].shape

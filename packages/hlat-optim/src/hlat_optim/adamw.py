@@ -22,7 +22,7 @@ from hlat_optim.rounding import (
     round_with_bits,
 )
 
-__all__ = ["AdamW", "adamw_update"]
+__all__ = ["AdamW", "adamw_update", "adamw_update_flat"]
 
 _SUPPORTED = (torch.float32, torch.bfloat16)
 _IMPLS = ("auto", "native", "compiled", "reference")
@@ -31,6 +31,8 @@ _TABLE_WIDTH = _HYPER_WIDTH + 2  # hyper, key, offset
 # Graphs of the compiled group update a process may hold: a few groups per optimizer, and
 # processes (tests, notebooks) that build optimizers for several models.
 _RECOMPILE_LIMIT = 128
+# Elements per block of adamw_update_flat's buffers, where every tensor starts on a block.
+FLAT_BLOCK = 1024
 # An odd multiplier: the high 16 bits of (bits * it) are exp_avg_sq's rounding bits.
 _SQ_MULT = 0x2C1B3C6D
 
@@ -50,10 +52,11 @@ def adamw_update(
 ) -> None:
     """One AdamW update of a flat (1-D, contiguous) parameter and its states, in place.
 
-    This is the reference implementation; ``AdamW`` runs it for each tensor of a group of
-    same-dtype tensors, eagerly (``impl="reference"``) or inside one ``torch.compile``d call
-    per group, or, on CPU, as the equivalent C++ loop in ``_adamw_cpu.cpp``; every path
-    computes the same thing bit for bit.
+    This is the reference implementation; ``AdamW`` runs it eagerly for each tensor of a
+    group of same-dtype tensors (``impl="reference"``), or the same update of a whole group
+    on flat buffers inside one ``torch.compile``d call (``adamw_update_flat``), or, on CPU,
+    the equivalent C++ loop in ``_adamw_cpu.cpp``; every path computes the same thing bit for
+    bit.
 
     ``hyper`` is a float32 tensor ``[decay, step_size, 1 - beta1, beta2, 1 - beta2, eps,
     1 / bias_correction2_sqrt]`` with ``decay = 1 - lr * weight_decay``,
@@ -79,6 +82,92 @@ def adamw_update(
     is a tensor so that it can be decided on the device: reading it on the host would wait
     for the device.
     """
+
+    def bits() -> torch.Tensor:
+        index = torch.arange(param.numel(), dtype=torch.int32, device=param.device) + offset
+        return hashed_bits(index, key)
+
+    _update(
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        master,
+        hyper,
+        bits,
+        stochastic_rounding,
+        compensation,
+        skip,
+    )
+
+
+def adamw_update_flat(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    master: torch.Tensor | None,
+    table: torch.Tensor,
+    blocks: torch.Tensor,
+    shifts: torch.Tensor,
+    stochastic_rounding: bool,
+    compensation: torch.Tensor | None = None,
+    skip: torch.Tensor | None = None,
+) -> None:
+    """``adamw_update`` of many tensors laid end to end in flat buffers, in place.
+
+    Each tensor starts at a multiple of ``FLAT_BLOCK`` elements (the gaps between them are
+    updated too, and hold nothing). ``blocks`` (int32) gives the tensor each block of
+    ``FLAT_BLOCK`` elements belongs to, and ``shifts`` (int64) each tensor's index offset
+    (as ``adamw_update``'s ``offset``, a signed int32 value) less its start in the buffers.
+    ``table`` (int32) holds ``hyper`` (shared by every tensor) as ``_HYPER_WIDTH`` float32
+    bit patterns, then each tensor's key. Every element draws the rounding bits it would
+    draw in ``adamw_update`` of its own tensor.
+
+    Note: one call updates any number of tensors, so the kernels per step do not grow with
+    the number of parameters, and the graph (sizes left symbolic) compiles once for every
+    group of the same dtypes. Aligned tensors make an element's tensor one lookup of its
+    block, where a search of the tensors' starts would take a dozen.
+    """
+    hyper = table[:_HYPER_WIDTH].view(torch.float32)
+    keys = table[_HYPER_WIDTH:]
+
+    def bits() -> torch.Tensor:
+        position = torch.arange(param.numel(), dtype=torch.int64, device=param.device)
+        tensor = blocks[position // FLAT_BLOCK]
+        # Note: the index within the tensor plus its offset, wrapped to int32 as
+        # ``adamw_update``'s sum of two int32 values is.
+        index = (position + shifts[tensor]).to(torch.int32)
+        return hashed_bits(index, keys[tensor])
+
+    _update(
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        master,
+        hyper,
+        bits,
+        stochastic_rounding,
+        compensation,
+        skip,
+    )
+
+
+def _update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    master: torch.Tensor | None,
+    hyper: torch.Tensor,
+    random_bits: Callable[[], torch.Tensor],
+    stochastic_rounding: bool,
+    compensation: torch.Tensor | None,
+    skip: torch.Tensor | None,
+) -> None:
+    """The update both ``adamw_update`` and ``adamw_update_flat`` make; ``random_bits()``
+    gives each element's 32 hashed bits."""
     decay, step_size, one_minus_beta1, beta2, one_minus_beta2, eps, inv_bc2_sqrt = hyper.unbind(0)
     g = grad.float()
     m = exp_avg.float()
@@ -101,8 +190,7 @@ def adamw_update(
     param_sr = master is None and compensation is None and param.dtype == torch.bfloat16
     needs_bits = stochastic_rounding and (param_sr or exp_avg.dtype == torch.bfloat16)
     if needs_bits:
-        index = torch.arange(param.numel(), dtype=torch.int32, device=param.device) + offset
-        bits = hashed_bits(index, key)
+        bits = random_bits()
 
     if master is not None:
         master.copy_(_unless(skip, master, w))
@@ -152,10 +240,9 @@ def _adamw_update_group(
     ``table`` (int32, one row of ``_TABLE_WIDTH`` per tensor, on the tensors' device) holds
     each tensor's ``hyper`` as float32 bit patterns, then its ``key`` and its ``offset``.
 
-    Note: one function for the whole group, so that ``torch.compile`` makes one graph of it
-    and a step makes one call per group, with one table: the number of calls and of
-    host-to-device copies does not grow with the number of parameters. The loop is unrolled
-    in the graph, so a group compiles once per process for its number of tensors.
+    Note: the eager reference path (``impl="reference"``, and the fallback where compilation
+    fails): one table per group, so the host-to-device copies do not grow with the number
+    of parameters, and one eager update per tensor.
     """
     for i, param in enumerate(params):
         row = table[i]
@@ -174,25 +261,17 @@ def _adamw_update_group(
         )
 
 
-# Tensors per call of the compiled group update. The graph unrolls its loop over the tensors,
-# so its compile time grows with their number (about 0.8 s a tensor through inductor on a
-# GPU); split into chunks, a group of any size compiles at most two graphs (full chunks, one
-# remainder) and every full chunk reuses the first one's.
-_CHUNK = 32
-
 # inductor settings for the update on devices other than the CPU. Its defaults contract
 # multiplies and adds into FMAs, divide approximately and flush subnormals to zero, which
 # changes the result of most elements against the eager update; these make every element
-# equal to it. combo_kernels fuses the chunk's per-tensor kernels into a few horizontal
-# kernels. Keys the installed torch lacks are left out.
+# equal to it. Keys the installed torch lacks are left out.
 _DEVICE_INDUCTOR_OPTIONS = {
     "emulate_precision_casts": True,
     "eager_numerics.division_rounding": True,
     "eager_numerics.disable_ftz": True,
-    "combo_kernels": True,
 }
 
-# The compiled group update for each (torch.compile backend, device type), made on first use.
+# The compiled flat update for each (torch.compile backend, device type), made on first use.
 _compiled: dict[tuple[str, str], Callable[..., None]] = {}
 _compile_lock = threading.Lock()
 
@@ -215,12 +294,13 @@ def _compile_options(backend: str, device_type: str) -> dict[str, Any] | None:
     return {k: v for k, v in _DEVICE_INDUCTOR_OPTIONS.items() if _has_inductor_option(k)}
 
 
-def _compiled_group(backend: str, device_type: str = "cpu") -> Callable[..., None]:
+def _compiled_update(backend: str, device_type: str = "cpu") -> Callable[..., None]:
+    """``adamw_update_flat`` through ``torch.compile`` with ``backend``, made once."""
     with _compile_lock:
         fn = _compiled.get((backend, device_type))
         if fn is None:
             compiled = torch.compile(
-                _adamw_update_group,
+                adamw_update_flat,
                 backend=backend,
                 dynamic=True,
                 fullgraph=True,
@@ -228,12 +308,12 @@ def _compiled_group(backend: str, device_type: str = "cpu") -> Callable[..., Non
             )
 
             def run(*args: Any) -> None:
-                # Note: every group shape (number of tensors; parameter, gradient and state
-                # dtypes; master weights or Kahan compensation; rounding mode; with or
-                # without skip) is its own graph; torch's default limit of 8 graphs per
-                # function would make a process with several groups or modes fail.
-                # Without duck shaping, tensors of equal sizes get sizes of their own, not a
-                # shared one, so chunks that differ in which sizes repeat share one graph.
+                # Note: every kind of group (parameter, gradient and state dtypes; master
+                # weights or Kahan compensation; rounding mode; with or without skip) is
+                # its own graph; torch's default limit of 8 graphs per function would make
+                # a process with several kinds fail. Without duck shaping, buffers of equal
+                # sizes get sizes of their own, so groups that differ in which sizes repeat
+                # share one graph.
                 with (
                     torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT),
                     fx_config.patch(use_duck_shape=False),  # type: ignore[attr-defined]
@@ -276,21 +356,33 @@ def _group_table(
     the device's backend can pin, else from ordinary memory. The float32 values are the
     float64 ones rounded to nearest, as ``torch.tensor`` rounds them on every path.
     """
-    shape = (len(hypers), _TABLE_WIDTH)
-    table = None
-    if _pinnable(device):
-        try:
-            table = torch.empty(shape, dtype=torch.int32, pin_memory=True)
-        except RuntimeError:
-            _UNPINNABLE.add(device.type)
-    if table is None:
-        table = torch.empty(shape, dtype=torch.int32)
+    table = _host_empty((len(hypers), _TABLE_WIDTH), torch.int32, device)
     parts = [
         torch.tensor(hypers, dtype=torch.float32).view(torch.int32),
         torch.tensor(ints, dtype=torch.int32),
     ]
     torch.cat(parts, dim=1, out=table)
     return table.to(device, non_blocking=True)
+
+
+def _flat_table(hyper: list[float], keys: list[int], device: torch.device) -> torch.Tensor:
+    """``adamw_update_flat``'s table on ``device``: ``hyper``'s float32 bit patterns, then
+    the keys, built on the host and copied in one transfer."""
+    table = _host_empty((_HYPER_WIDTH + len(keys),), torch.int32, device)
+    table[:_HYPER_WIDTH] = torch.tensor(hyper, dtype=torch.float32).view(torch.int32)
+    table[_HYPER_WIDTH:] = torch.tensor(keys, dtype=torch.int32)
+    return table.to(device, non_blocking=True)
+
+
+def _host_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host tensor to copy to ``device``: pinned, so that the copy need not wait, where the
+    device's backend can pin."""
+    if _pinnable(device):
+        try:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        except RuntimeError:
+            _UNPINNABLE.add(device.type)
+    return torch.empty(shape, dtype=dtype)
 
 
 def _int32(x: int) -> int:
@@ -390,11 +482,13 @@ class AdamW(torch.optim.Optimizer):
             the host compiler), ``"compiled"`` (the update through ``torch.compile``, on any
             device), ``"reference"`` (the same update run eagerly) or ``"auto"``: native for
             CPU tensors when it builds, compiled otherwise, and the reference with a warning
-            if compilation fails. All give bit-identical results. The compiled and
-            reference paths group the parameters by device and by parameter, gradient and
-            state dtypes (and master weights or Kahan compensation) and make one call per
-            group and step, with the group's per-parameter values in one small table copied
-            to the device at once.
+            if compilation fails. All give bit-identical results. The compiled path groups
+            the parameters by device, parameter, gradient and state dtypes (and master
+            weights or Kahan compensation), param group and step count, keeps each group's
+            states in flat buffers (each state entry a view of one), and makes one call
+            per group and step on them, with the group's per-step values in one small table
+            copied to the device at once. A step also gathers the group's parameters and
+            gradients into one buffer each, transiently.
         compile_backend: the ``torch.compile`` backend of the compiled path; ``None`` means
             ``"neuron"`` for TorchNeuron tensors (device type ``neuron``) and ``"inductor"``
             for every other device.
@@ -460,6 +554,9 @@ class AdamW(torch.optim.Optimizer):
         self.impl = impl
         self.compile_backend = compile_backend
         self._layouts: dict[torch.Tensor, tuple[int, int]] = {}
+        # Flat states of the compiled path: by the ids of their parameters, and by parameter.
+        self._flat: dict[tuple[int, ...], _FlatStates] = {}
+        self._flat_of: dict[torch.Tensor, _FlatStates] = {}
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
         master = self.master_weights and p.dtype == torch.bfloat16
@@ -512,21 +609,34 @@ class AdamW(torch.optim.Optimizer):
             return f"the kernel could not be built: {_native.unavailable_reason()}"
         return None
 
-    def _run_group(self, group: _Group, skip: torch.Tensor | None) -> None:
-        """The group update: one compiled call per chunk of ``_CHUNK`` tensors, or the
-        reference eagerly in one call."""
-        if self.impl == "reference":
-            for args in group.arguments(self.stochastic_rounding, skip, None):
-                _adamw_update_group(*args)
-            return
-        backend = self.compile_backend or _default_backend(group.device)
-        calls = group.arguments(self.stochastic_rounding, skip, _CHUNK)
-        done = 0
+    def _run_flat(self, batch: _FlatBatch, skip: torch.Tensor | None) -> None:
+        """One compiled call for a batch's tensors, on flat buffers: the optimizer's own
+        flat states, and the parameters and gradients gathered into one buffer each."""
+        plan = self._flat_plan(batch)
+        params, grads = batch.params, batch.grads
+        # Note: the parameters are gathered, updated and written back: each a copy of all
+        # of them at once, whose number does not grow with theirs.
+        flat_param = plan.gather(params)
+        flat_grad = plan.gather(grads)
+        keys = [_step_key(batch.seed, batch.step, index, salt) for index, salt in batch.keys]
+        # Note: one more key than tensors, see _FlatStates.
+        table = _flat_table(batch.hyper, [*keys, 0], batch.device)
+        backend = self.compile_backend or _default_backend(batch.device)
+        buffers = plan.buffers
         try:
-            update = _compiled_group(backend, group.device.type)
-            for args in calls:
-                update(*args)
-                done += 1
+            _compiled_update(backend, batch.device.type)(
+                flat_param,
+                flat_grad,
+                buffers["exp_avg"],
+                buffers["exp_avg_sq"],
+                buffers.get("master"),
+                table,
+                plan.blocks,
+                plan.shifts,
+                self.stochastic_rounding,
+                buffers.get("compensation"),
+                skip,
+            )
         except Exception as exc:
             if self.impl == "compiled":
                 raise
@@ -538,10 +648,35 @@ class AdamW(torch.optim.Optimizer):
                 stacklevel=3,
             )
             self.impl = "reference"
-            # Note: a compile fails on its chunk's first call, before that chunk changed
-            # anything; the chunks before it are done.
-            for args in calls[done:]:
+            # Note: a compile fails on its first call, before anything was written.
+            group = _Group(batch.device)
+            for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
+                local = [param, grad, *(plan.part(name, i) for name in _STATE_NAMES)]
+                group.add(local, batch.hyper, keys[i], batch.offsets[i])
+            for args in group.arguments(self.stochastic_rounding, skip):
                 _adamw_update_group(*args)
+            return
+        torch._foreach_copy_(params, plan.parts(flat_param))
+
+    def _flat_plan(self, batch: _FlatBatch) -> _FlatStates:
+        """The flat states of a batch's parameters, made (or made again, after
+        ``load_state_dict`` replaced the states) on first use."""
+        ids = tuple(id(p) for p in batch.owners)
+        plan = self._flat.get(ids)
+        if plan is not None and plan.owns(self.state):
+            return plan
+        for p in batch.owners:
+            old = self._flat_of.pop(p, None)
+            if old is not None and self._flat.get(old.ids) is old:
+                # Note: its other parameters get states of their own, so that the old
+                # buffers are freed.
+                del self._flat[old.ids]
+                old.release(self.state)
+        plan = _FlatStates(batch.owners, self.state, batch.offsets)
+        self._flat[ids] = plan
+        for p in batch.owners:
+            self._flat_of[p] = plan
+        return plan
 
     @torch.no_grad()
     def step(  # type: ignore[override]
@@ -611,26 +746,27 @@ class AdamW(torch.optim.Optimizer):
                 if why is not None and self.impl == "native":
                     raise RuntimeError(f"hlat_optim.AdamW(impl='native'): {why}")
                 native = why is None
-            prepared.append((group, state, index, local, offset, salt, native))
+            prepared.append((group, p, state, index, local, offset, salt, native))
         if not prepared:
             return loss
-        counters = [state["step"] for _, state, *_ in prepared]
+        counters = [state["step"] for _, _, state, *_ in prepared]
         torch._foreach_add_(counters, 1.0)  # one call for all parameters' step counts
         # Note: one read of all counts; tolist() on a CPU tensor reads its memory directly,
         # where .item() per parameter would be a dispatched scalar read each.
         steps = torch.stack(counters).tolist()
         batch = _NativeBatch()
         groups: dict[tuple[Any, ...], _Group] = {}
+        flats: dict[tuple[Any, ...], _FlatBatch] = {}
         hypers: dict[tuple[int, int], list[float]] = {}
-        for (group, _, index, local, offset, salt, native), count in zip(
+        for (group, p, _, index, local, offset, salt, native), count in zip(
             prepared, steps, strict=True
         ):
             step = int(count)
             hyper = hypers.get((id(group), step))
             if hyper is None:
                 hyper = hypers[id(group), step] = _hyper(group, step)
-            key = _step_key(group["seed"], step, index, salt)
             if native:
+                key = _step_key(group["seed"], step, index, salt)
                 batch.add(local, hyper, key, offset, self.stochastic_rounding, index)
                 continue
             param, grad, exp_avg, _, master, compensation = local
@@ -643,18 +779,33 @@ class AdamW(torch.optim.Optimizer):
                 master is not None,
                 compensation is not None,
             )
-            if signature not in groups:
-                groups[signature] = _Group(param.device)
-            groups[signature].add(local, hyper, key, offset)
+            if self.impl == "reference":
+                if signature not in groups:
+                    groups[signature] = _Group(param.device)
+                key = _step_key(group["seed"], step, index, salt)
+                groups[signature].add(local, hyper, key, offset)
+                continue
+            # Note: a flat update shares one hyper row, so its tensors share a param group
+            # and a step count.
+            where = (*signature, id(group), step)
+            if where not in flats:
+                flats[where] = _FlatBatch(param.device, hyper, group["seed"], step)
+            flats[where].add(p, param, grad, index, offset, salt)
         batch.run(skip)
         on_device: dict[torch.device, torch.Tensor] = {}
+
+        def flag_on(device: torch.device) -> torch.Tensor | None:
+            if skip is None or skip.device == device:
+                return skip
+            if device not in on_device:
+                on_device[device] = skip.to(device, non_blocking=True)
+            return on_device[device]
+
         for g in groups.values():
-            flag = skip
-            if skip is not None and skip.device != g.device:
-                if g.device not in on_device:
-                    on_device[g.device] = skip.to(g.device, non_blocking=True)
-                flag = on_device[g.device]
-            self._run_group(g, flag)
+            for args in g.arguments(self.stochastic_rounding, flag_on(g.device)):
+                _adamw_update_group(*args)
+        for flat in flats.values():
+            self._run_flat(flat, flag_on(flat.device))
         return loss
 
     def _locals(
@@ -727,34 +878,153 @@ class _Group:
         self.ints.append((key, _int32(offset)))
 
     def arguments(
-        self, stochastic_rounding: bool, skip: torch.Tensor | None, chunk: int | None
+        self, stochastic_rounding: bool, skip: torch.Tensor | None
     ) -> list[tuple[Any, ...]]:
-        """The arguments of each ``_adamw_update_group`` call: one per ``chunk`` tensors
-        (all in one call for None), with rows of the group's table, copied to its device
-        at once."""
+        """The arguments of the group's ``_adamw_update_group`` call, with the group's table
+        copied to its device at once."""
         table = _group_table(self.hypers, self.ints, self.device)
-        n = len(self.hypers)
-        size = chunk or n
-        calls = []
-        for start in range(0, n, size):
-            part = slice(start, start + size)
-            params, grads, exp_avgs, exp_avg_sqs, masters, compensations = (
-                column[part] for column in self.tensors
+        params, grads, exp_avgs, exp_avg_sqs, masters, compensations = self.tensors
+        return [
+            (
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                masters or None,
+                compensations or None,
+                table,
+                stochastic_rounding,
+                skip,
             )
-            calls.append(
-                (
-                    params,
-                    grads,
-                    exp_avgs,
-                    exp_avg_sqs,
-                    masters or None,
-                    compensations or None,
-                    table[part].detach(),
-                    stochastic_rounding,
-                    skip,
-                )
-            )
-        return calls
+        ]
+
+
+_STATE_NAMES = ("exp_avg", "exp_avg_sq", "master", "compensation")
+
+
+class _FlatBatch:
+    """The updates of one step that share a device, dtypes, param group and step count:
+    one call of the compiled flat update."""
+
+    def __init__(self, device: torch.device, hyper: list[float], seed: int, step: int) -> None:
+        self.device = device
+        self.hyper = hyper
+        self.seed = seed
+        self.step = step
+        self.owners: list[torch.Tensor] = []  # the parameters, as the optimizer holds them
+        self.params: list[torch.Tensor] = []  # their flat local tensors
+        self.grads: list[torch.Tensor] = []
+        self.keys: list[tuple[int, int]] = []  # (parameter index, key salt)
+        self.offsets: list[int] = []
+
+    def add(
+        self,
+        owner: torch.Tensor,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        index: int,
+        offset: int,
+        salt: int,
+    ) -> None:
+        self.owners.append(owner)
+        self.params.append(param.view(-1))
+        self.grads.append(grad.view(-1))
+        self.keys.append((index, salt))
+        self.offsets.append(_int32(offset))
+
+
+class _FlatStates:
+    """The optimizer states of a list of parameters, one flat buffer per state, each
+    parameter's part starting on a multiple of ``FLAT_BLOCK`` elements, in order; each
+    parameter's state entry is a view of its part (a DTensor over that view for a DTensor
+    state), so ``state_dict()`` and checkpoints see them as before. Also the layout
+    ``adamw_update_flat`` reads (``blocks``, ``shifts``), on the device once.
+
+    Note: made from the states as they are (fresh zeros on the first step, or what
+    ``load_state_dict`` put there), copied once; the old tensors are freed after the step.
+    """
+
+    def __init__(self, owners: list[torch.Tensor], state: Any, offsets: list[int]) -> None:
+        self.owners = list(owners)
+        self.ids = tuple(id(p) for p in owners)
+        states = [state[p] for p in owners]
+        self.names = [name for name in _STATE_NAMES if name in states[0]]
+        sizes = [_local(s["exp_avg"]).numel() for s in states]
+        spans = [-(-n // FLAT_BLOCK) * FLAT_BLOCK for n in sizes]
+        starts = list(itertools.accumulate(spans, initial=0))
+        self.total = starts[-1]
+        # sizes of the parts and of the gaps after them, for split_with_sizes
+        self.splits = [x for n, span in zip(sizes, spans, strict=True) for x in (n, span - n)]
+        device = _local(states[0]["exp_avg"]).device
+        # Note: one block, shift and key more than there are, which no element reads: a
+        # graph compiled for a dimension of size 1 is specialised to it, so a group of one
+        # small tensor would compile a graph of its own.
+        counts = [span // FLAT_BLOCK for span in spans] + [1]
+        self.blocks = torch.repeat_interleave(
+            torch.arange(len(counts), dtype=torch.int32), torch.tensor(counts)
+        ).to(device)
+        shifts = [off - start for off, start in zip(offsets, starts, strict=False)] + [0]
+        self.shifts = torch.tensor(shifts, dtype=torch.int64).to(device)
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.views: dict[str, list[torch.Tensor]] = {}
+        for name in self.names:
+            first = _local(states[0][name])
+            buffer = torch.zeros(self.total, dtype=first.dtype, device=device)
+            views = []
+            for part, s in zip(self.parts(buffer), states, strict=True):
+                old = s[name]
+                local = _local(old)
+                part.copy_(local.reshape(-1))
+                s[name] = _like(old, part.view(local.shape))
+                views.append(s[name])
+            self.buffers[name] = buffer
+            self.views[name] = views
+
+    def parts(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Each tensor's part of a flat buffer (1-D views)."""
+        return list(buffer.split_with_sizes(self.splits)[::2])
+
+    def gather(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """A new flat buffer with ``tensors`` (flat, one per owner) in their parts; the gaps
+        hold whatever the memory held."""
+        buffer = tensors[0].new_empty(self.total)
+        torch._foreach_copy_(self.parts(buffer), tensors)
+        return buffer
+
+    def owns(self, state: Any) -> bool:
+        """Whether every state entry is still this plan's view."""
+        return all(
+            state[p].get(name) is view
+            for name in self.names
+            for p, view in zip(self.owners, self.views[name], strict=True)
+        )
+
+    def part(self, name: str, i: int) -> torch.Tensor | None:
+        """Tensor ``i``'s flat part of state ``name``, or None if there is no such state."""
+        buffer = self.buffers.get(name)
+        return None if buffer is None else self.parts(buffer)[i]
+
+    def release(self, state: Any) -> None:
+        """Give every parameter that still holds a view a copy of its own."""
+        for name in self.names:
+            for p, view in zip(self.owners, self.views[name], strict=True):
+                if state[p].get(name) is view:
+                    state[p][name] = view.clone()
+        self.buffers.clear()
+        self.views.clear()
+
+
+def _like(old: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` in ``old``'s place: a DTensor with ``old``'s layout over it if ``old`` is
+    one, else ``local`` itself."""
+    if not _is_dtensor(old):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    d: Any = old
+    return DTensor.from_local(
+        local, d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride()
+    )
 
 
 class _NativeBatch:

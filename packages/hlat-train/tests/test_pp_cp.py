@@ -1,7 +1,8 @@
 """Pipeline and context parallelism in the trainer, on CPU with gloo through torchrun.
 
 PP2 (two processes, 1F1B), CP2 (two processes), PP2 x CP2 (four processes: FSDP over the
-flattened dp x cp mesh, full activation checkpointing) and PP2 x TP2 (four processes,
+flattened dp x cp mesh, full activation checkpointing), CP2 x TP2 (four processes, sequence
+parallel) and PP2 x TP2 (four processes,
 sequence parallel, interleaved schedule, packed documents) train the tiny-check model in fp32 and
 agree with one process on the same batches; checkpoints reshard: PP2 x TP2 -> one process
 -> PP2, bit for bit on the weights and the optimizer state.
@@ -109,8 +110,11 @@ def test_pp2_matches_one_process(corpus, tmp_path, single_plain):
             ("--parallel.cp=2", "--parallel.pp=2", "--parallel.dp_shard=zero1"),
             marks=needs_pipeline_torch,
         ),
+        # tensor parallel heads inside each cp rank's shard of the sequence, sequence
+        # parallel norms
+        (4, ("--parallel.cp=2", "--parallel.tp=2", "--parallel.sp=true")),
     ],
-    ids=["cp2", "pp2-cp2-full-checkpointing", "cp2-zero1", "pp2-cp2-zero1"],
+    ids=["cp2", "pp2-cp2-full-checkpointing", "cp2-zero1", "pp2-cp2-zero1", "cp2-tp2-sp"],
 )
 def test_context_parallel_runs_match_one_process(corpus, tmp_path, single_plain, nproc, layout):
     out = tmp_path / "run"

@@ -167,6 +167,28 @@ def test_a_compiled_step_makes_one_call_per_group_whatever_the_number_of_tensors
     assert ops[2] == ops[4] == ops[16], ops
 
 
+@pytest.mark.parametrize("mode", list(MODES))
+def test_groups_larger_than_a_bucket_are_updated_in_calls_of_consecutive_tensors(monkeypatch, mode):
+    # Note: inductor, whose float32 square root is correctly rounded as the reference's;
+    # the "eager" backend's is not in every torch build.
+    calls, _, _ = _wrap_calls(monkeypatch, "inductor")
+    # buckets of at most 4 blocks, unless one tensor has more: the 48 x 32 tensors take 2
+    # blocks each, the others 1
+    monkeypatch.setattr(adamw_module, "FLAT_BUCKET", 4 * adamw_module.FLAT_BLOCK)
+    runs = {}
+    for impl in ("reference", "compiled"):
+        params, groups = _model(4)
+        opt = _optimizer(groups, impl, mode)
+        _run(opt, params, 3)
+        runs[impl] = _snapshot(opt, params)
+    _assert_same(runs["compiled"], runs["reference"])
+    # every call holds at most 4 blocks, and the calls cover each group's tensors
+    per_step = len(calls) // 3
+    assert max(calls) <= 4 * adamw_module.FLAT_BLOCK
+    assert sum(calls[:per_step]) == sum(_aligned(p.numel()) for p in params)
+    assert per_step > 4  # more than one call per group
+
+
 def test_one_compiled_graph_serves_groups_of_any_size(monkeypatch):
     from torch._dynamo.utils import counters
 

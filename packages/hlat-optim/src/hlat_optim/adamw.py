@@ -33,6 +33,10 @@ _TABLE_WIDTH = _HYPER_WIDTH + 2  # hyper, key, offset
 _RECOMPILE_LIMIT = 128
 # Elements per block of adamw_update_flat's buffers, where every tensor starts on a block.
 FLAT_BLOCK = 1024
+# Elements per call of the compiled update at most, unless one tensor has more: parameters
+# and gradients are gathered per call, so this bounds the step's extra memory (256 MiB of
+# bf16 parameters and gradients), and a call of this size takes far longer than its launch.
+FLAT_BUCKET = 1 << 26
 # An odd multiplier: the high 16 bits of (bits * it) are exp_avg_sq's rounding bits.
 _SQ_MULT = 0x2C1B3C6D
 
@@ -610,33 +614,18 @@ class AdamW(torch.optim.Optimizer):
         return None
 
     def _run_flat(self, batch: _FlatBatch, skip: torch.Tensor | None) -> None:
-        """One compiled call for a batch's tensors, on flat buffers: the optimizer's own
-        flat states, and the parameters and gradients gathered into one buffer each."""
+        """One compiled call per bucket of a batch's tensors (one bucket unless they hold
+        more than ``FLAT_BUCKET`` elements), on flat buffers: the optimizer's own flat
+        states, and the parameters and gradients gathered into one buffer each."""
         plan = self._flat_plan(batch)
-        params, grads = batch.params, batch.grads
-        # Note: the parameters are gathered, updated and written back: each a copy of all
-        # of them at once, whose number does not grow with theirs.
-        flat_param = plan.gather(params)
-        flat_grad = plan.gather(grads)
         keys = [_step_key(batch.seed, batch.step, index, salt) for index, salt in batch.keys]
-        # Note: one more key than tensors, see _FlatStates.
-        table = _flat_table(batch.hyper, [*keys, 0], batch.device)
         backend = self.compile_backend or _default_backend(batch.device)
-        buffers = plan.buffers
+        done = 0
         try:
-            _compiled_update(backend, batch.device.type)(
-                flat_param,
-                flat_grad,
-                buffers["exp_avg"],
-                buffers["exp_avg_sq"],
-                buffers.get("master"),
-                table,
-                plan.blocks,
-                plan.shifts,
-                self.stochastic_rounding,
-                buffers.get("compensation"),
-                skip,
-            )
+            update = _compiled_update(backend, batch.device.type)
+            for bucket in plan.buckets:
+                self._run_bucket(update, plan, bucket, batch, keys, skip)
+                done += 1
         except Exception as exc:
             if self.impl == "compiled":
                 raise
@@ -648,15 +637,50 @@ class AdamW(torch.optim.Optimizer):
                 stacklevel=3,
             )
             self.impl = "reference"
-            # Note: a compile fails on its first call, before anything was written.
+            # Note: a compile fails on its first call, before that call wrote anything; the
+            # buckets before it are done.
             group = _Group(batch.device)
-            for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
-                local = [param, grad, *(plan.part(name, i) for name in _STATE_NAMES)]
-                group.add(local, batch.hyper, keys[i], batch.offsets[i])
+            for bucket in plan.buckets[done:]:
+                for i in bucket.tensors:
+                    local: list[torch.Tensor | None] = [batch.params[i], batch.grads[i]]
+                    local += [plan.part(name, i) for name in _STATE_NAMES]
+                    group.add(local, batch.hyper, keys[i], batch.offsets[i])
             for args in group.arguments(self.stochastic_rounding, skip):
                 _adamw_update_group(*args)
-            return
-        torch._foreach_copy_(params, plan.parts(flat_param))
+
+    def _run_bucket(
+        self,
+        update: Callable[..., None],
+        plan: _FlatStates,
+        bucket: _Bucket,
+        batch: _FlatBatch,
+        keys: list[int],
+        skip: torch.Tensor | None,
+    ) -> None:
+        """The compiled call of one bucket: its parameters and gradients gathered, updated
+        with the states' range of the bucket, and the parameters written back; each copy
+        is one call for all the bucket's tensors."""
+        tensors = bucket.tensors
+        params = batch.params[tensors.start : tensors.stop]
+        flat_param = bucket.gather(params)
+        flat_grad = bucket.gather(batch.grads[tensors.start : tensors.stop])
+        # Note: one more key than tensors, see _Bucket.
+        table = _flat_table(batch.hyper, [*keys[tensors.start : tensors.stop], 0], batch.device)
+        state = {name: plan.slice(plan.buffers.get(name), bucket) for name in _STATE_NAMES}
+        update(
+            flat_param,
+            flat_grad,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            state["master"],
+            table,
+            bucket.blocks,
+            bucket.shifts,
+            self.stochastic_rounding,
+            state["compensation"],
+            skip,
+        )
+        torch._foreach_copy_(params, bucket.parts(flat_param))
 
     def _flat_plan(self, batch: _FlatBatch) -> _FlatStates:
         """The flat states of a batch's parameters, made (or made again, after
@@ -933,12 +957,53 @@ class _FlatBatch:
         self.offsets.append(_int32(offset))
 
 
+class _Bucket:
+    """Consecutive tensors of a ``_FlatStates``, updated by one compiled call: their range
+    of the flat buffers, and the layout ``adamw_update_flat`` reads, on the device."""
+
+    def __init__(
+        self,
+        tensors: range,
+        sizes: list[int],
+        spans: list[int],
+        starts: list[int],
+        offsets: list[int],
+        device: torch.device,
+    ) -> None:
+        self.tensors = tensors
+        self.begin = starts[tensors.start]
+        self.end = starts[tensors.stop]
+        # sizes of the parts and of the gaps after them, for split_with_sizes
+        self.splits = [x for i in tensors for x in (sizes[i], spans[i] - sizes[i])]
+        # Note: one block, shift and key more than there are, which no element reads: a
+        # graph compiled for a dimension of size 1 is specialised to it, so a bucket of one
+        # small tensor would compile a graph of its own.
+        counts = [spans[i] // FLAT_BLOCK for i in tensors] + [1]
+        self.blocks = torch.repeat_interleave(
+            torch.arange(len(counts), dtype=torch.int32), torch.tensor(counts)
+        ).to(device)
+        shifts = [offsets[i] - (starts[i] - self.begin) for i in tensors] + [0]
+        self.shifts = torch.tensor(shifts, dtype=torch.int64).to(device)
+
+    def parts(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Each tensor's part of a buffer of this bucket's elements (1-D views)."""
+        return list(buffer.split_with_sizes(self.splits)[::2])
+
+    def gather(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """A new buffer with ``tensors`` (flat, one per tensor of the bucket) in their
+        parts; the gaps hold whatever the memory held."""
+        buffer = tensors[0].new_empty(self.end - self.begin)
+        torch._foreach_copy_(self.parts(buffer), tensors)
+        return buffer
+
+
 class _FlatStates:
     """The optimizer states of a list of parameters, one flat buffer per state, each
     parameter's part starting on a multiple of ``FLAT_BLOCK`` elements, in order; each
     parameter's state entry is a view of its part (a DTensor over that view for a DTensor
-    state), so ``state_dict()`` and checkpoints see them as before. Also the layout
-    ``adamw_update_flat`` reads (``blocks``, ``shifts``), on the device once.
+    state), so ``state_dict()`` and checkpoints see them as before. The parameters are cut
+    into buckets of consecutive ones, of at most ``FLAT_BUCKET`` elements unless one
+    parameter is larger, each updated by one call.
 
     Note: made from the states as they are (fresh zeros on the first step, or what
     ``load_state_dict`` put there), copied once; the old tensors are freed after the step.
@@ -952,44 +1017,37 @@ class _FlatStates:
         sizes = [_local(s["exp_avg"]).numel() for s in states]
         spans = [-(-n // FLAT_BLOCK) * FLAT_BLOCK for n in sizes]
         starts = list(itertools.accumulate(spans, initial=0))
-        self.total = starts[-1]
-        # sizes of the parts and of the gaps after them, for split_with_sizes
-        self.splits = [x for n, span in zip(sizes, spans, strict=True) for x in (n, span - n)]
         device = _local(states[0]["exp_avg"]).device
-        # Note: one block, shift and key more than there are, which no element reads: a
-        # graph compiled for a dimension of size 1 is specialised to it, so a group of one
-        # small tensor would compile a graph of its own.
-        counts = [span // FLAT_BLOCK for span in spans] + [1]
-        self.blocks = torch.repeat_interleave(
-            torch.arange(len(counts), dtype=torch.int32), torch.tensor(counts)
-        ).to(device)
-        shifts = [off - start for off, start in zip(offsets, starts, strict=False)] + [0]
-        self.shifts = torch.tensor(shifts, dtype=torch.int64).to(device)
+        self.buckets: list[_Bucket] = []
+        first = 0
+        for i in range(1, len(sizes) + 1):
+            if i == len(sizes) or starts[i + 1] - starts[first] > FLAT_BUCKET:
+                members = range(first, i)
+                self.buckets.append(_Bucket(members, sizes, spans, starts, offsets, device))
+                first = i
         self.buffers: dict[str, torch.Tensor] = {}
         self.views: dict[str, list[torch.Tensor]] = {}
         for name in self.names:
-            first = _local(states[0][name])
-            buffer = torch.zeros(self.total, dtype=first.dtype, device=device)
+            dtype = _local(states[0][name]).dtype
+            buffer = torch.zeros(starts[-1], dtype=dtype, device=device)
             views = []
-            for part, s in zip(self.parts(buffer), states, strict=True):
-                old = s[name]
-                local = _local(old)
-                part.copy_(local.reshape(-1))
-                s[name] = _like(old, part.view(local.shape))
-                views.append(s[name])
+            for bucket in self.buckets:
+                part_of = bucket.parts(buffer.narrow(0, bucket.begin, bucket.end - bucket.begin))
+                for part, i in zip(part_of, bucket.tensors, strict=True):
+                    old = states[i][name]
+                    local = _local(old)
+                    part.copy_(local.reshape(-1))
+                    states[i][name] = _like(old, part.view(local.shape))
+                    views.append(states[i][name])
             self.buffers[name] = buffer
             self.views[name] = views
 
-    def parts(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """Each tensor's part of a flat buffer (1-D views)."""
-        return list(buffer.split_with_sizes(self.splits)[::2])
-
-    def gather(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """A new flat buffer with ``tensors`` (flat, one per owner) in their parts; the gaps
-        hold whatever the memory held."""
-        buffer = tensors[0].new_empty(self.total)
-        torch._foreach_copy_(self.parts(buffer), tensors)
-        return buffer
+    @staticmethod
+    def slice(buffer: torch.Tensor | None, bucket: _Bucket) -> torch.Tensor | None:
+        """A bucket's range of a flat buffer."""
+        if buffer is None:
+            return None
+        return buffer.narrow(0, bucket.begin, bucket.end - bucket.begin)
 
     def owns(self, state: Any) -> bool:
         """Whether every state entry is still this plan's view."""
@@ -1002,7 +1060,12 @@ class _FlatStates:
     def part(self, name: str, i: int) -> torch.Tensor | None:
         """Tensor ``i``'s flat part of state ``name``, or None if there is no such state."""
         buffer = self.buffers.get(name)
-        return None if buffer is None else self.parts(buffer)[i]
+        if buffer is None:
+            return None
+        bucket = next(b for b in self.buckets if i in b.tensors)
+        part = self.slice(buffer, bucket)
+        assert part is not None
+        return bucket.parts(part)[i - bucket.tensors.start]
 
     def release(self, state: Any) -> None:
         """Give every parameter that still holds a view a copy of its own."""

@@ -91,18 +91,8 @@ def adamw_update(
         index = torch.arange(param.numel(), dtype=torch.int32, device=param.device) + offset
         return hashed_bits(index, key)
 
-    _update(
-        param,
-        grad,
-        exp_avg,
-        exp_avg_sq,
-        master,
-        hyper,
-        bits,
-        stochastic_rounding,
-        compensation,
-        skip,
-    )
+    tensors = (param, grad, exp_avg, exp_avg_sq, master, compensation)
+    _update(tensors, hyper, bits, stochastic_rounding, skip)
 
 
 def adamw_update_flat(
@@ -144,34 +134,27 @@ def adamw_update_flat(
         index = (position + shifts[tensor]).to(torch.int32)
         return hashed_bits(index, keys[tensor])
 
-    _update(
-        param,
-        grad,
-        exp_avg,
-        exp_avg_sq,
-        master,
-        hyper,
-        bits,
-        stochastic_rounding,
-        compensation,
-        skip,
-    )
+    tensors = (param, grad, exp_avg, exp_avg_sq, master, compensation)
+    _update(tensors, hyper, bits, stochastic_rounding, skip)
+
+
+# parameter, gradient, exp_avg, exp_avg_sq, master weights, Kahan compensation
+_Tensors = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None
+]
 
 
 def _update(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    master: torch.Tensor | None,
+    tensors: _Tensors,
     hyper: torch.Tensor,
     random_bits: Callable[[], torch.Tensor],
     stochastic_rounding: bool,
-    compensation: torch.Tensor | None,
     skip: torch.Tensor | None,
 ) -> None:
-    """The update both ``adamw_update`` and ``adamw_update_flat`` make; ``random_bits()``
-    gives each element's 32 hashed bits."""
+    """The update both ``adamw_update`` and ``adamw_update_flat`` make, of ``tensors``
+    (parameter, gradient, ``exp_avg``, ``exp_avg_sq``, master weights, compensation);
+    ``random_bits()`` gives each element's 32 hashed bits."""
+    param, grad, exp_avg, exp_avg_sq, master, compensation = tensors
     decay, step_size, one_minus_beta1, beta2, one_minus_beta2, eps, inv_bc2_sqrt = hyper.unbind(0)
     g = grad.float()
     m = exp_avg.float()

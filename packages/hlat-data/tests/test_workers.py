@@ -197,3 +197,35 @@ def test_workers_end_with_the_loader_s_process(tmp_path, corpus, tokenizer_path,
         text = stderr.read_text()
         assert text.count("Traceback") == 1 and text.rstrip().endswith("KeyboardInterrupt")
         assert "leaked" not in text and "resource_tracker" not in text, text
+
+
+def _half_sent_message(results) -> None:
+    """The start of a message in ``results``' pipe whose rest never comes, as an interrupt
+    in the middle of reading one leaves it: a length of 1000 bytes, then 10 of them."""
+    import struct
+
+    os.write(results._writer.fileno(), struct.pack("!i", 1000) + b"x" * 10)
+
+
+def test_an_interrupted_read_leaves_the_workers_terminated_not_drained():
+    import multiprocessing
+
+    from hlat_data.loader import _shut_down
+
+    context = multiprocessing.get_context("spawn")
+    inbox, results, stop = context.Queue(), context.Queue(), context.Event()
+    worker = context.Process(target=time.sleep, args=(120,), daemon=True)
+    worker.start()
+    _half_sent_message(results)
+    # Note: in a thread, so that a hang fails this test instead of stopping the suite;
+    # draining would read the 10 bytes and wait for 990 more that never come
+    done = threading.Thread(
+        target=_shut_down, args=([worker], inbox, results, stop), kwargs={"drain": False}
+    )
+    done.start()
+    done.join(timeout=60)
+    hung = done.is_alive()
+    if hung:
+        worker.kill()
+    assert not hung, "_shut_down(drain=False) read the results pipe"
+    assert not worker.is_alive() and worker.exitcode is not None

@@ -254,6 +254,7 @@ class PackedLoader:
         # on a machine they fill, a third encoder would compete for the cores and meet
         # every word anew in a word cache of its own
         helps = self.num_workers < usable_cores()
+        interrupted = False
         try:
             tasks = enumerate(self._tasks())
             in_flight = 0
@@ -272,9 +273,15 @@ class PackedLoader:
                 for number, task in itertools.islice(tasks, 1):
                     inbox.put((number, task))
                     in_flight += 1
+        except BaseException as e:
+            # Note: a KeyboardInterrupt (or SystemExit from a signal handler) can come in
+            # the middle of reading a result, leaving the rest of that message in the pipe;
+            # a closed generator (GeneratorExit) or an error stops between messages.
+            interrupted = not isinstance(e, (GeneratorExit, Exception))
+            raise
         finally:
             starter.join()
-            _shut_down(starter.started(), inbox, results, stop)
+            _shut_down(starter.started(), inbox, results, stop, drain=not interrupted)
             setup.cancel_join_thread()
             setup.close()
 
@@ -592,14 +599,27 @@ def _work(setup: Any, inbox: Any, results: Any, stop: Any) -> None:
                 results.put((number, RuntimeError(f"{type(e).__name__}: {e}")))
 
 
-def _shut_down(workers: list[Any], inbox: Any, results: Any, stop: Any) -> None:
-    stop.set()
-    for _ in workers:
-        inbox.put(None)
-    deadline = time.monotonic() + 10
-    while any(w.is_alive() for w in workers) and time.monotonic() < deadline:
-        with contextlib.suppress(queue.Empty):  # a worker blocked on a full pipe exits once drained
-            results.get(timeout=0.05)
+def _shut_down(
+    workers: list[Any], inbox: Any, results: Any, stop: Any, *, drain: bool = True
+) -> None:
+    """Stops the workers: asks them to end and drains their results while they do, or,
+    without ``drain``, terminates them at once.
+
+    Note:
+        Without ``drain`` the results pipe may hold the rest of a message whose start was
+        read when an interrupt came; reading on would take those bytes for a length and
+        wait for data that never comes, so the workers (which hold nothing of value) are
+        terminated instead.
+    """
+    if drain:
+        stop.set()
+        for _ in workers:
+            inbox.put(None)
+        deadline = time.monotonic() + 10
+        while any(w.is_alive() for w in workers) and time.monotonic() < deadline:
+            # a worker blocked on a full pipe exits once drained
+            with contextlib.suppress(queue.Empty):
+                results.get(timeout=0.05)
     for worker in workers:
         if worker.is_alive():
             worker.terminate()  # stuck: nothing more is read from its pipe after this

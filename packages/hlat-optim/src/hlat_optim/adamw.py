@@ -628,8 +628,7 @@ class AdamW(torch.optim.Optimizer):
                     local: list[torch.Tensor | None] = [batch.params[i], batch.grads[i]]
                     local += [plan.part(name, i) for name in _STATE_NAMES]
                     group.add(local, batch.hyper, keys[i], batch.offsets[i])
-            for args in group.arguments(self.stochastic_rounding, skip):
-                _adamw_update_group(*args)
+            _adamw_update_group(*group.arguments(self.stochastic_rounding, skip))
 
     def _run_bucket(
         self,
@@ -649,7 +648,7 @@ class AdamW(torch.optim.Optimizer):
         flat_grad = bucket.gather(batch.grads[tensors.start : tensors.stop])
         # Note: one more key than tensors, see _Bucket.
         table = _flat_table(batch.hyper, [*keys[tensors.start : tensors.stop], 0], batch.device)
-        state = {name: plan.slice(plan.buffers.get(name), bucket) for name in _STATE_NAMES}
+        state = plan.of(bucket)
         update(
             flat_param,
             flat_grad,
@@ -809,8 +808,7 @@ class AdamW(torch.optim.Optimizer):
             return on_device[device]
 
         for g in groups.values():
-            for args in g.arguments(self.stochastic_rounding, flag_on(g.device)):
-                _adamw_update_group(*args)
+            _adamw_update_group(*g.arguments(self.stochastic_rounding, flag_on(g.device)))
         for flat in flats.values():
             self._run_flat(flat, flag_on(flat.device))
         return loss
@@ -884,26 +882,22 @@ class _Group:
         self.hypers.append(hyper)
         self.ints.append((key, _int32(offset)))
 
-    def arguments(
-        self, stochastic_rounding: bool, skip: torch.Tensor | None
-    ) -> list[tuple[Any, ...]]:
+    def arguments(self, stochastic_rounding: bool, skip: torch.Tensor | None) -> tuple[Any, ...]:
         """The arguments of the group's ``_adamw_update_group`` call, with the group's table
         copied to its device at once."""
         table = _group_table(self.hypers, self.ints, self.device)
         params, grads, exp_avgs, exp_avg_sqs, masters, compensations = self.tensors
-        return [
-            (
-                params,
-                grads,
-                exp_avgs,
-                exp_avg_sqs,
-                masters or None,
-                compensations or None,
-                table,
-                stochastic_rounding,
-                skip,
-            )
-        ]
+        return (
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            masters or None,
+            compensations or None,
+            table,
+            stochastic_rounding,
+            skip,
+        )
 
 
 _STATE_NAMES = ("exp_avg", "exp_avg_sq", "master", "compensation")
@@ -968,6 +962,10 @@ class _Bucket:
         shifts = [offsets[i] - (starts[i] - self.begin) for i in tensors] + [0]
         self.shifts = torch.tensor(shifts, dtype=torch.int64).to(device)
 
+    def of(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This bucket's range of a flat buffer of all the tensors."""
+        return buffer.narrow(0, self.begin, self.end - self.begin)
+
     def parts(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Each tensor's part of a buffer of this bucket's elements (1-D views)."""
         return list(buffer.split_with_sizes(self.splits)[::2])
@@ -1015,8 +1013,7 @@ class _FlatStates:
             buffer = torch.zeros(starts[-1], dtype=dtype, device=device)
             views = []
             for bucket in self.buckets:
-                part_of = bucket.parts(buffer.narrow(0, bucket.begin, bucket.end - bucket.begin))
-                for part, i in zip(part_of, bucket.tensors, strict=True):
+                for part, i in zip(bucket.parts(bucket.of(buffer)), bucket.tensors, strict=True):
                     old = states[i][name]
                     local = _local(old)
                     part.copy_(local.reshape(-1))
@@ -1025,12 +1022,13 @@ class _FlatStates:
             self.buffers[name] = buffer
             self.views[name] = views
 
-    @staticmethod
-    def slice(buffer: torch.Tensor | None, bucket: _Bucket) -> torch.Tensor | None:
-        """A bucket's range of a flat buffer."""
-        if buffer is None:
-            return None
-        return buffer.narrow(0, bucket.begin, bucket.end - bucket.begin)
+    def of(self, bucket: _Bucket) -> dict[str, torch.Tensor | None]:
+        """A bucket's range of each state's buffer, by state name (None for the states
+        this optimizer does not keep)."""
+        return {
+            name: bucket.of(self.buffers[name]) if name in self.buffers else None
+            for name in _STATE_NAMES
+        }
 
     def owns(self, state: Any) -> bool:
         """Whether every state entry is still this plan's view."""
@@ -1046,9 +1044,7 @@ class _FlatStates:
         if buffer is None:
             return None
         bucket = next(b for b in self.buckets if i in b.tensors)
-        part = self.slice(buffer, bucket)
-        assert part is not None
-        return bucket.parts(part)[i - bucket.tensors.start]
+        return bucket.parts(bucket.of(buffer))[i - bucket.tensors.start]
 
     def release(self, state: Any) -> None:
         """Give every parameter that still holds a view a copy of its own."""

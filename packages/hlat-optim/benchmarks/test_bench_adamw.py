@@ -6,6 +6,10 @@ Run: ``nox -s bench -- packages/hlat-optim/benchmarks`` or
 ``HLAT_BENCH_DEVICE=cuda`` (or another device type) runs every peer there instead of on the
 CPU, with ``layers=`` from ``HLAT_BENCH_LAYERS`` (default 13) and the first step's time
 (compilation included) in each row's extra info.
+
+``test_adamw_step_host_time`` times a step of 195 tensors of 64 elements each (the tensor count
+of the 32-layer shapes), where the arithmetic is negligible and a step is the host's work:
+validating, grouping and issuing the updates.
 """
 
 from __future__ import annotations
@@ -105,3 +109,34 @@ def test_adamw_step_throughput(benchmark, optimizer_results, name):
     optimizer_results[name] = {"mparam_s": mparam_s, "bytes_per_param": bytes_per_param(opt)}
     del opt, params
     gc.collect()
+
+
+HOST_PEERS = [
+    "torch fused fp32",
+    "torch foreach fp32",
+    "hlat bf16-SR, bf16 states",
+    "hlat bf16-SR, bf16 states, compiled",
+]
+
+
+@pytest.mark.parametrize("name", HOST_PEERS)
+def test_adamw_step_host_time(benchmark, host_results, name):
+    dtype, build = PEERS[name]
+    g = torch.Generator().manual_seed(0)
+    params = []
+    for _ in range(195):
+        p = torch.nn.Parameter(torch.randn(64, generator=g).to(dtype).to(DEVICE))
+        p.grad = (torch.randn(64, generator=g) * 1e-3).to(dtype).to(DEVICE)
+        params.append(p)
+    opt = build(params)
+    for _ in range(3):  # compile and allocate state outside the timing
+        opt.step()
+    _sync()
+    update = opt.step
+
+    def step():
+        update()
+        _sync()
+
+    benchmark.pedantic(step, rounds=200, iterations=1, warmup_rounds=5)
+    host_results[name] = benchmark.stats.stats.median * 1e3

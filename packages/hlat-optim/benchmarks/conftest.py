@@ -21,21 +21,44 @@ def host_results() -> dict[str, float]:
     return HOST
 
 
+def _ratio(value: float, base: float | None) -> str:
+    return f"{value / base:.2f}x" if base else "-"
+
+
+def _write_table(tr, title: str, header: list[str], rows: list[list[str]]) -> None:
+    """A section with a table: the first column left-aligned, the others right-aligned."""
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+    tr.section(title)
+    for row in [header, *rows]:
+        cells = [c.rjust(w) for c, w in zip(row, widths, strict=True)]
+        cells[0] = row[0].ljust(widths[0])
+        tr.write_line("  ".join(cells))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if HOST:
         base = HOST.get("torch fused fp32")
-        tr = terminalreporter
-        tr.section("hlat-optim: AdamW step host time, 195 tensors of 64 elements")
-        tr.write_line(f"{'optimizer':<38} {'median ms':>10} {'vs torch fused':>15}")
-        for name, ms in HOST.items():
-            ratio = f"{ms / base:.2f}x" if base else "-"
-            tr.write_line(f"{name:<38} {ms:>10.2f} {ratio:>15}")
-    if not RESULTS:
-        return
-    base = RESULTS.get("torch fused fp32", {}).get("mparam_s")
-    tr = terminalreporter
-    tr.section("hlat-optim: AdamW step, ~50M parameters")
-    tr.write_line(f"{'optimizer':<34} {'Mparam/s':>9} {'vs torch fused':>15} {'bytes/param':>12}")
-    for name, r in RESULTS.items():
-        ratio = f"{r['mparam_s'] / base:.2f}x" if base else "-"
-        tr.write_line(f"{name:<34} {r['mparam_s']:>9.0f} {ratio:>15} {r['bytes_per_param']:>12.1f}")
+        rows = [[name, f"{ms:.2f}", _ratio(ms, base)] for name, ms in HOST.items()]
+        _write_table(
+            terminalreporter,
+            "hlat-optim: AdamW step host time, 195 tensors of 64 elements",
+            ["optimizer", "median ms", "vs torch fused"],
+            rows,
+        )
+    if RESULTS:
+        base = RESULTS.get("torch fused fp32", {}).get("mparam_s")
+        rows = [
+            [
+                name,
+                f"{r['mparam_s']:.0f}",
+                _ratio(r["mparam_s"], base),
+                f"{r['bytes_per_param']:.1f}",
+            ]
+            for name, r in RESULTS.items()
+        ]
+        _write_table(
+            terminalreporter,
+            "hlat-optim: AdamW step, ~50M parameters",
+            ["optimizer", "Mparam/s", "vs torch fused", "bytes/param"],
+            rows,
+        )

@@ -863,7 +863,8 @@ def _hyper(group: dict[str, Any], step: int) -> list[float]:
 
 
 class _Group:
-    """The updates of one step that share a device and dtypes: one group-update call."""
+    """The updates of one step that share a device and dtypes, for the eager reference
+    update (``impl="reference"``, or the fallback where compilation fails)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -876,9 +877,7 @@ class _Group:
     ) -> None:
         for column, t in zip(self.tensors, local, strict=True):
             if t is not None:
-                # Note: detached, the flat alias is no view, so torch.compile's guards do not
-                # look at its base's shape, and chunks of tensors of other shapes share a graph.
-                column.append(t.view(-1).detach())
+                column.append(t.view(-1))
         self.hypers.append(hyper)
         self.ints.append((key, _int32(offset)))
 

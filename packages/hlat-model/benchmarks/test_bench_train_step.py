@@ -173,6 +173,49 @@ def test_compiled_blocks_against_eager(benchmark, dtype):
     print(f"\n[{dtype} compiled] {benchmark.extra_info}")
 
 
+ATTENTION_SHAPES = {
+    "model": (BATCH, CONFIG["n_heads"], SEQ, CONFIG["dim"] // CONFIG["n_heads"]),
+    "s2048-d128": (1, 8, 2048, 128),
+}
+
+
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_kernels(benchmark, dtype, shape):
+    """Causal attention forward + backward: :func:`blocked_causal_attention` (what
+    ``attention="auto"`` runs on CPUs) against torch's ``scaled_dot_product_attention``
+    (its CPU flash kernel) in the same rounds, at the model's shape and at a longer
+    sequence with 7B-sized heads."""
+    import torch.nn.functional as F
+
+    from hlat_model.attention import blocked_causal_attention
+
+    torch.manual_seed(0)
+    q, k, v = (
+        torch.randn(*ATTENTION_SHAPES[shape], dtype=DTYPES[dtype], requires_grad=True)
+        for _ in range(3)
+    )
+    grad = torch.randn_like(q)
+
+    def blocked() -> None:
+        blocked_causal_attention(q, k, v).backward(grad)
+
+    def sdpa() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+    blocked(), sdpa()
+    sdpa_times: list[float] = []
+    benchmark.pedantic(
+        blocked, setup=lambda: sdpa_times.append(_timed(sdpa)), rounds=3 * ROUNDS, iterations=1
+    )
+    benchmark.extra_info.update(
+        blocked_ms=round(benchmark.stats.stats.min * 1e3, 1),
+        sdpa_ms=round(min(sdpa_times) * 1e3, 1),
+        speedup=round(min(sdpa_times) / benchmark.stats.stats.min, 2),
+    )
+    print(f"\n[{dtype} {shape} attention] {benchmark.extra_info}")
+
+
 def test_linear_paths_against_the_cpu_rule(benchmark):
     """The two bf16 paths of ``Linear`` (oneDNN's bf16 product, and the fp32-accumulating
     one) and of the attention core (bf16 SDPA, and SDPA on fp32 copies), forward + backward

@@ -68,7 +68,7 @@ def test_unknown_override_field_is_named():
         (dict(norm_eps=0.0), "norm_eps must be a positive number"),
         (dict(rope_theta=-1.0), "rope_theta must be a positive number"),
         (dict(checkpointing="some"), "checkpointing must be 'none', 'selective' or 'full'"),
-        (dict(attention="xformers"), "attention must be 'auto', 'sdpa' or 'flex'"),
+        (dict(attention="xformers"), "attention must be 'auto', 'sdpa', 'flex' or 'blocked'"),
     ],
 )
 def test_invalid_config_is_rejected_with_a_specific_message(fields, message):

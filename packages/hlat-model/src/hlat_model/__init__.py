@@ -7,7 +7,7 @@
 from hlat_model.config import PRESETS, ConfigError, LlamaConfig
 from hlat_model.model import Llama, block_inputs, cross_entropy_loss, flops_per_token
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 __all__ = [
     "PRESETS",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 CheckpointingMode = Literal["none", "selective", "full"]
-AttentionBackend = Literal["auto", "sdpa", "flex"]
+AttentionBackend = Literal["auto", "sdpa", "flex", "blocked"]
 
 
 class ConfigError(ValueError):
@@ -57,9 +57,12 @@ class LlamaConfig:
     batch-first). Note: NeuronX Distributed's sequence parallelism splits dimension 0, so
     its SP layers need this layout; results are the same either way."""
     attention: AttentionBackend = "auto"
-    """Attention kernel. ``sdpa``: ``scaled_dot_product_attention`` (flash kernels on GPU; an
-    explicit block-diagonal mask for packed documents). ``flex``: compiled ``flex_attention``
-    with a document block mask. ``auto``: ``flex`` for packed documents on CUDA, else ``sdpa``."""
+    """Attention kernel. ``sdpa``: ``scaled_dot_product_attention`` (flash kernels on GPU and
+    CPU; an explicit block-diagonal mask for packed documents). ``flex``: compiled
+    ``flex_attention`` with a document block mask. ``blocked``:
+    :func:`hlat_model.attention.blocked_causal_attention`, batched matrix products over
+    query blocks (the fastest on CPUs). ``auto``: ``blocked`` on CPUs, ``flex`` for packed
+    documents on CUDA, else ``sdpa``."""
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -110,8 +113,10 @@ class LlamaConfig:
             raise ConfigError(
                 f"checkpointing must be 'none', 'selective' or 'full', got {self.checkpointing!r}"
             )
-        if self.attention not in ("auto", "sdpa", "flex"):
-            raise ConfigError(f"attention must be 'auto', 'sdpa' or 'flex', got {self.attention!r}")
+        if self.attention not in ("auto", "sdpa", "flex", "blocked"):
+            raise ConfigError(
+                f"attention must be 'auto', 'sdpa', 'flex' or 'blocked', got {self.attention!r}"
+            )
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> LlamaConfig:

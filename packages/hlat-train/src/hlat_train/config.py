@@ -60,7 +60,8 @@ class ModelConfig:
     checkpointing: str | None = None
     """Activation checkpointing: ``none``, ``selective`` (HLAT) or ``full``."""
     attention: str | None = None
-    """``auto``, ``sdpa`` or ``flex``."""
+    """``auto``, ``sdpa``, ``flex`` or ``blocked`` (``auto``: ``blocked`` on CPUs, ``flex``
+    for packed documents on CUDA, else ``sdpa``)."""
     compile: bool = False
     """``torch.compile`` each transformer block (after TP/SP and before FSDP2, as torchtitan
     does; backend ``neuron`` on TorchNeuron). Not on ``parallel.backend = "neuron"`` (trn1),

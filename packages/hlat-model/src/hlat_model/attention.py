@@ -136,8 +136,9 @@ def _flex_block_mask(doc_ids: torch.Tensor) -> Any:
 
 KEEP_PROBABILITIES_BYTES = 256 * 2**20
 """Largest attention probabilities (bytes per call) that :func:`blocked_causal_attention`
-keeps for backward; above it, backward recomputes them block by block, so memory stays
-linear in the sequence length, as with flash kernels."""
+keeps for backward; above it, backward recomputes them block by block, so what a layer
+keeps for backward is linear in the sequence length (q, k and v), as with flash kernels.
+Either way one block's scores ([B*H, block, S] at most) exist at a time."""
 
 
 def query_block(seq_len: int) -> int:

@@ -95,8 +95,9 @@ def attention(
     outside ``torch.compile``; tensor subclasses (DTensor) and compiled blocks run SDPA.
     """
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not cpu_has_native_bf16():
-        # Note: the CPU flash kernel's backward multiplies in bf16, emulated (10x slower) on
-        # CPUs without bf16 instructions; fp32 operands give the same fp32-accumulated result.
+        # Note: both CPU kernels multiply bf16 matrices (the flash kernel's backward, the
+        # blocked kernel's products), emulated and slower than in fp32 on CPUs without bf16
+        # instructions; on fp32 operands they accumulate in fp32 as a native kernel would.
         return attention(q.float(), k.float(), v.float(), mask).to(q.dtype)
     gqa = q.shape[1] != k.shape[1]
     if (

@@ -48,6 +48,17 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def _page_faults(fn) -> int:
+    """Minor page faults of one call of ``fn`` (0 where the platform does not count them)."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return 0
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    fn()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
 def _shapes(config: LlamaConfig) -> list[tuple[int, int]]:
     """(in, out) of every linear layer of the model."""
     return [
@@ -214,6 +225,94 @@ def test_attention_kernels(benchmark, dtype, shape):
         speedup=round(min(sdpa_times) / benchmark.stats.stats.min, 2),
     )
     print(f"\n[{dtype} {shape} attention] {benchmark.extra_info}")
+
+
+BLOCK_SIZES = {"model": (32, 64, 128), "s2048-d128": (64, 128, 256, 512)}
+
+
+@pytest.mark.parametrize("shape", BLOCK_SIZES)
+def test_query_block_sizes(benchmark, shape, monkeypatch):
+    """bf16 blocked attention, forward + backward, with blocks of each size in
+    ``BLOCK_SIZES`` in the same rounds: what :func:`query_block` is chosen from (the
+    benchmark's own figure is the size it picks)."""
+    from hlat_model import attention as attention_module
+
+    torch.manual_seed(0)
+    q, k, v = (
+        torch.randn(*ATTENTION_SHAPES[shape], dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    grad = torch.randn_like(q)
+    chosen = attention_module.query_block(q.shape[2])
+
+    def run(block: int) -> None:
+        monkeypatch.setattr(attention_module, "query_block", lambda seq_len: block)
+        attention_module.blocked_causal_attention(q, k, v).backward(grad)
+
+    times: dict[int, list[float]] = {block: [] for block in BLOCK_SIZES[shape]}
+    for block in times:
+        run(block)
+
+    def setup() -> None:
+        for block in times:
+            times[block].append(_timed(lambda block=block: run(block)))
+
+    benchmark.pedantic(lambda: run(chosen), setup=setup, rounds=ROUNDS, iterations=1)
+    benchmark.extra_info.update(
+        chosen=chosen, **{f"block_{b}_ms": round(min(t) * 1e3, 1) for b, t in times.items()}
+    )
+    print(f"\n[{shape} query blocks] {benchmark.extra_info}")
+
+
+LOSS_SHAPES = {"model": (BATCH * SEQ, CONFIG["vocab_size"]), "llama2-vocab": (2048, 32000)}
+
+
+@pytest.mark.parametrize("shape", LOSS_SHAPES)
+def test_loss_kernels(benchmark, shape):
+    """The loss on bf16 logits, forward + backward, from the LM head's product on: the
+    chunked :func:`cross_entropy_loss` against ``F.cross_entropy`` on the fp32 copy of the
+    logits (what it replaced), in the same rounds; the LM head's products alone are the
+    floor both stand on."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    tokens, vocab = LOSS_SHAPES[shape]
+    hidden = torch.randn(tokens, CONFIG["dim"], dtype=torch.bfloat16, requires_grad=True)
+    head = Linear(CONFIG["dim"], vocab).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (tokens,))
+
+    def chunked() -> None:
+        cross_entropy_loss(head(hidden), labels).backward()
+
+    def fp32_copy() -> None:
+        F.cross_entropy(head(hidden).float(), labels).backward()
+
+    ones = torch.ones(tokens, vocab, dtype=torch.bfloat16)
+
+    def products() -> None:
+        head(hidden).backward(ones)
+
+    chunked(), fp32_copy(), products()
+    peers: dict[str, list[float]] = {"fp32_copy": [], "products": []}
+
+    def setup() -> None:
+        peers["fp32_copy"].append(_timed(fp32_copy))
+        peers["products"].append(_timed(products))
+
+    benchmark.pedantic(chunked, setup=setup, rounds=3 * ROUNDS, iterations=1)
+    ours, theirs, floor = benchmark.stats.stats.min, min(peers["fp32_copy"]), min(peers["products"])
+    benchmark.extra_info.update(
+        chunked_ms=round(ours * 1e3, 1),
+        fp32_copy_ms=round(theirs * 1e3, 1),
+        products_ms=round(floor * 1e3, 1),
+        speedup=round(theirs / ours, 2),
+        loss_ms_beside_products=round((ours - floor) * 1e3, 1),
+        f_cross_entropy_ms_beside_products=round((theirs - floor) * 1e3, 1),
+        # Note: fresh pages cost time (each page fault zeroes 4 KiB): how many each takes
+        chunked_page_faults=_page_faults(chunked),
+        fp32_copy_page_faults=_page_faults(fp32_copy),
+    )
+    print(f"\n[{shape} loss] {benchmark.extra_info}")
 
 
 def test_linear_paths_against_the_cpu_rule(benchmark):

@@ -141,9 +141,10 @@ def test_over_the_memory_bound_backward_keeps_only_the_inputs(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "seq_len, block", [(16, 64), (512, 64), (1000, 128), (1024, 128), (2048, 256), (4096, 512)]
+    "seq_len, block",
+    [(16, 64), (512, 64), (1024, 64), (1100, 128), (2048, 128), (4096, 256), (8192, 512)],
 )
-def test_query_blocks_are_multiples_of_64_and_an_eighth_of_the_sequence(seq_len, block):
+def test_query_blocks_are_multiples_of_64_and_a_sixteenth_of_the_sequence(seq_len, block):
     assert query_block(seq_len) == block
 
 
@@ -186,3 +187,26 @@ def test_a_bf16_llama_trains_on_blocked_attention_as_on_torchs(documents):
     for ours, theirs in zip(results["blocked"], results["sdpa"], strict=True):
         scale = theirs.float().abs().max()
         assert (ours.float() - theirs.float()).abs().max() <= 0.03 * scale
+
+
+def test_backward_makes_no_gradient_for_the_kept_probabilities():
+    """The kept probabilities are a second output of the operator; autograd must not build
+    a zero gradient as large as they are for it (a fill of megabytes per layer)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    q, k, v, _ = _inputs(2, 4, 4, 256, 32, torch.float32)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = blocked_causal_attention(q, k, v)
+    kept = sum(2 * 4 * (end - start) * end for start, end in attention_module._blocks(256))
+    made: list[tuple[str, int]] = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            made.append((str(func), result.numel() if isinstance(result, torch.Tensor) else 0))
+            return result
+
+    with Ops():
+        out.sum().backward()
+    assert "hlat.blocked_causal_attention_backward.default" in [name for name, _ in made]
+    assert kept not in [numel for _, numel in made], made

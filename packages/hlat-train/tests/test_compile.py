@@ -65,24 +65,20 @@ def _torchrun(config, path, nproc: int = 2) -> list[float]:
 
 
 TP_SP = ("--parallel.tp=2", "--parallel.sp=true")
-# selective where this torch compiles it under TP (validation refuses it elsewhere)
-TP_CHECKPOINTING = "full" if compiled_tp_checkpoints_fail() else "selective"
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
-        SETTINGS,
-        (f"--model.checkpointing={TP_CHECKPOINTING}", "--data.document_mask=true", HORIZON, *TP_SP),
-    ],
-    ids=["dp2-fsdp2-selective", f"tp2-sp-x-dp2-fsdp2-{TP_CHECKPOINTING}"],
-)
+LAYOUTS = {"dp2-fsdp2": SETTINGS, "tp2-sp-x-dp2-fsdp2": (*SETTINGS, *TP_SP)}
+if not compiled_tp_checkpoints_fail():  # this torch compiles it with SDPA too
+    LAYOUTS["tp2-sp-x-dp2-fsdp2-sdpa"] = (*SETTINGS, *TP_SP, "--model.attention=sdpa")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_compiled_blocks_under_parallelism_match_eager(corpus, tmp_path, layout):
-    """FSDP2 over two ranks with selective checkpointing; or four ranks, TP2 with sequence
-    parallelism (the embedding's output reduced asynchronously into the first compiled
-    block) times FSDP2 over DP2, with selective checkpointing where this torch compiles it
-    under TP, else full; document masking in both. The compiled run's losses are the eager
-    run's."""
+    """FSDP2 over two ranks; or four ranks, TP2 with sequence parallelism (the embedding's
+    output reduced asynchronously into the first compiled block) times FSDP2 over DP2;
+    selective checkpointing and document masking in all, the blocked attention kernel
+    (``auto`` on CPUs) inside each compiled block, or SDPA where this torch compiles it
+    under TP. The compiled run's losses are the eager run's."""
     nproc = 4 if "--parallel.tp=2" in layout else 2
     runs = {}
     for name, extra in (("eager", ()), ("compiled", ("--model.compile=true",))):
@@ -104,16 +100,38 @@ def test_compile_with_pipeline_or_context_parallelism_is_refused_before_any_work
 def test_compile_with_tp_and_selective_checkpointing_is_refused_where_torch_fails_it(
     corpus, tmp_path
 ):
-    config = tiny_config(corpus, tmp_path, "--model.compile=true", *SETTINGS, *TP_SP)
+    """SDPA in a checkpointed region of a compiled TP block fails on torch 2.13; the blocked
+    kernel (``auto`` on this CPU, or named) compiles (the test above runs it)."""
+    sdpa = tiny_config(
+        corpus, tmp_path, "--model.compile=true", *SETTINGS, *TP_SP, "--model.attention=sdpa"
+    )
     if compiled_tp_checkpoints_fail():
         with pytest.raises(ConfigError, match=r"model\.checkpointing = 'selective' on torch"):
-            validate(config, world_size=2)
+            validate(sdpa, world_size=2)
     else:
-        validate(config, world_size=2)  # this torch compiles it (the test above runs it)
-    for mode in ("full", "none"):  # the same layout compiles with these
+        validate(sdpa, world_size=2)
+    for kernel in ("auto", "blocked"):
         validate(
             tiny_config(
-                corpus, tmp_path, "--model.compile=true", *TP_SP, f"--model.checkpointing={mode}"
+                corpus,
+                tmp_path,
+                "--model.compile=true",
+                *SETTINGS,
+                *TP_SP,
+                f"--model.attention={kernel}",
+                "--train.device=cpu",
+            ),
+            world_size=2,
+        )
+    for mode in ("full", "none"):  # the SDPA layout compiles with these
+        validate(
+            tiny_config(
+                corpus,
+                tmp_path,
+                "--model.compile=true",
+                *TP_SP,
+                f"--model.checkpointing={mode}",
+                "--model.attention=sdpa",
             ),
             world_size=2,
         )

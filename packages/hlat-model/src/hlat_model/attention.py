@@ -91,8 +91,9 @@ def attention(
     """Scaled dot-product attention on [B, H, S, D] tensors; k/v may have fewer heads (GQA).
 
     Softmax statistics accumulate in fp32 in every kernel used here, also for bf16 inputs.
-    ``mask.kernel == "blocked"`` runs :func:`blocked_causal_attention` on plain tensors
-    outside ``torch.compile``; tensor subclasses (DTensor) and compiled blocks run SDPA.
+    ``mask.kernel == "blocked"`` runs :func:`blocked_causal_attention` on plain tensors,
+    eager or in compiled blocks (one opaque operator there); tensor subclasses (DTensor)
+    run SDPA.
     """
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not cpu_has_native_bf16():
         # Note: both CPU kernels multiply bf16 matrices (the flash kernel's backward, the
@@ -104,10 +105,7 @@ def attention(
         getattr(mask, "kernel", "sdpa") == "blocked"
         and mask.backend in ("causal", "sdpa")
         and type(q) is torch.Tensor
-        and not torch.compiler.is_compiling()
     ):
-        # Note: compiled blocks keep SDPA: a graph break here split a tensor-parallel
-        # block into graphs whose collectives lost their process group (torch 2.13).
         return blocked_causal_attention(q, k, v, mask.mask)
     if mask.backend == "causal":
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -143,9 +141,16 @@ Either way one block's scores ([B*H, block, S] at most) exist at a time."""
 
 
 def query_block(seq_len: int) -> int:
-    """Queries per block of :func:`blocked_causal_attention`: a multiple of 64, an eighth
-    of the sequence or more (a diagonal block computes its masked half too)."""
-    return max(64, -(-seq_len // 8 // 64) * 64)
+    """Queries per block of :func:`blocked_causal_attention`: a multiple of 64, a
+    sixteenth of the sequence or more (a diagonal block computes its masked half too).
+
+    Note: on a 2-core AVX512-BF16 CPU, forward + backward in bf16 took 180 ms with blocks
+    of 128, 193 ms with 256 and 230 ms with 512 at 1 x 8 heads x 2048 x 128; 44 ms with
+    64, 46 ms with 128 and 53 ms with 32 at 4 x 8 x 512 x 64
+    (``benchmarks/test_bench_train_step.py::test_query_block_sizes``). Smaller blocks copy
+    more key prefixes (a product copies a sliced operand) but compute less of the masked
+    half."""
+    return max(64, -(-seq_len // 16 // 64) * 64)
 
 
 def blocked_causal_attention(
@@ -173,7 +178,7 @@ def blocked_causal_attention(
     if k.shape[1] != q.shape[1]:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    return _BlockedCausal.apply(q, k, v, allowed)
+    return torch.ops.hlat.blocked_causal_attention(q, k, v, allowed)[0]
 
 
 def _probabilities(
@@ -184,11 +189,13 @@ def _probabilities(
     scale: float,
     masked: torch.Tensor | None,
     heads: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Softmax of the scores of queries ``start:end`` against keys ``:end``; q is
-    [B*H, S, D], ``k_t`` the keys transposed, [B*H, D, S] (its slices are rows, which the
-    product copies fast; slices of the untransposed keys copied 3x slower). ``masked`` is
-    the negated ``allowed`` mask (True where masked), or None for plain causal."""
+    """fp32 softmax of the scores of queries ``start:end`` against keys ``:end`` (written
+    into ``out`` when given); q is [B*H, S, D], ``k_t`` the keys transposed, [B*H, D, S]
+    (its slices are rows, which the product copies fast; slices of the untransposed keys
+    copied 3x slower). ``masked`` is the negated ``allowed`` mask (True where masked), or
+    None for plain causal."""
     rows = end - start
     scores = torch.baddbmm(
         q.new_zeros(()).expand(q.shape[0], rows, end),
@@ -203,7 +210,10 @@ def _probabilities(
     else:
         by_head = scores.unflatten(0, (-1, heads))
         by_head.masked_fill_(masked[:, :, start:end, :end], float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if out is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    # Note: CPUs have no bf16-to-fp32 softmax kernel; torch.softmax converts first too.
+    return torch.ops.aten._softmax.out(scores.float(), -1, False, out=out)
 
 
 def _blocks(seq_len: int) -> list[tuple[int, int]]:
@@ -211,53 +221,127 @@ def _blocks(seq_len: int) -> list[tuple[int, int]]:
     return [(start, min(start + block, seq_len)) for start in range(0, seq_len, block)]
 
 
-class _BlockedCausal(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        allowed: torch.Tensor | None,
-    ) -> torch.Tensor:
-        batch, heads, seq_len, head_dim = q.shape
-        qf, kf, vf = (t.reshape(batch * heads, seq_len, head_dim) for t in (q, k, v))
-        k_t = kf.transpose(1, 2).contiguous()
-        masked = None if allowed is None else ~allowed
-        scale = head_dim**-0.5
-        blocks = _blocks(seq_len)
-        kept_bytes = qf.shape[0] * seq_len * (seq_len + blocks[0][1]) // 2 * 4
-        keep = kept_bytes <= KEEP_PROBABILITIES_BYTES
-        outs, kept = [], []
-        for start, end in blocks:
-            probs = _probabilities(qf, k_t, start, end, scale, masked, heads)
-            outs.append(torch.bmm(probs.to(vf.dtype), vf[:, :end]))
-            if keep:
-                kept.append(probs)
-        ctx.save_for_backward(qf, kf, vf, masked, *kept)
-        ctx.shape, ctx.scale = q.shape, scale
-        return torch.cat(outs, dim=1).view(q.shape)
+def _kept_sizes(rows: int, seq_len: int) -> list[int]:
+    """Elements of each block's kept probabilities for ``rows`` = B*H, or none when they
+    exceed :data:`KEEP_PROBABILITIES_BYTES` (backward recomputes them)."""
+    sizes = [rows * (end - start) * end for start, end in _blocks(seq_len)]
+    return sizes if 4 * sum(sizes) <= KEEP_PROBABILITIES_BYTES else []
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        qf, kf, vf, masked, *kept = ctx.saved_tensors
-        batch, heads, seq_len, head_dim = ctx.shape
-        scale = ctx.scale
-        grad = grad.reshape(batch * heads, seq_len, head_dim)
-        k_t, v_t = (t.transpose(1, 2).contiguous() for t in (kf, vf))
-        # Note: key and value gradients sum over query blocks in fp32, as flash kernels do.
-        dk = torch.zeros(kf.shape, dtype=torch.float32, device=kf.device)
-        dv = torch.zeros_like(dk)
-        dqs = []
-        for n, (start, end) in enumerate(_blocks(seq_len)):
-            probs = kept[n] if kept else _probabilities(qf, k_t, start, end, scale, masked, heads)
-            rows = grad[:, start:end]
-            dv[:, :end].add_(torch.bmm(probs.to(rows.dtype).transpose(1, 2), rows))
-            dprobs = torch.bmm(rows, v_t[:, :, :end]).float()
-            dscores = torch.ops.aten._softmax_backward_data(dprobs, probs, -1, probs.dtype)
-            dscores = dscores.mul_(scale).to(qf.dtype)
-            dqs.append(torch.bmm(dscores, kf[:, :end]))
-            dk[:, :end].add_(torch.bmm(dscores.transpose(1, 2), qf[:, start:end]))
-        dq = torch.cat(dqs, dim=1)
-        dk = dk.to(kf.dtype)
-        return dq.view(ctx.shape), dk.view(ctx.shape), dv.to(vf.dtype).view(ctx.shape), None
+
+# Note: a registered operator, not an autograd Function, so torch.compile keeps it as one
+# opaque call inside a compiled block (a graph break there split a tensor-parallel block
+# into graphs whose collectives lost their process group, torch 2.13); inductor fuses the
+# rest of the block around it.
+@torch.library.custom_op(
+    "hlat::blocked_causal_attention",
+    mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? allowed) -> (Tensor, Tensor)",
+)
+def _blocked_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the output, the kept fp32 probabilities of all blocks flat: empty when recomputed);
+    q, k and v have the same number of heads."""
+    batch, heads, seq_len, head_dim = q.shape
+    qf, kf, vf = (t.reshape(batch * heads, seq_len, head_dim) for t in (q, k, v))
+    k_t = kf.transpose(1, 2).contiguous()
+    masked = None if allowed is None else ~allowed
+    scale = head_dim**-0.5
+    sizes = _kept_sizes(qf.shape[0], seq_len)
+    kept = q.new_empty(sum(sizes), dtype=torch.float32)
+    offset = 0
+    # Note: the output is laid out [B, S, H, D] (returned as a [B, H, S, D] view), so the
+    # output projection reads it without a copy; each block is written in place.
+    out = q.new_empty(batch, seq_len, heads, head_dim)
+    for n, (start, end) in enumerate(_blocks(seq_len)):
+        into = None
+        if sizes:
+            into = kept[offset : offset + sizes[n]].view(qf.shape[0], end - start, end)
+            offset += sizes[n]
+        probs = _probabilities(qf, k_t, start, end, scale, masked, heads, into)
+        rows = torch.bmm(probs.to(vf.dtype), vf[:, :end])
+        out[:, start:end].copy_(rows.view(batch, heads, end - start, head_dim).transpose(1, 2))
+    return out.transpose(1, 2), kept
+
+
+@_blocked_forward.register_fake
+def _(q, k, v, allowed):
+    batch, heads, seq_len, head_dim = q.shape
+    kept = q.new_empty(sum(_kept_sizes(batch * heads, seq_len)), dtype=torch.float32)
+    return q.new_empty(batch, seq_len, heads, head_dim).transpose(1, 2), kept
+
+
+@torch.library.custom_op(
+    "hlat::blocked_causal_attention_backward",
+    mutates_args=(),
+    schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? allowed, Tensor kept)"
+    " -> (Tensor, Tensor, Tensor)",
+)
+def _blocked_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    kept: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    batch, heads, seq_len, head_dim = q.shape
+    qf, kf, vf = (t.reshape(batch * heads, seq_len, head_dim) for t in (q, k, v))
+    masked = None if allowed is None else ~allowed
+    scale = head_dim**-0.5
+    recompute = kept.numel() == 0
+    k_t = kf.transpose(1, 2).contiguous() if recompute else None
+    v_t = vf.transpose(1, 2).contiguous()
+    # Note: key and value gradients sum over query blocks in fp32, as flash kernels do.
+    dk = torch.zeros(kf.shape, dtype=torch.float32, device=kf.device)
+    dv = torch.zeros_like(dk)
+    dqs = []
+    offset = 0
+    for start, end in _blocks(seq_len):
+        if k_t is not None:
+            probs = _probabilities(qf, k_t, start, end, scale, masked, heads)
+        else:
+            size = qf.shape[0] * (end - start) * end
+            probs = kept[offset : offset + size].view(qf.shape[0], end - start, end)
+            offset += size
+        # one copy of the block's rows, which both products below read
+        rows = grad[:, :, start:end].reshape(batch * heads, end - start, head_dim)
+        dv[:, :end].add_(torch.bmm(probs.to(rows.dtype).transpose(1, 2), rows))
+        # the scale goes into the product: d scores = scale * softmax'(d probs)
+        dprobs = torch.baddbmm(
+            rows.new_zeros(()).expand(rows.shape[0], end - start, end),
+            rows,
+            v_t[:, :, :end],
+            beta=0,
+            alpha=scale,
+        ).float()
+        dscores = torch.ops.aten._softmax_backward_data(dprobs, probs, -1, probs.dtype)
+        dscores = dscores.to(qf.dtype)
+        dqs.append(torch.bmm(dscores, kf[:, :end]))
+        dk[:, :end].add_(torch.bmm(dscores.transpose(1, 2), qf[:, start:end]))
+    dq = torch.cat(dqs, dim=1).view(q.shape)
+    return dq, dk.to(kf.dtype).view(q.shape), dv.to(vf.dtype).view(q.shape)
+
+
+@_blocked_backward.register_fake
+def _(grad, q, k, v, allowed, kept):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _save_for_backward(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    q, k, v, allowed = inputs
+    ctx.save_for_backward(q, k, v, allowed, output[1])
+    # no zero-filled gradient for the kept probabilities (as large as they are)
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _attention_backward(ctx: Any, grad: torch.Tensor, _kept_grad: Any) -> tuple[Any, ...]:
+    q, k, v, allowed, kept = ctx.saved_tensors
+    dq, dk, dv = torch.ops.hlat.blocked_causal_attention_backward(grad, q, k, v, allowed, kept)
+    return dq, dk, dv, None
+
+
+torch.library.register_autograd(
+    "hlat::blocked_causal_attention", _attention_backward, setup_context=_save_for_backward
+)

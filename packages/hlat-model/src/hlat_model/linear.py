@@ -10,7 +10,6 @@ Neuron, DTensor shards, CPUs with native bf16, other dtypes) it is exactly ``nn.
 
 from __future__ import annotations
 
-import functools
 import platform
 
 import torch
@@ -47,10 +46,14 @@ def cpu_bf16_reason() -> str | None:
     return None
 
 
-@functools.cache
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 matrices natively: :func:`cpu_bf16_reason`, once."""
-    return cpu_bf16_reason() is not None
+    """Whether this CPU multiplies bf16 matrices natively: :func:`cpu_bf16_reason`, asked
+    once at import, so ``torch.compile`` reads a constant (tracing into torch's CPU checks
+    broke every compiled block's graph)."""
+    return _CPU_HAS_NATIVE_BF16
+
+
+_CPU_HAS_NATIVE_BF16 = cpu_bf16_reason() is not None
 
 
 class _Fp32AccumulateLinear(torch.autograd.Function):

@@ -16,6 +16,7 @@ Fused layouts (TP-independent; see ``parallel_plan``):
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, cast
 
@@ -62,6 +63,68 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.to(x.dtype)
 
 
+def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """:func:`apply_rope` of ``x`` written into ``out`` (a view of any strides), computed in
+    fp32 and rounded once to ``out``'s dtype; ``-sin`` gives the inverse rotation."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.mul(x1, cos)
+    out[..., :half].copy_(rotated.addcmul_(x2, sin, value=-1))
+    torch.mul(x2, cos, out=rotated)
+    out[..., half:].copy_(rotated.addcmul_(x1, sin))
+
+
+class _HeadsWithRope(torch.autograd.Function):
+    """q, k and v out of the fused qkv product, RoPE applied to q and k, each returned
+    contiguous as [B, heads, S, D] (what the attention kernels read without copies).
+
+    The same numbers as slicing, :func:`apply_rope` and transposing, in fewer passes over
+    memory; backward writes the inverse rotation of the q and k gradients and the v
+    gradient straight into the qkv gradient, so no slice gradient is zero-filled."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch, seq_len, groups, per_group, head_dim = qkv.shape
+        q_per_kv = per_group - 2
+        new = functools.partial(torch.empty, dtype=qkv.dtype, device=qkv.device)
+        q = new(batch, groups * q_per_kv, seq_len, head_dim)
+        k, v = new(batch, groups, seq_len, head_dim), new(batch, groups, seq_len, head_dim)
+        by_group = q.transpose(1, 2).unflatten(2, (groups, q_per_kv))
+        _rotate_into(by_group, qkv[:, :, :, :q_per_kv], cos[..., None, :], sin[..., None, :])
+        _rotate_into(k.transpose(1, 2), qkv[:, :, :, q_per_kv], cos, sin)
+        v.transpose(1, 2).copy_(qkv[:, :, :, q_per_kv + 1])
+        ctx.save_for_backward(cos, sin)
+        ctx.qkv_shape = qkv.shape
+        ctx.set_materialize_grads(False)  # an unused output's gradient comes as None
+        return q, k, v
+
+    @staticmethod
+    def backward(
+        ctx: Any, dq: torch.Tensor | None, dk: torch.Tensor | None, dv: torch.Tensor | None
+    ) -> tuple[torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        groups, per_group = ctx.qkv_shape[2:4]
+        q_per_kv = per_group - 2
+        sample = next(g for g in (dq, dk, dv) if g is not None)
+        grad = sample.new_empty(ctx.qkv_shape)
+        if dq is None:
+            grad[:, :, :, :q_per_kv].zero_()
+        else:
+            by_group = dq.transpose(1, 2).unflatten(2, (groups, q_per_kv))
+            _rotate_into(grad[:, :, :, :q_per_kv], by_group, cos[..., None, :], -sin[..., None, :])
+        if dk is None:
+            grad[:, :, :, q_per_kv].zero_()
+        else:
+            _rotate_into(grad[:, :, :, q_per_kv], dk.transpose(1, 2), cos, -sin)
+        if dv is None:
+            grad[:, :, :, q_per_kv + 1].zero_()
+        else:
+            grad[:, :, :, q_per_kv + 1].copy_(dv.transpose(1, 2))
+        return grad, None, None
+
+
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     # Note: gate and up are every other column of the fused product. Elementwise kernels on
     # such stride-2 views run about 3x slower on CPU (forward and backward) than on dense
@@ -97,10 +160,14 @@ class Attention(nn.Module):
             qkv = qkv.transpose(0, 1)
         batch, seq_len, _ = qkv.shape  # the full sequence, also when x is sequence-sharded
         qkv = qkv.reshape(batch, seq_len, -1, self.q_per_kv + 2, self.head_dim)
-        q = qkv[:, :, :, : self.q_per_kv].flatten(2, 3)
-        k, v = qkv[:, :, :, self.q_per_kv], qkv[:, :, :, self.q_per_kv + 1]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if type(qkv) is torch.Tensor and not torch.compiler.is_compiling():
+            q, k, v = _HeadsWithRope.apply(qkv, cos, sin)
+        else:
+            # Note: compiled blocks keep the plain ops, which inductor fuses itself.
+            q = qkv[:, :, :, : self.q_per_kv].flatten(2, 3)
+            k, v = qkv[:, :, :, self.q_per_kv], qkv[:, :, :, self.q_per_kv + 1]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.selective:
             out = checkpoint(self.attend, q, k, v, mask, use_reentrant=False)
         else:
@@ -291,16 +358,6 @@ class Llama(nn.Module):
         if exclude_embeddings and not self.config.tie_embeddings:
             total -= self.embed_tokens.weight.numel()
         return total
-
-
-def cross_entropy_loss(
-    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
-) -> torch.Tensor:
-    """Mean next-token loss in fp32. ``labels`` are already shifted (``labels[t]`` is the
-    token after ``input_ids[t]``); positions equal to ``ignore_index`` do not count."""
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=ignore_index
-    )
 
 
 def flops_per_token(config: LlamaConfig, seq_len: int) -> float:

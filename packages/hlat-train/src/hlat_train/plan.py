@@ -544,8 +544,10 @@ def activation_parts(llama: Any, layout: Layout) -> Activations:
     ``selective`` recomputes the attention core and the SwiGLU in backward, so their
     outputs are not kept; ``full`` keeps each block's input ``T h A / u`` and rebuilds one
     block at a time (that block's ``none`` set is added once). Outside the blocks: the final
-    norm, the LM head's input, and the logits with the loss's fp32 copy and log-softmax
-    ``T V / t (A + 8)``.
+    norm, the LM head's input, and the logits: ``T V A`` on the torch backend without TP
+    (``hlat_model.cross_entropy_loss`` keeps the logits and one fp32 number per token),
+    ``T V / t (A + 8)`` with vocabulary-sharded logits and on the neuron backend (the
+    loss's fp32 copy and log-softmax besides).
 
     Context parallelism (cp > 1, ``hlat_parallel.ContextParallelAttention``): every
     per-token term above holds 1/cp of the sequence. Attention all-gathers the keys and
@@ -582,7 +584,8 @@ def activation_parts(llama: Any, layout: Layout) -> Activations:
         local = lay.seq_len // lay.cp
         cp_saved = lay.micro_batch * lay.seq_len * kv_rows * a / t + local * lay.seq_len * a
     head = tokens * h / u * (4 + a) + tokens * h * a / gathered
-    logits = tokens * c.vocab_size / t * (a + 8)
+    chunked_loss = lay.backend == "torch" and t == 1
+    logits = tokens * c.vocab_size / t * (a if chunked_loss else a + 8)
     if lay.checkpointing == "none":
         return Activations(none, cp_saved, head + logits, 0.0)
     if lay.checkpointing == "selective":

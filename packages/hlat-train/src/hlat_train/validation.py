@@ -242,17 +242,24 @@ def validate(
             "the tokenizer)"
         )
     selective_tp = par.tp > 1 and llama.checkpointing == "selective"
-    if config.model.compile and selective_tp and compiled_tp_checkpoints_fail():
+    if (
+        config.model.compile
+        and selective_tp
+        and compiled_tp_checkpoints_fail()
+        and not runs_blocked_attention(llama.attention, run.device)
+    ):
         import torch
 
         raise ConfigError(
             f"model.compile = true with parallel.tp = {par.tp} and model.checkpointing = "
-            f"'selective' on torch {torch.__version__}: torch 2.13 fails to compile the "
-            "backward of a tensor-parallel block with checkpointed regions inside it (AOT "
-            "autograd saves the device mesh for backward: 'expected all "
+            f"'selective' on torch {torch.__version__}, with model.attention = "
+            f"{llama.attention!r} on this device (SDPA or flex attention): torch 2.13 fails "
+            "to compile the backward of a tensor-parallel block with SDPA in a checkpointed "
+            "region (AOT autograd saves the device mesh for backward: 'expected all "
             "tensors_saved_with_vc_check to be Tensors'; torch 2.9 compiles it, the "
-            "versions between are untested). Set model.checkpointing = 'full' or 'none', "
-            "or model.compile = false"
+            "versions between are untested; the blocked attention kernel compiles). Set "
+            "model.checkpointing = 'full' or 'none', model.attention = 'blocked', or "
+            "model.compile = false"
         )
     if data.seq_len > llama.max_seq_len:
         raise ConfigError(
@@ -441,10 +448,25 @@ def _check_hang_timeout(value: float) -> None:
         )
 
 
+def runs_blocked_attention(attention: str, device: str) -> bool:
+    """Whether the model's attention runs ``hlat_model``'s blocked kernel: ``blocked``, or
+    ``auto`` on a CPU (``train.device = 'cpu'``, or ``auto`` where no accelerator is seen)."""
+    if attention != "auto":
+        return attention == "blocked"
+    if device == "auto":
+        from hlat_parallel.device import accelerator
+
+        return accelerator() is None
+    import torch
+
+    return torch.device(device).type == "cpu"
+
+
 def compiled_tp_checkpoints_fail() -> bool:
     """Whether the installed torch is one that cannot compile a tensor-parallel block with
-    ``torch.utils.checkpoint`` regions inside (``selective`` checkpointing): 2.13 fails,
-    2.9 works; 2.10 and later count as failing until tested."""
+    SDPA inside a ``torch.utils.checkpoint`` region (``selective`` checkpointing): 2.13
+    fails, 2.9 works; 2.10 and later count as failing until tested. The blocked attention
+    kernel (one registered operator) compiles there on 2.13 (``tests/test_compile.py``)."""
     import torch
     from torch.torch_version import TorchVersion
 

@@ -1,0 +1,125 @@
+"""The chunked cross entropy against ``F.cross_entropy`` on the fp32 logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hlat_model import cross_entropy_loss
+from hlat_model import loss as loss_module
+
+
+def _reference(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100):
+    logits = logits.detach().clone().requires_grad_()
+    value = F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=ignore_index
+    )
+    value.backward()
+    return value.detach(), logits.grad
+
+
+def _ours(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100):
+    logits = logits.detach().clone().requires_grad_()
+    value = cross_entropy_loss(logits, labels, ignore_index=ignore_index)
+    value.backward()
+    return value.detach(), logits.grad
+
+
+@pytest.fixture(params=["one chunk", "uneven chunks"])
+def chunking(request, monkeypatch):
+    if request.param == "uneven chunks":
+        # 7 rows of 1000 fp32 logits per chunk: 30 rows make 4 full chunks and one of 2
+        monkeypatch.setitem(loss_module.LOSS_CHUNK_BYTES, "cpu", 7 * 4 * 1000)
+        assert loss_module._rows_per_chunk(torch.empty(1, 1000)) == 7
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_value_and_gradient_are_those_of_f_cross_entropy(chunking, dtype):
+    torch.manual_seed(0)
+    logits = (torch.randn(3, 10, 1000) * 4).to(dtype)
+    labels = torch.randint(0, 1000, (3, 10))
+    labels[0, :4] = -100
+    labels[2, 7] = -100
+    expected, expected_grad = _reference(logits, labels)
+    value, grad = _ours(logits, labels)
+    assert value.dtype == torch.float32 and grad.dtype == dtype
+    torch.testing.assert_close(value, expected, rtol=1e-6, atol=0)
+    # fp32: the same math in another order; bf16/fp16: at most one rounding step apart
+    # (both compute in fp32 and round once)
+    rtol = {torch.float32: 1e-5, torch.bfloat16: 2**-8, torch.float16: 2**-11}[dtype]
+    error = (grad.float() - expected_grad.float()).abs()
+    assert (error <= rtol * expected_grad.float().abs() + 1e-10).all()
+    assert grad[0, :4].abs().max() == 0  # ignored positions get no gradient
+
+
+def test_scales_with_the_incoming_gradient_and_ignores_a_custom_index():
+    torch.manual_seed(1)
+    logits = torch.randn(2, 6, 50, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 6))
+    labels[1, 2] = 7
+    (3.5 * cross_entropy_loss(logits, labels, ignore_index=7)).backward()
+    reference = logits.detach().clone().requires_grad_()
+    (3.5 * F.cross_entropy(reference.flatten(0, 1), labels.flatten(), ignore_index=7)).backward()
+    torch.testing.assert_close(logits.grad, reference.grad, rtol=1e-5, atol=1e-8)
+
+
+def test_non_contiguous_logits_and_unchanged_inputs():
+    """Sequence-first models hand over transposed logits; fp32 logits are not changed."""
+    torch.manual_seed(2)
+    stored = torch.randn(9, 2, 40)  # [S, B, V]
+    logits = stored.transpose(0, 1).requires_grad_()
+    before = stored.clone()
+    labels = torch.randint(0, 40, (2, 9))
+    cross_entropy_loss(logits, labels).backward()
+    assert torch.equal(stored, before)
+    _, expected_grad = _reference(logits, labels)
+    torch.testing.assert_close(logits.grad, expected_grad, rtol=1e-5, atol=1e-8)
+
+
+def test_keeps_the_logits_and_one_number_per_row_for_backward():
+    """What autograd keeps: the bf16 logits and row-sized tensors, no fp32 copy of the
+    logits (``F.cross_entropy`` on ``logits.float()`` keeps an fp32 log-softmax)."""
+    logits = torch.randn(4, 64, 512, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 512, (4, 64))
+    saved: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        cross_entropy_loss(logits, labels)
+    big = [t for t in saved if t.numel() >= logits.numel()]
+    assert len(big) == 1 and big[0].dtype == torch.bfloat16
+    assert sum(t.numel() for t in saved if t.numel() < logits.numel()) <= 4 * 4 * 64 + 1
+
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    assert any(t.dtype == torch.float32 and t.numel() == logits.numel() for t in saved)
+
+
+def test_all_positions_ignored_gives_nan_as_f_cross_entropy_does():
+    logits = torch.randn(1, 3, 8)
+    labels = torch.full((1, 3), -100)
+    assert cross_entropy_loss(logits, labels).isnan()
+    assert F.cross_entropy(logits[0], labels[0]).isnan()
+
+
+def test_bad_labels_are_refused_before_any_work():
+    logits = torch.randn(2, 5, 16)
+    with pytest.raises(ValueError, match=r"labels of shape \(2, 4\) do not match.*\(2, 5\)"):
+        cross_entropy_loss(logits, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(TypeError, match=r"integer token ids, got torch\.float32"):
+        cross_entropy_loss(logits, torch.zeros(2, 5))
+
+
+def test_no_grad_evaluation():
+    torch.manual_seed(3)
+    logits = torch.randn(2, 5, 16)
+    labels = torch.randint(0, 16, (2, 5))
+    with torch.no_grad():
+        value = cross_entropy_loss(logits, labels)
+    torch.testing.assert_close(value, F.cross_entropy(logits.flatten(0, 1), labels.flatten()))

@@ -38,8 +38,9 @@ def cross_entropy_loss(
     ignored gives NaN, as ``F.cross_entropy`` does).
 
     Plain tensors go through the chunked kernel of this module; tensor subclasses
-    (vocabulary-sharded DTensors under ``loss_parallel``) and code being compiled go
-    through ``F.cross_entropy`` on the fp32 logits.
+    (vocabulary-sharded DTensors under ``loss_parallel``), code being compiled and
+    PyTorch/XLA's lazy tensors (whose compiler fuses the loss itself) go through
+    ``F.cross_entropy`` on the fp32 logits.
     """
     if logits.shape[:-1] != labels.shape:
         raise ValueError(
@@ -49,7 +50,11 @@ def cross_entropy_loss(
     if labels.is_floating_point() or labels.is_complex():
         raise TypeError(f"labels must be integer token ids, got {labels.dtype}")
     flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
-    if type(logits) is not torch.Tensor or torch.compiler.is_compiling():
+    if (
+        type(logits) is not torch.Tensor
+        or torch.compiler.is_compiling()
+        or logits.device.type == "xla"
+    ):
         return F.cross_entropy(flat_logits.float(), flat_labels, ignore_index=ignore_index)
     return _ChunkedCrossEntropy.apply(flat_logits, flat_labels, ignore_index)
 

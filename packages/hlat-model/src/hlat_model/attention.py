@@ -171,8 +171,8 @@ def blocked_causal_attention(
     recomputes them.
 
     Note: on CPUs torch's flash kernel runs its products in small tiles; with these larger
-    products forward + backward ran 1.9x faster in bf16 and 1.7x in fp32 at 4 x 8 heads x
-    512 x 64, 1.4x and 1.1x at 1 x 8 x 2048 x 128, on a 2-core AVX512-BF16 CPU
+    products forward + backward ran 1.75x faster in bf16 and 1.63x in fp32 at 4 x 8 heads x
+    512 x 64, 1.30x and 1.09x at 1 x 8 x 2048 x 128, on a 2-core AVX512-BF16 CPU
     (``benchmarks/test_bench_train_step.py::test_attention_kernels``).
     """
     if k.shape[1] != q.shape[1]:

@@ -531,3 +531,31 @@ def test_nodes_option_replaces_the_node_count_a_config_expects(capsys):
     argv += ["--device-memory-gib", "1", "--procs-per-node", "2", "--nodes", "2"]
     assert main(argv) == 0
     assert "2 node(s) x 2 = 4 processes" in capsys.readouterr().out
+
+
+def test_the_plans_loss_term_is_what_the_loss_keeps_for_backward():
+    """Without TP on the torch backend the plan counts the logits only (``T V A``), the
+    neuron backend also their fp32 copy and log-softmax; and that is what
+    ``hlat_model.cross_entropy_loss`` keeps: the logits and a few numbers per token."""
+    from hlat_model import cross_entropy_loss
+    from hlat_train.plan import activation_parts
+
+    llama = small_config("bf16-sr").llama_config()
+    layout = _layout(1, 1)
+    tokens, vocab = layout.local_tokens, llama.vocab_size
+    torch_head = activation_parts(llama, layout).head
+    neuron_head = activation_parts(llama, _layout(1, 1, backend="neuron")).head
+    assert neuron_head - torch_head == tokens * vocab * 8
+
+    logits = torch.randn(layout.micro_batch, layout.seq_len, vocab, dtype=torch.bfloat16)
+    logits.requires_grad_()
+    saved: list[torch.Tensor] = []
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        cross_entropy_loss(logits, torch.randint(0, vocab, logits.shape[:-1]))
+    kept = sum(t.numel() * t.element_size() for t in saved)
+    assert tokens * vocab * 2 <= kept <= tokens * vocab * 2 + tokens * 16 + 8

@@ -67,13 +67,9 @@ class AttentionMask:
     def build(
         cls, doc_lens: torch.Tensor | None, seq_len: int, backend: str, device: torch.device
     ) -> AttentionMask:
-        """The mask of one forward; ``backend`` is ``LlamaConfig.attention``: ``auto`` is
-        ``blocked`` on CPUs, ``flex`` for packed documents on CUDA, ``sdpa`` elsewhere."""
-        if backend == "auto":
-            if device.type == "cpu":
-                backend = "blocked"
-            else:
-                backend = "flex" if device.type == "cuda" and doc_lens is not None else "sdpa"
+        """The mask of one forward; ``backend`` is ``LlamaConfig.attention`` (``auto``
+        resolved by :func:`resolve_backend`)."""
+        backend = resolve_backend(backend, device.type, documents=doc_lens is not None)
         kernel = "blocked" if backend == "blocked" else "sdpa"
         if doc_lens is None:
             return cls("causal", kernel=kernel)
@@ -83,6 +79,17 @@ class AttentionMask:
         same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
         causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
         return cls("sdpa", doc_ids, (same_doc & causal).unsqueeze(1), kernel=kernel)
+
+
+def resolve_backend(backend: str, device_type: str, documents: bool) -> str:
+    """The attention backend that ``LlamaConfig.attention`` names on ``device_type``:
+    ``auto`` is ``blocked`` on CPUs, ``flex`` for packed documents on CUDA, ``sdpa``
+    elsewhere; any other name is itself."""
+    if backend != "auto":
+        return backend
+    if device_type == "cpu":
+        return "blocked"
+    return "flex" if device_type == "cuda" and documents else "sdpa"
 
 
 def attention(
@@ -228,6 +235,16 @@ def _kept_sizes(rows: int, seq_len: int) -> list[int]:
     return sizes if 4 * sum(sizes) <= KEEP_PROBABILITIES_BYTES else []
 
 
+def _per_block(kept: torch.Tensor, rows: int, seq_len: int) -> list[torch.Tensor | None]:
+    """Each block's [B*H, block, end] view of the flat kept probabilities (None for every
+    block when they were not kept)."""
+    blocks = _blocks(seq_len)
+    if kept.numel() == 0:
+        return [None] * len(blocks)
+    pieces = kept.split(_kept_sizes(rows, seq_len))
+    return [p.view(rows, end - start, end) for p, (start, end) in zip(pieces, blocks, strict=True)]
+
+
 # Note: a registered operator, not an autograd Function, so torch.compile keeps it as one
 # opaque call inside a compiled block (a graph break there split a tensor-parallel block
 # into graphs whose collectives lost their process group, torch 2.13); inductor fuses the
@@ -249,16 +266,12 @@ def _blocked_forward(
     scale = head_dim**-0.5
     sizes = _kept_sizes(qf.shape[0], seq_len)
     kept = q.new_empty(sum(sizes), dtype=torch.float32)
-    offset = 0
+    into = _per_block(kept, qf.shape[0], seq_len)
     # Note: the output is laid out [B, S, H, D] (returned as a [B, H, S, D] view), so the
     # output projection reads it without a copy; each block is written in place.
     out = q.new_empty(batch, seq_len, heads, head_dim)
     for n, (start, end) in enumerate(_blocks(seq_len)):
-        into = None
-        if sizes:
-            into = kept[offset : offset + sizes[n]].view(qf.shape[0], end - start, end)
-            offset += sizes[n]
-        probs = _probabilities(qf, k_t, start, end, scale, masked, heads, into)
+        probs = _probabilities(qf, k_t, start, end, scale, masked, heads, into[n])
         rows = torch.bmm(probs.to(vf.dtype), vf[:, :end])
         out[:, start:end].copy_(rows.view(batch, heads, end - start, head_dim).transpose(1, 2))
     return out.transpose(1, 2), kept
@@ -289,21 +302,17 @@ def _blocked_backward(
     qf, kf, vf = (t.reshape(batch * heads, seq_len, head_dim) for t in (q, k, v))
     masked = None if allowed is None else ~allowed
     scale = head_dim**-0.5
-    recompute = kept.numel() == 0
-    k_t = kf.transpose(1, 2).contiguous() if recompute else None
+    kept_blocks = _per_block(kept, qf.shape[0], seq_len)
+    k_t = None if kept.numel() else kf.transpose(1, 2).contiguous()
     v_t = vf.transpose(1, 2).contiguous()
     # Note: key and value gradients sum over query blocks in fp32, as flash kernels do.
     dk = torch.zeros(kf.shape, dtype=torch.float32, device=kf.device)
     dv = torch.zeros_like(dk)
     dqs = []
-    offset = 0
-    for start, end in _blocks(seq_len):
-        if k_t is not None:
+    for (start, end), probs in zip(_blocks(seq_len), kept_blocks, strict=True):
+        if probs is None:
+            assert k_t is not None
             probs = _probabilities(qf, k_t, start, end, scale, masked, heads)
-        else:
-            size = qf.shape[0] * (end - start) * end
-            probs = kept[offset : offset + size].view(qf.shape[0], end - start, end)
-            offset += size
         # one copy of the block's rows, which both products below read
         rows = grad[:, :, start:end].reshape(batch * heads, end - start, head_dim)
         dv[:, :end].add_(torch.bmm(probs.to(rows.dtype).transpose(1, 2), rows))

@@ -50,13 +50,17 @@ def cross_entropy_loss(
     if labels.is_floating_point() or labels.is_complex():
         raise TypeError(f"labels must be integer token ids, got {labels.dtype}")
     flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
-    if (
-        type(logits) is not torch.Tensor
-        or torch.compiler.is_compiling()
-        or logits.device.type == "xla"
-    ):
+    if not eager_plain(logits):
         return F.cross_entropy(flat_logits.float(), flat_labels, ignore_index=ignore_index)
     return _ChunkedCrossEntropy.apply(flat_logits, flat_labels, ignore_index)
+
+
+def eager_plain(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a plain tensor computed op by op: not a tensor subclass (DTensor),
+    not traced by ``torch.compile``, not on PyTorch/XLA's lazy device (trn1), whose
+    compilers fuse elementwise work themselves. hlat-model's hand-fused paths (this loss,
+    the RoPE head split) run only there."""
+    return type(x) is torch.Tensor and not torch.compiler.is_compiling() and x.device.type != "xla"
 
 
 def _rows_per_chunk(logits: torch.Tensor) -> int:

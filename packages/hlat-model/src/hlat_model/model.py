@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from hlat_model.attention import AttentionMask, attention, document_positions
 from hlat_model.config import LlamaConfig
 from hlat_model.linear import Linear
+from hlat_model.loss import eager_plain
 
 
 class RMSNorm(nn.Module):
@@ -125,13 +126,6 @@ class _HeadsWithRope(torch.autograd.Function):
         return grad, None, None
 
 
-def _eager_plain(x: torch.Tensor) -> bool:
-    """Whether ``x`` is a plain tensor computed op by op: not a tensor subclass (DTensor),
-    not traced by ``torch.compile``, not on PyTorch/XLA's lazy device (trn1), where the
-    compiler fuses elementwise work itself."""
-    return type(x) is torch.Tensor and not torch.compiler.is_compiling() and x.device.type != "xla"
-
-
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     # Note: gate and up are every other column of the fused product. Elementwise kernels on
     # such stride-2 views run about 3x slower on CPU (forward and backward) than on dense
@@ -167,7 +161,7 @@ class Attention(nn.Module):
             qkv = qkv.transpose(0, 1)
         batch, seq_len, _ = qkv.shape  # the full sequence, also when x is sequence-sharded
         qkv = qkv.reshape(batch, seq_len, -1, self.q_per_kv + 2, self.head_dim)
-        if _eager_plain(qkv):
+        if eager_plain(qkv):
             q, k, v = _HeadsWithRope.apply(qkv, cos, sin)
         else:
             # Note: compiled blocks keep the plain ops, which inductor (or XLA) fuses itself.

@@ -449,17 +449,18 @@ def _check_hang_timeout(value: float) -> None:
 
 
 def runs_blocked_attention(attention: str, device: str) -> bool:
-    """Whether the model's attention runs ``hlat_model``'s blocked kernel: ``blocked``, or
-    ``auto`` on a CPU (``train.device = 'cpu'``, or ``auto`` where no accelerator is seen)."""
-    if attention != "auto":
-        return attention == "blocked"
-    if device == "auto":
-        from hlat_parallel.device import accelerator
-
-        return accelerator() is None
+    """Whether the model's attention runs ``hlat_model``'s blocked kernel on ``device``
+    (``train.device``; ``auto`` is the accelerator torch sees, else the CPU), by
+    hlat-model's own rule (``hlat_model.attention.resolve_backend``)."""
     import torch
 
-    return torch.device(device).type == "cpu"
+    from hlat_model.attention import resolve_backend
+    from hlat_parallel.device import accelerator
+
+    found = accelerator() if device == "auto" else torch.device(device)
+    device_type = found.type if found is not None else "cpu"
+    # packed documents or not, the blocked kernel is chosen on the same devices
+    return resolve_backend(attention, device_type, documents=True) == "blocked"
 
 
 def compiled_tp_checkpoints_fail() -> bool:

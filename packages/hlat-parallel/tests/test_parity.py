@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -164,6 +165,7 @@ def launches(inputs, tmp_path_factory) -> dict:
             shard, sp, case, opt, acc, rank = path.stem.split("-")
             key = (shard, sp == "sp1", case, opt, int(acc[3:]))
             results.setdefault(key, {})[int(rank[4:])] = torch.load(path, weights_only=False)
+        shutil.rmtree(workdir)  # loaded: the per-rank files (GBs over all groups) go now
         cache[(world, tp)] = results
         return results
 

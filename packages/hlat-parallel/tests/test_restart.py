@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 WORKER = Path(__file__).with_name("restart_worker.py")
 
 
@@ -39,6 +41,7 @@ def _restarted_job(out: Path, *mode: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
 
 
+@pytest.mark.upstream
 def test_torchs_own_rendezvous_alone_does_not_reliably_survive_the_restart(tmp_path):
     """Why ``init_parallel`` keeps a store namespace per attempt: the same job with torch's
     ``init_process_group`` from the environment (torchrun's c10d rendezvous) forms its

@@ -48,6 +48,7 @@ def _config(corpus, out: str):
             f'--data.tokenizer="{corpus["tokenizer"]}"',
             f'--train.out_dir="{out}"',
             "--train.steps=1000000",
+            "--model.compile=false",  # eager, as measured before "auto" (which would compile)
             "--optim.decay_steps=1000",
             "--train.eval_every=0",
             "--train.time_limit=0",

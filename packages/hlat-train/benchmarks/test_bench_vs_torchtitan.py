@@ -89,7 +89,7 @@ def run_hlat(data: Path, out: Path, nproc: int, precision: str) -> dict[int, flo
          f"--optim.precision={HLAT_PRECISION[precision]}", "--train.eval_every=0",
          "--train.time_limit=0", '--train.sample_prompt=""', f"--train.out_dir={out}",
          f"--checkpoint.every={10 * STEPS}", "--logging.plot=false",
-         "--logging.progress=false"],
+         "--logging.progress=false", "--model.compile=false"],
         nproc,
         out.with_suffix(".log"),
     )  # fmt: skip

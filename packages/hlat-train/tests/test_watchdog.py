@@ -229,6 +229,21 @@ def _workers(torchrun_pid: int) -> dict[int, int]:
     return ranks
 
 
+def _wait_for_exit(pid: int, timeout: float) -> None:
+    """Block until process ``pid`` has ended (gone, or a zombie its parent has not reaped)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid} still runs after {timeout} s")
+
+
 def _wait_for_text(path: Path, text: str, proc: subprocess.Popen, timeout: float) -> float:
     """Block until ``path`` contains ``text``; return when (monotonic)."""
     end = time.monotonic() + timeout
@@ -248,6 +263,7 @@ def test_a_sigstopped_rank_is_ended_by_the_other_ranks_watchdog(corpus, tmp_path
         "--train.hang_timeout=3",
         "--checkpoint.every=100000",  # no save (a long region) while the rank is stopped
         "--optim.decay_steps=100",
+        "--model.compile=false",  # a long horizon cut short: no compilation under "auto"
         steps=100000,
     )
     path = write_config(config, out.with_suffix(".toml"))
@@ -262,6 +278,10 @@ def test_a_sigstopped_rank_is_ended_by_the_other_ranks_watchdog(corpus, tmp_path
         os.kill(victim, signal.SIGSTOP)  # rank 1 stops mid-run: rank 0 waits in a collective
         stopped = time.monotonic()
         detected = _wait_for_text(log, "hang watchdog: rank 0", proc, timeout=40)
+        # rank 0 ends itself (exit code 124) before the stopped rank is killed: killed first,
+        # rank 1 would be torchrun's first observed failure, and torchrun would end rank 0
+        # with SIGTERM before it reached its own exit
+        _wait_for_exit(workers[0], timeout=20)
         # Note: torchrun would SIGTERM the stopped worker (pending until it continues) and
         # SIGKILL it only after 30 s; the test does not wait for that
         os.kill(victim, signal.SIGKILL)

@@ -62,10 +62,14 @@ class ModelConfig:
     attention: str | None = None
     """``auto``, ``sdpa``, ``flex`` or ``blocked`` (``auto``: ``blocked`` on CPUs, ``flex``
     for packed documents on CUDA, else ``sdpa``)."""
-    compile: bool = False
+    compile: bool | str = "auto"
     """``torch.compile`` each transformer block (after TP/SP and before FSDP2, as torchtitan
-    does; backend ``neuron`` on TorchNeuron). Not on ``parallel.backend = "neuron"`` (trn1),
-    where XLA compiles the whole step."""
+    does; backend ``neuron`` on TorchNeuron): ``true``, ``false`` or ``auto``, which
+    compiles where it was measured to pay: bf16 runs of 1,000 steps or more on CPUs that
+    multiply bf16 natively (1.07x eager in hlat-model's benchmark; fp32 gained 1.01x), and
+    nowhere else (accelerators are not measured here: set ``true``); the choice and its
+    reason are logged at start (``hlat_train.compiling``). Not on ``parallel.backend =
+    "neuron"`` (trn1), where XLA compiles the whole step."""
     init_from_hf: str = ""
     """A Hugging Face Llama ``save_pretrained`` directory (safetensors) to start from, for
     continued pre-training; its shape must be the model's (checked before any work). Each

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hlat_train import neuron
+from hlat_train.compiling import resolve_compile
 from hlat_train.config import ConfigError, TrainConfig
 from hlat_train.interval import AUTO, FIRST_SAVE_STEPS, plan_interval
 from hlat_train.metrics import (
@@ -239,6 +240,9 @@ class Trainer:
         choice = resolve_precision(asked, device)
         c.optim.precision = choice.mode
         self._log(choice.describe(asked))
+        compiled = resolve_compile(c.model.compile, c, device)
+        self._log(compiled.describe(c.model.compile))
+        c.model.compile = self.compile_blocks = compiled.on
         self._pin = pins_memory(device)
         self._control = None
         if self.world_size > 1:
@@ -268,7 +272,7 @@ class Trainer:
                 llama.to(dtype),
                 dims,
                 llama.parallel_plan(),
-                compile=c.model.compile,
+                compile=self.compile_blocks,
                 dp_shard=self.dp_shard,
             )
             model.to_empty(device=device)
@@ -282,7 +286,11 @@ class Trainer:
             # losses can be compared with one process)
             llama = Llama(self.llama_config).to(device, dtype)
             model = parallelize(
-                llama, dims, llama.parallel_plan(), compile=c.model.compile, dp_shard=self.dp_shard
+                llama,
+                dims,
+                llama.parallel_plan(),
+                compile=self.compile_blocks,
+                dp_shard=self.dp_shard,
             )
         if dims.cp > 1 and self.pipeline is None:
             from hlat_parallel import apply_context_parallel
@@ -413,7 +421,7 @@ class Trainer:
                 stage,
                 dims,
                 stage_plan(plan, stage),
-                compile=c.model.compile,
+                compile=self.compile_blocks,
                 dp_shard=self.dp_shard,
             )
             if dims.cp > 1 and stage.split.layers:
@@ -1314,7 +1322,10 @@ class Trainer:
         text = ""
         for _ in range(max_new_tokens):
             x = torch.tensor([ids[-window:]], device=self.device)
-            logits = self.model(x)[0, -1].float().cpu()
+            # Note: compiled blocks run eager here: each token is a new shape, and would be
+            # another compilation
+            with torch.compiler.set_stance("force_eager"):
+                logits = self.model(x)[0, -1].float().cpu()
             if temperature == 0:
                 next_id = int(logits.argmax())
             else:

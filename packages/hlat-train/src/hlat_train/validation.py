@@ -152,6 +152,10 @@ def validate(
         raise ConfigError(
             "spike.policy = 'rollback' reloads checkpoints: set checkpoint.resume = true"
         )
+    if config.model.compile not in (True, False, "auto"):
+        raise ConfigError(
+            f"model.compile must be true, false or 'auto', got {config.model.compile!r}"
+        )
     if par.backend not in ("auto", "torch", "neuron"):
         raise ConfigError(f"parallel.backend must be auto, torch or neuron, got {par.backend!r}")
     if par.dp_shard not in ("auto", "fsdp", "zero1", "none"):
@@ -171,12 +175,12 @@ def validate(
             zero1_precision("bf16-sr" if optim.precision == "auto" else optim.precision)
         except (ParallelConfigError, ValueError) as e:
             raise ConfigError(f"optim.precision on parallel.backend = 'neuron': {e}") from None
-    if par.backend == "neuron" and config.model.compile:
+    if par.backend == "neuron" and config.model.compile is True:
         raise ConfigError(
             "model.compile = true on parallel.backend = 'neuron' (trn1): XLA compiles the "
             "whole step there; set model.compile = false, or use the torch backend"
         )
-    if config.model.compile and (par.pp > 1 or par.cp > 1):
+    if config.model.compile is True and (par.pp > 1 or par.cp > 1):
         raise ConfigError(
             f"model.compile = true with parallel.pp = {par.pp}, cp = {par.cp}: compiled blocks "
             "are tested on one process, under FSDP2 (data parallelism) and under tensor and "
@@ -243,7 +247,7 @@ def validate(
         )
     selective_tp = par.tp > 1 and llama.checkpointing == "selective"
     if (
-        config.model.compile
+        config.model.compile is True
         and selective_tp
         and compiled_tp_checkpoints_fail()
         and not runs_blocked_attention(llama.attention, run.device)

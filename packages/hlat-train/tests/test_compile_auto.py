@@ -1,0 +1,98 @@
+"""``model.compile = "auto"`` (``hlat_train.compiling``): on where the benchmark measured a
+gain (bf16 on CPUs that multiply bf16 natively, runs long enough to repay the compilation),
+off elsewhere with the reason; ``true``/``false`` as given; other values refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hlat_train import ConfigError, TrainConfig
+from hlat_train.compiling import AUTO_MIN_STEPS, resolve_compile
+from hlat_train.validation import validate
+
+
+def _config(*overrides: str, steps: int = AUTO_MIN_STEPS) -> TrainConfig:
+    return TrainConfig.preset(
+        "tiny-check", [f"--train.steps={steps}", "--optim.precision=bf16-sr", *overrides]
+    )
+
+
+def native(device: torch.device) -> str:
+    return "this CPU has AVX512-BF16"
+
+
+def emulated(device: torch.device) -> None:
+    return None
+
+
+CPU = torch.device("cpu")
+
+
+def test_auto_compiles_long_bf16_runs_on_cpus_with_native_bf16():
+    choice = resolve_compile("auto", _config(), CPU, bf16_reason=native)
+    assert choice.on
+    assert choice.describe("auto") == (
+        f"compile auto -> on (bf16 for {AUTO_MIN_STEPS} steps (this CPU has AVX512-BF16): "
+        "compiled blocks measured 1.07x eager)"
+    )
+    for precision in ("bf16", "mixed", "bf16-kahan"):  # every mode that computes in bf16
+        assert resolve_compile(
+            "auto", _config(f"--optim.precision={precision}"), CPU, bf16_reason=native
+        ).on
+
+
+@pytest.mark.parametrize(
+    ("overrides", "steps", "reason", "device"),
+    [
+        ((), AUTO_MIN_STEPS - 1, f"{AUTO_MIN_STEPS - 1} steps: auto compiles runs of", "cpu"),
+        (("--optim.precision=fp32",), AUTO_MIN_STEPS, "fp32 on a CPU", "cpu"),
+        ((), AUTO_MIN_STEPS, "not measured on cuda", "cuda"),
+        ((), AUTO_MIN_STEPS, "not measured on xla", "xla"),
+        (("--parallel.pp=2",), AUTO_MIN_STEPS, "pipeline or context parallelism", "cpu"),
+        (("--parallel.cp=2",), AUTO_MIN_STEPS, "pipeline or context parallelism", "cpu"),
+        (("--parallel.backend=neuron",), AUTO_MIN_STEPS, "XLA compiles the whole step", "cpu"),
+    ],
+    ids=["short-run", "fp32", "cuda", "xla", "pp", "cp", "trn1"],
+)
+def test_auto_stays_eager_elsewhere_and_says_why(overrides, steps, reason, device):
+    choice = resolve_compile(
+        "auto", _config(*overrides, steps=steps), torch.device(device), bf16_reason=native
+    )
+    assert not choice.on
+    assert reason in choice.describe("auto")
+
+
+def test_auto_stays_eager_on_cpus_that_emulate_bf16():
+    choice = resolve_compile("auto", _config(), CPU, bf16_reason=emulated)
+    assert not choice.on and "without native bf16" in choice.reason
+
+
+def test_auto_stays_eager_where_a_compiled_tp_block_with_sdpa_would_fail():
+    from hlat_train.validation import compiled_tp_checkpoints_fail
+
+    config = _config("--parallel.tp=2", "--model.checkpointing=selective")
+    sdpa = _config("--parallel.tp=2", "--model.checkpointing=selective", "--model.attention=sdpa")
+    # the blocked kernel compiles under TP and selective checkpointing; SDPA may not
+    assert resolve_compile("auto", config, CPU, bf16_reason=native).on
+    choice = resolve_compile("auto", sdpa, CPU, bf16_reason=native)
+    assert choice.on is not compiled_tp_checkpoints_fail()
+
+
+def test_true_and_false_are_taken_as_given():
+    for asked in (True, False):
+        choice = resolve_compile(asked, _config("--optim.precision=fp32"), CPU)
+        assert (
+            choice.on is asked and choice.describe(asked) == f"compile {'on' if asked else 'off'}"
+        )
+
+
+def test_the_config_takes_true_false_and_auto_and_refuses_other_values():
+    assert TrainConfig.preset("tiny-check").model.compile == "auto"  # the default
+    assert _config("--model.compile=true").model.compile is True
+    assert _config("--model.compile=false").model.compile is False
+    validate(_config("--model.compile=auto"), check_files=False)
+    with pytest.raises(ConfigError, match=r"model\.compile must be true, false or 'auto'"):
+        validate(_config("--model.compile=sometimes"), check_files=False)
+    with pytest.raises(ValueError, match="got 'sometimes'"):
+        resolve_compile("sometimes", _config(), CPU)

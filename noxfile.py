@@ -91,10 +91,20 @@ def tests(session: nox.Session) -> None:
         "pytest",
         *(f"packages/{p}" for p in PACKAGES),
         *repo_tests,
+        "--ignore=tests/test_fault_campaign.py",  # nox -s tests-campaign
         "-m",
         "not upstream",
         *session.posargs,
     )
+
+
+@nox.session(name="tests-campaign", python=PYTHON, tags=["ci"])
+def tests_campaign(session: nox.Session) -> None:
+    """``tools/fault_campaign.py`` run for real (two shortened campaigns of a 2-process job
+    with injected faults, about two minutes): a session of its own, as ``tests-eval``, so
+    that ``tests`` stays under 15 minutes on a 2-core machine."""
+    _install(session, PACKAGES, "test", editable=True)
+    session.run("pytest", "tests/test_fault_campaign.py", *session.posargs)
 
 
 for _package in PACKAGES:

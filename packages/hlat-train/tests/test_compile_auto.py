@@ -49,9 +49,24 @@ def test_auto_compiles_long_bf16_runs_on_cpus_with_native_bf16():
         (("--optim.precision=fp32",), AUTO_MIN_STEPS, "fp32 on a CPU", "cpu"),
         ((), AUTO_MIN_STEPS, "not measured on cuda", "cuda"),
         ((), AUTO_MIN_STEPS, "not measured on xla", "xla"),
-        (("--parallel.pp=2",), AUTO_MIN_STEPS, "pipeline or context parallelism", "cpu"),
-        (("--parallel.cp=2",), AUTO_MIN_STEPS, "pipeline or context parallelism", "cpu"),
-        (("--parallel.backend=neuron",), AUTO_MIN_STEPS, "XLA compiles the whole step", "cpu"),
+        (
+            ("--parallel.pp=2",),
+            AUTO_MIN_STEPS,
+            "refused with true: model.compile = true with parallel.pp = 2",
+            "cpu",
+        ),
+        (
+            ("--parallel.cp=2",),
+            AUTO_MIN_STEPS,
+            "refused with true: model.compile = true with parallel.pp = 1, cp = 2",
+            "cpu",
+        ),
+        (
+            ("--parallel.backend=neuron",),
+            AUTO_MIN_STEPS,
+            "XLA compiles the whole step there",
+            "cpu",
+        ),
     ],
     ids=["short-run", "fp32", "cuda", "xla", "pp", "cp", "trn1"],
 )

@@ -21,6 +21,7 @@ logged with its reason, as ``optim.precision = "auto"`` is.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,33 +56,25 @@ def resolve_compile(
     config: Any,
     device: torch.device,
     *,
+    world_size: int | None = None,
     bf16_reason: Callable[[torch.device], str | None] = native_bf16,
 ) -> CompileChoice:
-    """Whether ``config`` (a ``TrainConfig`` whose ``optim.precision`` is resolved) compiles
-    its blocks on ``device``. ``bf16_reason`` says why a device multiplies bf16 natively, or
-    None (``hlat_train.precision.native_bf16``)."""
+    """Whether ``config`` (a validated ``TrainConfig`` whose ``optim.precision`` is resolved)
+    compiles its blocks on ``device``. A layout that validation refuses with ``model.compile =
+    true`` (at ``world_size`` processes) stays eager, with validation's reason. ``bf16_reason``
+    says why a device multiplies bf16 natively, or None (``hlat_train.precision.native_bf16``)."""
     if isinstance(asked, bool):
         return CompileChoice(asked, "set in the config")
     if asked != "auto":
         raise ValueError(f"model.compile must be true, false or 'auto', got {asked!r}")
-    from hlat_train.validation import compiled_tp_checkpoints_fail, runs_blocked_attention
+    from hlat_train.config import ConfigError
+    from hlat_train.validation import validate
 
-    par = config.parallel
-    if par.backend == "neuron":
-        return CompileChoice(False, "parallel.backend = 'neuron': XLA compiles the whole step")
-    if par.pp > 1 or par.cp > 1:
-        return CompileChoice(
-            False, "compiled blocks are untested with pipeline or context parallelism"
-        )
-    llama = config.llama_config(64)  # the preset's checkpointing and attention
-    if par.tp > 1 and llama.checkpointing == "selective":
-        blocked = runs_blocked_attention(llama.attention, device.type)
-        if compiled_tp_checkpoints_fail() and not blocked:
-            return CompileChoice(
-                False,
-                f"torch {torch.__version__} cannot compile a "
-                "tensor-parallel block with SDPA under selective checkpointing",
-            )
+    compiled = dataclasses.replace(config, model=dataclasses.replace(config.model, compile=True))
+    try:
+        validate(compiled, world_size, check_files=False)
+    except ConfigError as refused:
+        return CompileChoice(False, f"refused with true: {refused}")
     if device.type != "cpu":
         return CompileChoice(
             False, f"not measured on {device.type}: set model.compile = true to compile the blocks"

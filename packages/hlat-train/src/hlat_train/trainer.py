@@ -240,7 +240,7 @@ class Trainer:
         choice = resolve_precision(asked, device)
         c.optim.precision = choice.mode
         self._log(choice.describe(asked))
-        compiled = resolve_compile(c.model.compile, c, device)
+        compiled = resolve_compile(c.model.compile, c, device, world_size=self.world_size)
         self._log(compiled.describe(c.model.compile))
         c.model.compile = self.compile_blocks = compiled.on
         self._pin = pins_memory(device)

@@ -69,6 +69,16 @@ def _shapes(config: LlamaConfig) -> list[tuple[int, int]]:
     ] * config.n_layers + [(config.dim, config.vocab_size)]
 
 
+def _step_flops(config: LlamaConfig, model: torch.nn.Module) -> tuple[float, float]:
+    """FLOPs of one training step of ``BATCH x SEQ`` tokens: the model's (products and
+    attention, :func:`flops_per_token`) and its matrix products' alone (what
+    :func:`_gemm_step` runs)."""
+    tokens = BATCH * SEQ
+    gemm_params = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    gemm_params -= model.embed_tokens.weight.numel()
+    return flops_per_token(config, SEQ) * tokens, 6 * gemm_params * tokens
+
+
 def _gemm_step(config: LlamaConfig, dtype: torch.dtype, path: str = "hlat"):
     """Forward + backward of every linear layer of the model at its real shapes, nothing else,
     through ``path``: hlat-model's ``Linear`` (``"hlat"``), torch's own ``nn.Linear``
@@ -125,9 +135,7 @@ def test_train_step_tokens_per_second(benchmark, dtype):
     tokens_per_step = BATCH * SEQ
     ours_tps = tokens_per_step / benchmark.stats.stats.min
     peer_tps = tokens_per_step / min(peer_times)
-    model_flops = flops_per_token(config, SEQ) * tokens_per_step
-    gemm_flops = 6 * sum(p.numel() for p in ours.parameters() if p.dim() == 2) * tokens_per_step
-    gemm_flops -= 6 * ours.embed_tokens.weight.numel() * tokens_per_step
+    model_flops, gemm_flops = _step_flops(config, ours)
     benchmark.extra_info.update(
         tokens_per_s=round(ours_tps),
         hf_tokens_per_s=round(peer_tps),
@@ -146,7 +154,9 @@ def test_train_step_tokens_per_second(benchmark, dtype):
 def test_compiled_blocks_against_eager(benchmark, dtype):
     """Each block through ``torch.compile`` (``Module.compile``, what ``model.compile`` and
     ``hlat_parallel.compile_blocks`` do) against the same model eager, in the same rounds;
-    the first compiled step's time (compilation) is reported beside the speed-up."""
+    the first compiled step's time (compilation) is reported beside the speed-up, and each
+    one's fraction of the matrix products' ceiling (as in the test above, measured in the
+    same rounds)."""
     torch.manual_seed(0)
     torch_dtype = DTYPES[dtype]
     config = LlamaConfig(**CONFIG)
@@ -165,21 +175,28 @@ def test_compiled_blocks_against_eager(benchmark, dtype):
     first_s = _timed(lambda: step(compiled))
     step(compiled)
     step(eager)
+    gemms = _gemm_step(config, torch_dtype)
+    gemms()
     eager_times: list[float] = []
-    benchmark.pedantic(
-        lambda: step(compiled),
-        setup=lambda: eager_times.append(_timed(lambda: step(eager))),
-        rounds=ROUNDS,
-        iterations=1,
-    )
+    gemm_times: list[float] = []
+
+    def setup() -> None:
+        eager_times.append(_timed(lambda: step(eager)))
+        gemm_times.append(_timed(gemms))
+
+    benchmark.pedantic(lambda: step(compiled), setup=setup, rounds=ROUNDS, iterations=1)
     tokens_per_step = BATCH * SEQ
     compiled_tps = tokens_per_step / benchmark.stats.stats.min
     eager_tps = tokens_per_step / min(eager_times)
+    model_flops, gemm_flops = _step_flops(config, eager)
+    ceiling = gemm_flops / min(gemm_times)
     benchmark.extra_info.update(
         compiled_tokens_per_s=round(compiled_tps),
         eager_tokens_per_s=round(eager_tps),
         speedup=round(compiled_tps / eager_tps, 3),
         first_step_s=round(first_s, 1),
+        compiled_fraction_of_matmul=round(model_flops / benchmark.stats.stats.min / ceiling, 3),
+        eager_fraction_of_matmul=round(model_flops / min(eager_times) / ceiling, 3),
     )
     print(f"\n[{dtype} compiled] {benchmark.extra_info}")
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from hlat_train import neuron
 from hlat_train.compiling import resolve_compile
 from hlat_train.config import ConfigError, TrainConfig
+from hlat_train.host_memory import resolve_host_malloc
 from hlat_train.interval import AUTO, FIRST_SAVE_STEPS, plan_interval
 from hlat_train.metrics import (
     MetricsWriter,
@@ -240,6 +241,11 @@ class Trainer:
         choice = resolve_precision(asked, device)
         c.optim.precision = choice.mode
         self._log(choice.describe(asked))
+        try:
+            host_malloc = resolve_host_malloc(c.train.host_malloc)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        self._log(host_malloc.describe(c.train.host_malloc))
         compiled = resolve_compile(c.model.compile, c, device, world_size=self.world_size)
         self._log(compiled.describe(c.model.compile))
         c.model.compile = self.compile_blocks = compiled.on

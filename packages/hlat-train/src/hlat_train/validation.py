@@ -118,6 +118,10 @@ def validate(
     bad_drill = [s for s in config.spike.inject_nan_at if s < 1]
     if bad_drill:
         raise ConfigError(f"spike.inject_nan_at: steps start at 1, got {bad_drill}")
+    if run.host_malloc not in ("system", "retain"):
+        raise ConfigError(
+            f"train.host_malloc must be 'system' or 'retain', got {run.host_malloc!r}"
+        )
     if run.init not in ("auto", "full", "sharded"):
         raise ConfigError(f"train.init must be 'auto', 'full' or 'sharded', got {run.init!r}")
     try:

@@ -44,15 +44,18 @@ CHOICES = ("system", "retain")
 
 @dataclass(frozen=True)
 class HostMallocChoice:
-    """What ``train.host_malloc`` resolved to: ``retain`` (applied) or not, and why."""
+    """What ``train.host_malloc`` applied: ``retain`` or the C library's defaults."""
 
     retain: bool
-    reason: str
 
-    def describe(self, asked: str) -> str:
+    def describe(self) -> str:
         """The log line of the choice."""
-        state = "retain freed memory" if self.retain else "the C library's defaults"
-        return f"host malloc {asked}: {state} ({self.reason})"
+        if self.retain:
+            return (
+                "host malloc retain: freed memory stays mapped (glibc's mmap threshold "
+                f"{MMAP_THRESHOLD_BYTES >> 20} MiB, trim threshold {TRIM_THRESHOLD_BYTES >> 20} MiB)"
+            )
+        return "host malloc system: the C library's defaults"
 
 
 @functools.cache
@@ -95,7 +98,7 @@ def resolve_host_malloc(asked: str) -> HostMallocChoice:
     if asked not in CHOICES:
         raise ValueError(f"train.host_malloc must be 'system' or 'retain', got {asked!r}")
     if asked == "system":
-        return HostMallocChoice(False, "asked")
+        return HostMallocChoice(retain=False)
     try:
         retain_freed_memory()
     except RuntimeError as error:
@@ -103,4 +106,4 @@ def resolve_host_malloc(asked: str) -> HostMallocChoice:
             f"train.host_malloc = 'retain' sets glibc's malloc thresholds, and here {error}; "
             "use 'system'"
         ) from None
-    return HostMallocChoice(True, "asked")
+    return HostMallocChoice(retain=True)

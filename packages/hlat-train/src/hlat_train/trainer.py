@@ -245,7 +245,7 @@ class Trainer:
             host_malloc = resolve_host_malloc(c.train.host_malloc)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        self._log(host_malloc.describe(c.train.host_malloc))
+        self._log(host_malloc.describe())
         compiled = resolve_compile(c.model.compile, c, device, world_size=self.world_size)
         self._log(compiled.describe(c.model.compile))
         c.model.compile = self.compile_blocks = compiled.on

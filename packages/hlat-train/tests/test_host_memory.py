@@ -10,9 +10,9 @@ import sys
 import textwrap
 
 import pytest
-from train_helpers import tiny_config
+from train_helpers import fit, tiny_config
 
-from hlat_train import ConfigError, Trainer
+from hlat_train import ConfigError
 from hlat_train.host_memory import glibc_available, resolve_host_malloc
 from hlat_train.validation import validate
 
@@ -92,9 +92,5 @@ def test_a_run_logs_its_choice(corpus, tmp_path, capsys):
     tests above ask for it in fresh processes)."""
     config = tiny_config(corpus, tmp_path, steps=2)
     assert config.train.host_malloc == "system"
-    trainer = Trainer(config)
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
+    fit(config)
     assert "host malloc system: the C library's defaults" in capsys.readouterr().err

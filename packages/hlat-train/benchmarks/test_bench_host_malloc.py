@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import textwrap
@@ -28,6 +27,9 @@ from pathlib import Path
 import pytest
 
 from hlat_train.host_memory import glibc_available
+
+sys.path.insert(0, str(Path(__file__).parent))
+from trainer_runs import make_corpus, run_hlat, steady_tokens_per_s
 
 pytestmark = pytest.mark.skipif(not glibc_available(), reason="glibc's malloc only")
 
@@ -94,50 +96,20 @@ def test_model_step_with_and_without_retained_memory(benchmark):
     print(f"\n[host malloc] {benchmark.extra_info}")
 
 
-SHAPE = {"vocab_size": 8192, "dim": 512, "n_layers": 8, "n_heads": 8, "ffn_dim": 1376}
-TRAINER_STEPS, TRAINER_WARMUP = 14, 4
+TRAINER_STEPS = 14
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    """An Arrow file of standard-library sources and a SentencePiece model of the shape's
-    vocabulary trained on it."""
-    import pyarrow as pa
-
-    from hlat_data import train_tokenizer
-    from hlat_train.demo import stdlib_files
-
-    root = tmp_path_factory.mktemp("host-malloc")
-    texts = [Path(p).read_text(encoding="utf-8", errors="replace") for p in stdlib_files()]
-    table = pa.table({"text": pa.array(texts[:1500], pa.string())})
-    with pa.ipc.new_file(str(root / "corpus.arrow"), table.schema) as writer:
-        writer.write_table(table, max_chunksize=64)
-    train_tokenizer(str(root / "corpus.arrow"), str(root / "tokenizer"), SHAPE["vocab_size"])
-    return root
+    """The whole-trainer benchmarks' corpus and tokenizer (``trainer_runs.make_corpus``)."""
+    return make_corpus(tmp_path_factory.mktemp("host-malloc"))
 
 
 def _train(corpus: Path, out: Path, policy: str) -> float:
-    """Median tokens/s of a ``hlat-train train`` run after ``TRAINER_WARMUP`` steps."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    model = [f"--model.{k}={v}" for k, v in SHAPE.items()]
-    subprocess.run(
-        [sys.executable, "-m", "hlat_train", "train", "--config", "tiny-demo", *model,
-         "--model.max_seq_len=512", "--data.seq_len=512", "--data.micro_batch_size=4",
-         f'--data.paths=["{corpus / "corpus.arrow"}"]',
-         f"--data.tokenizer={corpus / 'tokenizer.model'}", "--data.block_size=64",
-         f"--train.steps={TRAINER_STEPS}", "--optim.warmup_steps=2",
-         "--optim.precision=bf16-sr", "--train.eval_every=0", "--train.time_limit=0",
-         '--train.sample_prompt=""', f"--train.out_dir={out}",
-         f"--checkpoint.every={10 * TRAINER_STEPS}", "--logging.plot=false",
-         "--logging.progress=false", "--model.compile=false",
-         f"--train.host_malloc={policy}"],
-        env=env, check=True, capture_output=True,
-    )  # fmt: skip
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [
-        r["step_s"] for r in records if r.get("kind") == "train" and r["step"] > TRAINER_WARMUP
-    ]
-    return 4 * 512 / statistics.median(steps)
+    """Median tokens/s of a one-process ``bf16-sr`` run of ``hlat-train train`` after
+    ``trainer_runs.WARMUP`` steps."""
+    steps = run_hlat(corpus, out, 1, "bf16-sr", TRAINER_STEPS, f"--train.host_malloc={policy}")
+    return steady_tokens_per_s(steps, 1)
 
 
 def test_whole_trainer_step_with_and_without_retained_memory(benchmark, corpus, tmp_path):

@@ -192,6 +192,12 @@ class Trainer:
         from hlat_parallel import init_parallel, parallelize, pins_memory, resolve_dp_shard
 
         c = self.config
+        # Note: before the process group and the model, so a refused policy stops the run
+        # before any work, and the first large blocks already follow it
+        try:
+            host_malloc = resolve_host_malloc(c.train.host_malloc)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         if c.parallel.backend == "neuron" and c.optim.precision == "auto":
             c.optim.precision = "bf16-sr"  # trn1's NeuronCores multiply bf16 (hlat_train.precision)
         if c.parallel.backend == "neuron":
@@ -241,10 +247,6 @@ class Trainer:
         choice = resolve_precision(asked, device)
         c.optim.precision = choice.mode
         self._log(choice.describe(asked))
-        try:
-            host_malloc = resolve_host_malloc(c.train.host_malloc)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
         self._log(host_malloc.describe())
         compiled = resolve_compile(c.model.compile, c, device, world_size=self.world_size)
         self._log(compiled.describe(c.model.compile))

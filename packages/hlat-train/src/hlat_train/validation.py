@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from hlat_train.config import ConfigError, TrainConfig
+from hlat_train.host_memory import CHOICES as HOST_MALLOC_CHOICES
 
 PRECISIONS = ("bf16-sr", "bf16-kahan", "bf16", "mixed", "fp32", "auto")
 SPIKE_POLICIES = ("off", "warn", "skip", "rollback")
@@ -118,7 +119,7 @@ def validate(
     bad_drill = [s for s in config.spike.inject_nan_at if s < 1]
     if bad_drill:
         raise ConfigError(f"spike.inject_nan_at: steps start at 1, got {bad_drill}")
-    if run.host_malloc not in ("system", "retain"):
+    if run.host_malloc not in HOST_MALLOC_CHOICES:
         raise ConfigError(
             f"train.host_malloc must be 'system' or 'retain', got {run.host_malloc!r}"
         )

@@ -47,6 +47,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         )
     if RESULTS:
         base = RESULTS.get("torch fused fp32", {}).get("mparam_s")
+        first = next(iter(RESULTS.values()))
         rows = [
             [
                 name,
@@ -58,7 +59,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         ]
         _write_table(
             terminalreporter,
-            "hlat-optim: AdamW step, ~50M parameters",
+            f"hlat-optim: AdamW step, {first['params'] / 1e6:.1f}M parameters in "
+            f"{first['tensors']} tensors",
             ["optimizer", "Mparam/s", "vs torch fused", "bytes/param"],
             rows,
         )

@@ -1,4 +1,4 @@
-"""AdamW step throughput on ~50M parameters of Llama shapes, all peers in one run.
+"""AdamW step throughput on Llama shapes (13 layers: 49.5M parameters), all peers in one run.
 
 Run: ``nox -s bench -- packages/hlat-optim/benchmarks`` or
 ``python -m pytest packages/hlat-optim/benchmarks --benchmark-only``
@@ -106,7 +106,12 @@ def test_adamw_step_throughput(benchmark, optimizer_results, name):
     benchmark.extra_info.update(
         mparam_per_s=round(mparam_s), params=n, tensors=len(params), first_step_s=first_s
     )
-    optimizer_results[name] = {"mparam_s": mparam_s, "bytes_per_param": bytes_per_param(opt)}
+    optimizer_results[name] = {
+        "mparam_s": mparam_s,
+        "bytes_per_param": bytes_per_param(opt),
+        "params": n,
+        "tensors": len(params),
+    }
     del opt, params
     gc.collect()
 

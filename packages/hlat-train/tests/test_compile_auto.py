@@ -1,6 +1,6 @@
 """``model.compile = "auto"`` (``hlat_train.compiling``): on where the benchmark measured a
-gain (bf16 on CPUs that multiply bf16 natively, runs long enough to repay the compilation),
-off elsewhere with the reason; ``true``/``false`` as given; other values refused."""
+gain (bf16 on CPUs and CUDA GPUs that multiply bf16 natively, runs long enough to repay the
+compilation), off elsewhere with the reason; ``true``/``false`` as given; other values refused."""
 
 from __future__ import annotations
 
@@ -47,7 +47,9 @@ def test_auto_compiles_long_bf16_runs_on_cpus_with_native_bf16():
     [
         ((), AUTO_MIN_STEPS - 1, f"{AUTO_MIN_STEPS - 1} steps: auto compiles runs of", "cpu"),
         (("--optim.precision=fp32",), AUTO_MIN_STEPS, "fp32 on a CPU", "cpu"),
-        ((), AUTO_MIN_STEPS, "not measured on cuda", "cuda"),
+        ((), AUTO_MIN_STEPS - 1, f"{AUTO_MIN_STEPS - 1} steps: auto compiles runs of", "cuda"),
+        (("--optim.precision=fp32",), AUTO_MIN_STEPS, "fp32 on a GPU: not measured", "cuda"),
+        ((), AUTO_MIN_STEPS, "not measured on xpu", "xpu"),
         ((), AUTO_MIN_STEPS, "not measured on xla", "xla"),
         (
             ("--parallel.pp=2",),
@@ -68,7 +70,7 @@ def test_auto_compiles_long_bf16_runs_on_cpus_with_native_bf16():
             "cpu",
         ),
     ],
-    ids=["short-run", "fp32", "cuda", "xla", "pp", "cp", "trn1"],
+    ids=["short-run", "fp32", "cuda-short-run", "cuda-fp32", "xpu", "xla", "pp", "cp", "trn1"],
 )
 def test_auto_stays_eager_elsewhere_and_says_why(overrides, steps, reason, device):
     choice = resolve_compile(
@@ -78,16 +80,40 @@ def test_auto_stays_eager_elsewhere_and_says_why(overrides, steps, reason, devic
     assert reason in choice.describe("auto")
 
 
-def test_auto_stays_eager_on_cpus_that_emulate_bf16():
-    choice = resolve_compile("auto", _config(), CPU, bf16_reason=emulated)
+def test_auto_compiles_long_bf16_runs_on_gpus_with_native_bf16():
+    def tensor_cores(device: torch.device) -> str:
+        return "NVIDIA H200 has bf16 tensor cores"
+
+    choice = resolve_compile("auto", _config(), torch.device("cuda"), bf16_reason=tensor_cores)
+    assert choice.on
+    assert choice.reason == (
+        f"bf16 for {AUTO_MIN_STEPS} steps (NVIDIA H200 has bf16 tensor cores): "
+        "compiled blocks measured 1.28x-1.29x eager on an H200"
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_auto_reads_this_gpus_bf16_support():
+    device = torch.device("cuda", torch.cuda.current_device())
+    choice = resolve_compile("auto", _config(), device)
+    native = torch.cuda.is_bf16_supported(including_emulation=False)
+    assert choice.on is native
+    assert (torch.cuda.get_device_name(device) in choice.reason) is native
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_auto_stays_eager_where_bf16_is_emulated(device):
+    choice = resolve_compile("auto", _config(), torch.device(device), bf16_reason=emulated)
     assert not choice.on and "without native bf16" in choice.reason
 
 
 def test_auto_stays_eager_where_a_compiled_tp_block_with_sdpa_would_fail():
     from hlat_train.validation import compiled_tp_checkpoints_fail
 
-    config = _config("--parallel.tp=2", "--model.checkpointing=selective")
-    sdpa = _config("--parallel.tp=2", "--model.checkpointing=selective", "--model.attention=sdpa")
+    # on the CPU, where model.attention = "auto" is the blocked kernel (on a GPU it is SDPA)
+    tp = ("--train.device=cpu", "--parallel.tp=2", "--model.checkpointing=selective")
+    config = _config(*tp)
+    sdpa = _config(*tp, "--model.attention=sdpa")
     # the blocked kernel compiles under TP and selective checkpointing; SDPA may not
     assert resolve_compile("auto", config, CPU, bf16_reason=native).on
     choice = resolve_compile("auto", sdpa, CPU, bf16_reason=native)

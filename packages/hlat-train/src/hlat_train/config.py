@@ -66,9 +66,10 @@ class ModelConfig:
     """``torch.compile`` each transformer block (after TP/SP and before FSDP2, as torchtitan
     does; backend ``neuron`` on TorchNeuron): ``true``, ``false`` or ``auto``, which
     compiles where it was measured to pay: bf16 runs of 10,000 steps or more on CPUs that
-    multiply bf16 natively (1.06x-1.07x eager in hlat-model's benchmark; fp32 1.01x-1.07x), and
-    nowhere else (accelerators are not measured here: set ``true``); the choice and its
-    reason are logged at start (``hlat_train.compiling``). Not on ``parallel.backend =
+    multiply bf16 natively (1.06x-1.07x eager in hlat-model's benchmark; fp32 1.01x-1.07x) and
+    on CUDA GPUs with bf16 tensor cores (1.28x-1.29x on an H200), and nowhere else (Trainium
+    is not measured here: set ``true``); the choice and its reason are logged at start
+    (``hlat_train.compiling``). Not on ``parallel.backend =
     "neuron"`` (trn1), where XLA compiles the whole step."""
     init_from_hf: str = ""
     """A Hugging Face Llama ``save_pretrained`` directory (safetensors) to start from, for

@@ -166,7 +166,11 @@ def test_rounding_differences_pass_the_tolerances_but_not_bit_for_bit(agreeing, 
     runs = [parity.load_run(reference / "reference"), parity.load_run(out / "candidate")]
     exact = parity.compare(*runs, None)
     assert not exact["agree"]
-    assert exact["first_step_difference"]["what"] == "loss"
+    # the first step's loss may still agree (a forward whose kernels do not depend on the
+    # batch size); then its gradient norm is the first to differ
+    first = exact["first_step_difference"]
+    assert first["what"] in ("loss", "grad_norm")
+    assert first["step"] <= 2
 
 
 def _neuron_present() -> bool:

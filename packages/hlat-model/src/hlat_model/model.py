@@ -32,7 +32,12 @@ from hlat_model.loss import eager_plain
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 whatever the input dtype, then scaled by ``weight``."""
+    """RMSNorm computed in fp32 whatever the input dtype, then scaled by ``weight``.
+
+    Plain CPU tensors computed op by op go through :class:`_RMSNormFunction` (the same
+    forward values, fewer passes, and the input instead of its fp32 copy kept for backward);
+    DTensors (sequence parallelism), compiled code, XLA and other devices (where it has not
+    been measured) take ``F.rms_norm``, whose compilers and kernels fuse it themselves."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -40,11 +45,47 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        plain = eager_plain(x) and type(self.weight) in (nn.Parameter, torch.Tensor)
+        if plain and x.device.type == "cpu":
+            return _RMSNormFunction.apply(x, self.weight, self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """``weight * rms_norm(x.float()).to(x.dtype)`` with the same forward values as that
+    composition, in four passes over ``x`` forward and about six backward. Keeps ``x``, the
+    rounded normalised ``x`` and one fp32 scale per row for backward, where the composition
+    kept an fp32 copy of ``x`` besides the rounded one.
+
+    Note: measured on a 2-core AVX512-BF16 EPYC, forward and backward of the 17 norms of an
+    8-layer width-512 Llama at 4 x 512 bf16 tokens took 29-36 ms against 54-59 ms composed;
+    the input's gradient differs from the composition's by rounding (at most one bf16 unit
+    in the last place there), the weight's not at all."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True).add_(eps))
+        # Note: in place only on a copy; an fp32 ``x`` is its own ``.float()``.
+        normed = (xf.mul_(rstd) if xf is not x else xf * rstd).to(x.dtype)
+        ctx.save_for_backward(x, weight, rstd, normed)
+        return normed * weight
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight, rstd, normed = ctx.saved_tensors
+        grad_weight = (grad * normed).sum(dim=tuple(range(grad.dim() - 1)))
+        d_normed = (grad * weight).float()
+        xf = x.float()
+        n = xf.mul_(rstd) if xf is not x else xf * rstd
+        # d/dx of x * rstd(x): rstd * (g - n * mean(g * n)), g the normalised output's grad
+        dot = (d_normed * n).mean(-1, keepdim=True)
+        grad_x = d_normed.sub_(n.mul_(dot)).mul_(rstd).to(x.dtype)
+        return grad_x, grad_weight, None
 
 
 def rope_cos_sin(

@@ -75,6 +75,22 @@ class _Fp32AccumulateLinear(torch.autograd.Function):
         return grad_x, grad_w
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` as :class:`Linear` computes it: through the fp32-accumulating path
+    for plain bf16 CPU tensors where this CPU has no native bf16 products, otherwise
+    ``F.linear``. ``weight`` may be a parameter or a tensor computed from one (a view or a
+    permuted copy), which then gets its gradient through autograd."""
+    if (
+        x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and type(x) is torch.Tensor
+        and type(weight) in (nn.Parameter, torch.Tensor)
+        and not cpu_has_native_bf16()
+    ):
+        return _Fp32AccumulateLinear.apply(x, weight)
+    return F.linear(x, weight)
+
+
 class Linear(nn.Linear):
     """``nn.Linear(in, out, bias=False)``; see the module docstring for the CPU bf16 path."""
 
@@ -82,13 +98,4 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        if (
-            x.dtype == torch.bfloat16
-            and x.device.type == "cpu"
-            and type(x) is torch.Tensor
-            and type(weight) is nn.Parameter
-            and not cpu_has_native_bf16()
-        ):
-            return _Fp32AccumulateLinear.apply(x, weight)
-        return F.linear(x, weight)
+        return linear(x, self.weight)

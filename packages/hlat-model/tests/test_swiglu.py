@@ -1,0 +1,106 @@
+"""The MLP's CPU path: the gate/up product computed with the weight's gate rows first and
+its up rows second, and ``_SwiGLUFunction`` on the two dense halves, against the
+composition on the interleaved product that DTensors, compiled code and other devices
+still take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hlat_model import LlamaConfig
+from hlat_model.model import MLP, _swiglu, _SwiGLUFunction
+
+
+def _graph_names(tensor: torch.Tensor) -> set[str]:
+    names, todo = set(), [tensor.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and type(node).__name__ not in names:
+            names.add(type(node).__name__)
+            todo.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("keep_silu", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_function_matches_autograd_bit_for_bit(dtype, keep_silu):
+    gate_up = (torch.randn(3, 20, 2 * 48) * 3).to(dtype)
+    grad = torch.randn(3, 20, 48).to(dtype)
+    ours_in, theirs_in = gate_up.clone().requires_grad_(), gate_up.clone().requires_grad_()
+
+    ours = _SwiGLUFunction.apply(ours_in, keep_silu)
+    gate, up = theirs_in.chunk(2, dim=-1)
+    theirs = F.silu(gate) * up
+    assert torch.equal(ours, theirs)
+    ours.backward(grad)
+    theirs.backward(grad)
+    assert torch.equal(ours_in.grad, theirs_in.grad)
+
+
+def test_selective_keeps_only_the_product():
+    """``keep_silu=False`` (selective checkpointing) keeps ``gate_up`` alone for backward."""
+    gate_up = torch.randn(4, 2 * 32, requires_grad=True)
+
+    def saved_elements(keep_silu: bool) -> int:
+        seen: list[int] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            seen.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _SwiGLUFunction.apply(gate_up, keep_silu)
+        return sum(seen)
+
+    assert saved_elements(False) == gate_up.numel()
+    assert saved_elements(True) == gate_up.numel() * 3 // 2
+
+
+def _pair(dtype: torch.dtype, checkpointing: str = "none") -> tuple[MLP, MLP]:
+    config = LlamaConfig(
+        vocab_size=64, dim=64, n_layers=1, n_heads=4, ffn_dim=96, checkpointing=checkpointing
+    )
+    ours = MLP(config).to(dtype)
+    for p in ours.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    theirs = MLP(config).to(dtype)
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
+def _interleaved(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
+    return mlp.down_proj(_swiglu(mlp.gate_up_proj(x)))
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "selective"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mlp_matches_the_interleaved_composition(dtype, checkpointing):
+    ours, theirs = _pair(dtype, checkpointing)
+    x = torch.randn(2, 24, 64).to(dtype)
+    ours_x, theirs_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, ref = ours(ours_x), _interleaved(theirs, theirs_x)
+    assert "_SwiGLUFunctionBackward" in _graph_names(out)
+    # the same products, their output columns in another order: equal up to rounding
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(out, ref, rtol=tolerance, atol=tolerance)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad)
+    torch.testing.assert_close(ours_x.grad, theirs_x.grad, rtol=tolerance, atol=tolerance)
+    for name, p in ours.named_parameters():
+        q = dict(theirs.named_parameters())[name]
+        assert p.grad.dtype == dtype and p.grad.shape == p.shape
+        torch.testing.assert_close(p.grad, q.grad, rtol=tolerance, atol=tolerance)
+
+
+def test_a_hooked_projection_is_still_called():
+    """Another trainer's forward hook on ``gate_up_proj`` (an adapter, a quantiser) sees
+    the call: the direct product is taken for unhooked hlat ``Linear`` layers only."""
+    mlp, _ = _pair(torch.float32)
+    calls: list[torch.Size] = []
+    mlp.gate_up_proj.register_forward_hook(lambda mod, args, out: calls.append(out.shape))
+    out = mlp(torch.randn(2, 5, 64))
+    assert calls == [torch.Size([2, 5, 2 * 96])]
+    assert "_SwiGLUFunctionBackward" not in _graph_names(out)

@@ -104,3 +104,25 @@ def test_a_hooked_projection_is_still_called():
     out = mlp(torch.randn(2, 5, 64))
     assert calls == [torch.Size([2, 5, 2 * 96])]
     assert "_SwiGLUFunctionBackward" not in _graph_names(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_backward_keeps_the_weight_not_a_permuted_copy(dtype):
+    """What the gate/up product keeps for backward is the parameter itself: a permuted
+    copy kept until backward would be a second weight per layer (of the unsharded weight
+    under FSDP)."""
+    mlp, _ = _pair(dtype)
+    weight = mlp.gate_up_proj.weight
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = mlp(torch.randn(2, 5, 64).to(dtype))
+    weight_sized = [t for t in saved if t.numel() == weight.numel()]
+    assert weight_sized, "the product keeps its weight for backward"
+    assert all(t.data_ptr() == weight.data_ptr() for t in weight_sized)
+    out.sum().backward()
+    assert weight.grad is not None and weight.grad.shape == weight.shape

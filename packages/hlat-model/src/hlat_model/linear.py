@@ -11,6 +11,7 @@ Neuron, DTensor shards, CPUs with native bf16, other dtypes) it is exactly ``nn.
 from __future__ import annotations
 
 import platform
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,35 @@ def cpu_has_native_bf16() -> bool:
 _CPU_HAS_NATIVE_BF16 = cpu_bf16_reason() is not None
 
 
+def _fp32_accumulates(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`linear` takes the fp32-accumulating path for these operands."""
+    return (
+        x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and type(x) is torch.Tensor
+        and type(weight) in (nn.Parameter, torch.Tensor)
+        and not cpu_has_native_bf16()
+    )
+
+
+def _linear_grads(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, needs: tuple[bool, ...]
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The gradients of ``linear(x, weight)`` for ``x`` and ``weight`` (None where
+    ``needs`` says no), computed as that product was: in fp32 and rounded where it
+    accumulated in fp32, else in the operands' dtype as autograd's own backward does."""
+    up = _fp32_accumulates(x, weight)
+    g, w, flat_x = grad, weight, x.reshape(-1, x.shape[-1])
+    if up:
+        g, w, flat_x = grad.float(), weight.float(), flat_x.float()
+    grad_x = grad_w = None
+    if needs[0]:
+        grad_x = (g @ w).to(x.dtype)
+    if needs[1]:
+        grad_w = (g.reshape(-1, g.shape[-1]).t() @ flat_x).to(weight.dtype)
+    return grad_x, grad_w
+
+
 class _Fp32AccumulateLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -65,14 +95,38 @@ class _Fp32AccumulateLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         x, weight = ctx.saved_tensors
-        grad32 = grad.float()
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = (grad32 @ weight.float()).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            flat_grad = grad32.reshape(-1, grad32.shape[-1])
-            grad_w = (flat_grad.t() @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
-        return grad_x, grad_w
+        return _linear_grads(grad, x, weight, ctx.needs_input_grad)
+
+
+class _PermutedRowsLinear(torch.autograd.Function):
+    """``linear(x, weight[rows])`` that keeps ``weight`` itself for backward, not the
+    permuted copy: backward permutes it again (a pass over the weight) and scatters the
+    weight's gradient back into its own row order."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, rows)
+        return linear(x, weight[rows])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, rows = ctx.saved_tensors
+        grad_x, grad_permuted = _linear_grads(grad, x, weight[rows], ctx.needs_input_grad)
+        grad_w = None
+        if grad_permuted is not None:
+            grad_w = torch.empty_like(weight, memory_format=torch.contiguous_format)
+            grad_w[rows] = grad_permuted
+        return grad_x, grad_w, None
+
+
+def linear_permuted_rows(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``linear(x, weight[rows])`` for a permutation ``rows`` of the weight's rows (an
+    output layout the caller prefers), with ``weight`` rather than its permuted copy kept
+    for backward: autograd through ``weight[rows]`` would keep the copy, a second weight
+    held per layer until backward (of the unsharded weight under FSDP)."""
+    return _PermutedRowsLinear.apply(x, weight, rows)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -80,13 +134,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     for plain bf16 CPU tensors where this CPU has no native bf16 products, otherwise
     ``F.linear``. ``weight`` may be a parameter or a tensor computed from one (a view or a
     permuted copy), which then gets its gradient through autograd."""
-    if (
-        x.dtype == torch.bfloat16
-        and x.device.type == "cpu"
-        and type(x) is torch.Tensor
-        and type(weight) in (nn.Parameter, torch.Tensor)
-        and not cpu_has_native_bf16()
-    ):
+    if _fp32_accumulates(x, weight):
         return _Fp32AccumulateLinear.apply(x, weight)
     return F.linear(x, weight)
 

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hlat_model.attention import AttentionMask, attention, document_positions
 from hlat_model.config import LlamaConfig
-from hlat_model.linear import Linear, linear
+from hlat_model.linear import Linear, linear_permuted_rows
 from hlat_model.loss import eager_plain
 
 
@@ -273,11 +273,12 @@ class MLP(nn.Module):
         proj = self.gate_up_proj
         if eager_plain(x) and x.device.type == "cpu" and _plain_module(proj):
             # Note: the product is computed with the weight's gate rows first and its up rows
-            # second (a copy of the weight, whose gradient autograd maps back), so gate and
-            # up come out as dense halves instead of every other column.
+            # second, so gate and up come out as dense halves instead of every other column.
             weight = proj.weight
-            halves = weight.unflatten(0, (-1, 2)).transpose(0, 1).flatten(0, 1)
-            return self.down_proj(_SwiGLUFunction.apply(linear(x, halves), not self.selective))
+            rows = torch.arange(weight.shape[0], device=weight.device)
+            rows = rows.view(-1, 2).t().flatten()  # [0, 2, 4, ..., 1, 3, 5, ...]
+            gate_up = linear_permuted_rows(x, weight, rows)
+            return self.down_proj(_SwiGLUFunction.apply(gate_up, not self.selective))
         gate_up = proj(x)
         if self.selective:
             hidden = checkpoint(_swiglu, gate_up, use_reentrant=False)

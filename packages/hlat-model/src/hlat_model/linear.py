@@ -74,9 +74,8 @@ def _linear_grads(
     """The gradients of ``linear(x, weight)`` for ``x`` and ``weight`` (None where
     ``needs`` says no), computed as that product was: in fp32 and rounded where it
     accumulated in fp32, else in the operands' dtype as autograd's own backward does."""
-    up = _fp32_accumulates(x, weight)
     g, w, flat_x = grad, weight, x.reshape(-1, x.shape[-1])
-    if up:
+    if _fp32_accumulates(x, weight):
         g, w, flat_x = grad.float(), weight.float(), flat_x.float()
     grad_x = grad_w = None
     if needs[0]:
@@ -132,8 +131,9 @@ def linear_permuted_rows(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tens
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` as :class:`Linear` computes it: through the fp32-accumulating path
     for plain bf16 CPU tensors where this CPU has no native bf16 products, otherwise
-    ``F.linear``. ``weight`` may be a parameter or a tensor computed from one (a view or a
-    permuted copy), which then gets its gradient through autograd."""
+    ``F.linear``. ``weight`` may be a parameter or a tensor computed from one, which then
+    gets its gradient through autograd (for a permutation of its rows,
+    :func:`linear_permuted_rows` keeps less for backward)."""
     if _fp32_accumulates(x, weight):
         return _Fp32AccumulateLinear.apply(x, weight)
     return F.linear(x, weight)

@@ -1,7 +1,8 @@
 """Developer sessions for the hlat monorepo.
 
 ``nox -s tests`` installs every package (editable) into one environment and runs all tests;
-``nox -s tests-<package>`` proves one package installs and passes alone; ``nox -s
+``nox -s tests-<package>`` proves one package installs and passes alone (its tests but the
+``slow`` multi-process ones, which ``tests`` runs); ``nox -s
 tests-oldest`` runs every package's tests on the oldest torch the packages declare
 (``torch>=X.Y``: the newest X.Y.* release); ``lint``, ``typecheck``, ``bench`` and ``build``
 do what they say; ``reuse-torchtitan`` runs the torchtitan example of ``docs/reuse`` in an
@@ -30,6 +31,9 @@ PYTHON = os.environ.get("HLAT_PYTHON")  # None: the interpreter nox runs under
 
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
+# Note: pip's byte-compiling of every installed module (torch's included) took longer than
+# unpacking the torch wheel itself; Python compiles what a session imports, once, on first use.
+NO_COMPILE = "--no-compile"
 
 
 def _project(package: str) -> dict:
@@ -54,13 +58,13 @@ def _local_requirements(package: str, extra: str, seen: set[str] | None = None) 
 
 
 def _install(session: nox.Session, packages: list[str], extra: str, editable: bool) -> None:
-    session.install(*TORCH)
+    session.install(*TORCH, NO_COMPILE)
     args: list[str] = []
     for package in packages:
         extras = _project(package).get("optional-dependencies", {})
         spec = f"packages/{package}[{extra}]" if extra in extras else f"packages/{package}"
         args += ["-e", spec] if editable else [spec]
-    session.install(*args)
+    session.install(*args, NO_COMPILE)
 
 
 @nox.session(python=PYTHON, tags=["ci"])
@@ -111,9 +115,13 @@ for _package in PACKAGES:
 
     @nox.session(name=f"tests-{_package}", python=PYTHON, tags=["ci"])
     def _tests_one(session: nox.Session, package: str = _package) -> None:
-        """One package in a fresh environment with only its own dependencies and test tools."""
+        """One package in a fresh environment with only its own dependencies and test tools:
+        its README example and every test but those marked ``slow`` (spawned multi-process
+        runs and training loops, which ``tests`` runs on the same code and torch), and the
+        ``upstream`` ones. ``nox -s tests-<package> -- -m ""`` runs them all."""
         _install(session, [*_local_requirements(package, "test"), package], "test", editable=False)
-        session.run("pytest", f"packages/{package}", *session.posargs)
+        # a "-m" among the posargs comes later and wins
+        session.run("pytest", f"packages/{package}", "-m", "not slow or upstream", *session.posargs)
 
 
 def _torch_floors() -> dict[str, list[str]]:
@@ -141,12 +149,13 @@ def tests_oldest(session: nox.Session) -> None:
     with ``--index-url https://download.pytorch.org/whl/cpu``)."""
     for floor, packages in sorted(_torch_floors().items()):
         torch = shlex.split(os.environ.get("HLAT_TORCH_OLDEST", f"torch~={floor}.0"))
-        session.install(*torch)
+        session.install(*torch, NO_COMPILE)
         args: list[str] = []
         for package in packages:
             extras = _project(package).get("optional-dependencies", {})
             args.append(f"packages/{package}[test]" if "test" in extras else f"packages/{package}")
-        session.install(*args, *torch)  # torch repeated: nothing may lift it to a newer release
+        # torch repeated: nothing may lift it to a newer release
+        session.install(*args, *torch, NO_COMPILE)
         session.run("python", "-c", "import torch; print('torch', torch.__version__)")
         session.run("pytest", *(f"packages/{p}" for p in packages), *session.posargs)
 
@@ -170,7 +179,7 @@ if "hlat-train" in PACKAGES:
         )
         constraints = Path(session.create_tmp()) / "torch-constraint.txt"
         constraints.write_text(f"torch=={str(torch_version).strip()}\n")
-        session.install(*LM_EVAL, *extra, "-c", str(constraints))
+        session.install(*LM_EVAL, *extra, "-c", str(constraints), NO_COMPILE)
 
     @nox.session(name="eval", python=PYTHON)
     def eval_(session: nox.Session) -> None:
@@ -200,8 +209,9 @@ def reuse_torchtitan(session: nox.Session) -> None:
     (``docs/reuse/torchtitan_hlat_optim_data.py``), in an environment of its own: torchtitan
     0.3 pins ``datasets<4.8``, below the test environment's, and imports triton, which CPU
     wheels of torch do not bring."""
-    session.install(*TORCH)
+    session.install(*TORCH, NO_COMPILE)
     session.install(
+        NO_COMPILE,
         "torchtitan>=0.3,<0.4",
         "triton",
         "pytest>=8",

@@ -36,6 +36,7 @@ def test_modes_run_separately_share_a_tokenizer_and_merge(tmp_path):
     assert set(by_mode) == {"bf16", "bf16-sr"}
     steps = {m: [r["step"] for r in rows if "train_loss" in r] for m, rows in by_mode.items()}
     assert steps["bf16"] == steps["bf16-sr"] and steps["bf16"]
+    assert max(steps["bf16"]) == 6  # --steps given beside --quick wins over its 30
     for rows in by_mode.values():
         assert all(0 < r["train_loss"] < 20 for r in rows if "train_loss" in r)
     summary = (tmp_path / "summary.md").read_text()

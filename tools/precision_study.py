@@ -74,12 +74,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tokenizer", type=Path, help="SentencePiece model to load, or to write when missing"
     )
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="smoke run: 30 steps, small corpus")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 30 steps, small corpus (options given explicitly still apply)",
+    )
+    if p.parse_known_args(argv)[0].quick:  # the smoke run's defaults, not overrides
+        p.set_defaults(steps=30, max_files=150, vocab=2000, seq_len=128, batch=4)
+        p.set_defaults(eval_every=10, eval_batches=2, log_every=5)
     args = p.parse_args(argv)
-    if args.quick:
-        args.steps, args.max_files, args.vocab = 30, 150, 2000
-        args.seq_len, args.batch, args.eval_every, args.eval_batches = 128, 4, 10, 2
-        args.log_every = 5
     args.modes = args.modes.split(",")
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:

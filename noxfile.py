@@ -32,8 +32,11 @@ PYTHON = os.environ.get("HLAT_PYTHON")  # None: the interpreter nox runs under
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
 # Note: pip's byte-compiling of every installed module (torch's included) took longer than
-# unpacking the torch wheel itself; Python compiles what a session imports, once, on first use.
+# unpacking the torch wheel itself. Python compiles what a session imports, on first use, and
+# writes it even where the environment says not to (an empty PYTHONDONTWRITEBYTECODE is
+# unset): otherwise every process the multi-process tests spawn compiles torch again.
 NO_COMPILE = "--no-compile"
+os.environ["PYTHONDONTWRITEBYTECODE"] = ""
 
 
 def _project(package: str) -> dict:

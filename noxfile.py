@@ -33,8 +33,8 @@ nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
 # Note: pip's byte-compiling of every installed module (torch's included) took longer than
 # unpacking the torch wheel itself. Python compiles what a session imports, on first use, and
-# writes it even where the environment says not to (an empty PYTHONDONTWRITEBYTECODE is
-# unset): otherwise every process the multi-process tests spawn compiles torch again.
+# writes it even where the environment says not to (an empty PYTHONDONTWRITEBYTECODE counts
+# as unset): otherwise every process the multi-process tests spawn compiles torch again.
 NO_COMPILE = "--no-compile"
 os.environ["PYTHONDONTWRITEBYTECODE"] = ""
 
@@ -120,8 +120,8 @@ for _package in PACKAGES:
     def _tests_one(session: nox.Session, package: str = _package) -> None:
         """One package in a fresh environment with only its own dependencies and test tools:
         its README example and every test but those marked ``slow`` (spawned multi-process
-        runs and training loops, which ``tests`` runs on the same code and torch), and the
-        ``upstream`` ones. ``nox -s tests-<package> -- -m ""`` runs them all."""
+        runs and training loops, which ``tests`` runs on the same code and torch); those
+        marked ``upstream`` run here only. ``nox -s tests-<package> -- -m ""`` runs all."""
         _install(session, [*_local_requirements(package, "test"), package], "test", editable=False)
         # a "-m" among the posargs comes later and wins
         session.run("pytest", f"packages/{package}", "-m", "not slow or upstream", *session.posargs)

@@ -37,11 +37,12 @@ nox.options.reuse_existing_virtualenvs = True
 # as unset): otherwise every process the multi-process tests spawn compiles torch again.
 NO_COMPILE = "--no-compile"
 os.environ["PYTHONDONTWRITEBYTECODE"] = ""
-# Test files run on pytest-xdist workers, each file whole on one worker (its module fixtures
-# built once). Most tests keep one core busy at a time, so even two workers on two cores
-# finish the suite sooner (most multi-process tests run each rank on one thread).
-# HLAT_TEST_WORKERS sets the count ("0": one process, as plain pytest; "auto": one per core);
-# a later "-n" in the posargs wins.
+# ``tests`` and ``tests-oldest`` run their test files on pytest-xdist workers, each file whole
+# on one worker (its module fixtures built once). Most tests keep one core busy at a time, so
+# even two workers on two cores finish these suites sooner (most multi-process tests run each
+# rank on one thread). The per-package sessions, each dominated by one or two files, ran
+# longer that way and stay in one process. HLAT_TEST_WORKERS sets the count ("0": one
+# process, as plain pytest; "auto": one per core); a later "-n" in the posargs wins.
 WORKERS = ["-n", os.environ.get("HLAT_TEST_WORKERS", "2"), "--dist", "loadfile"]
 XDIST = "pytest-xdist>=3.6"
 
@@ -132,16 +133,8 @@ for _package in PACKAGES:
         runs and training loops, which ``tests`` runs on the same code and torch); those
         marked ``upstream`` run here only. ``nox -s tests-<package> -- -m ""`` runs all."""
         _install(session, [*_local_requirements(package, "test"), package], "test", editable=False)
-        session.install(XDIST, NO_COMPILE)
         # a "-m" among the posargs comes later and wins
-        session.run(
-            "pytest",
-            *WORKERS,
-            f"packages/{package}",
-            "-m",
-            "not slow or upstream",
-            *session.posargs,
-        )
+        session.run("pytest", f"packages/{package}", "-m", "not slow or upstream", *session.posargs)
 
 
 def _torch_floors() -> dict[str, list[str]]:

@@ -4,10 +4,10 @@ Both models have the same shape (8 layers, hidden 512, FFN 1376, vocab 8192, 8 h
 forward + backward on batch 4 x 512 tokens. The peer step runs in the (untimed) setup of every
 round, so both see the same machine state; its time is taken by hand. A peer more than
 ``PEER_ONE_ROUND`` times slower (Hugging Face's bf16 step where the CPU emulates bf16
-products: about two minutes on an AVX2-only EPYC) is timed once, after its warm-up. A third figure is the
-matrix products alone (the model's own GEMM shapes, forward and backward, through the same
-``Linear`` and through torch's ``nn.Linear``), the ceiling that the rest of the step
-(attention, norms, RoPE, loss) eats into.
+products: about two minutes on an AVX2-only EPYC) is timed once, after its warm-up. A third
+figure is the matrix products alone (the model's own GEMM shapes, forward and backward,
+through the same ``Linear`` and through torch's ``nn.Linear``), the ceiling that the rest of
+the step (attention, norms, RoPE, loss) eats into.
 
 Run: ``nox -s bench -- packages/hlat-model/benchmarks``.
 """

@@ -73,14 +73,17 @@ def _shapes(config: LlamaConfig) -> list[tuple[int, int]]:
     ] * config.n_layers + [(config.dim, config.vocab_size)]
 
 
-def _step_flops(config: LlamaConfig, model: torch.nn.Module) -> tuple[float, float]:
+def _step_flops(config: LlamaConfig) -> tuple[float, float]:
     """FLOPs of one training step of ``BATCH x SEQ`` tokens: the model's (products and
     attention, :func:`flops_per_token`) and its matrix products' alone (what
     :func:`_gemm_step` runs)."""
     tokens = BATCH * SEQ
-    gemm_params = sum(p.numel() for p in model.parameters() if p.dim() == 2)
-    gemm_params -= model.embed_tokens.weight.numel()
-    return flops_per_token(config, SEQ) * tokens, 6 * gemm_params * tokens
+    return flops_per_token(config, SEQ) * tokens, _gemm_flops(config)
+
+
+def _gemm_flops(config: LlamaConfig) -> float:
+    """FLOPs of :func:`_gemm_step` at ``config``: forward and backward of every linear layer."""
+    return 6 * sum(i * o for i, o in _shapes(config)) * BATCH * SEQ
 
 
 def _gemm_step(config: LlamaConfig, dtype: torch.dtype, path: str = "hlat"):
@@ -126,26 +129,26 @@ def test_train_step_tokens_per_second(benchmark, dtype):
     peer_times: list[float] = []
     gemm_times: list[float] = []
     ours_step(), peer_step(), gemms()  # warm-up, outside the measurement
-    ours_s, peer_times[:] = _timed(ours_step), [_timed(peer_step)]
+    ours_s = _timed(ours_step)
+    peer_times.append(_timed(peer_step))
     # emulated bf16 products (AVX2-only CPUs) make the peer's step minutes long: one timing
     # says as much as more would
-    peer_rounds = 1 if peer_times[0] > PEER_ONE_ROUND * ours_s else ROUNDS + 1
+    peer_every_round = peer_times[0] <= PEER_ONE_ROUND * ours_s
 
     def setup() -> None:
-        if len(peer_times) < peer_rounds:
+        if peer_every_round:
             peer_times.append(_timed(peer_step))
         gemm_times.append(_timed(gemms))
 
     benchmark.pedantic(ours_step, setup=setup, rounds=ROUNDS, iterations=1)
     # torch's own nn.Linear: over one block and the head where its products are emulated too
-    native = config if peer_rounds > 1 else LlamaConfig(**{**CONFIG, "n_layers": 1})
-    native_gemm_flops = 6 * sum(i * o for i, o in _shapes(native)) * BATCH * SEQ
+    native = config if peer_every_round else LlamaConfig(**{**CONFIG, "n_layers": 1})
     native_gemm_time = _timed(_gemm_step(native, torch_dtype, "torch"))
 
     tokens_per_step = BATCH * SEQ
     ours_tps = tokens_per_step / benchmark.stats.stats.min
     peer_tps = tokens_per_step / min(peer_times)
-    model_flops, gemm_flops = _step_flops(config, ours)
+    model_flops, gemm_flops = _step_flops(config)
     benchmark.extra_info.update(
         tokens_per_s=round(ours_tps),
         hf_tokens_per_s=round(peer_tps),
@@ -153,7 +156,7 @@ def test_train_step_tokens_per_second(benchmark, dtype):
         hf_rounds=len(peer_times),
         model_gflops=round(model_flops / benchmark.stats.stats.min / 1e9, 1),
         matmul_only_gflops=round(gemm_flops / min(gemm_times) / 1e9, 1),
-        torch_matmul_gflops=round(native_gemm_flops / native_gemm_time / 1e9, 1),
+        torch_matmul_gflops=round(_gemm_flops(native) / native_gemm_time / 1e9, 1),
         fraction_of_matmul=round(
             (model_flops / benchmark.stats.stats.min) / (gemm_flops / min(gemm_times)), 3
         ),
@@ -199,7 +202,7 @@ def test_compiled_blocks_against_eager(benchmark, dtype):
     tokens_per_step = BATCH * SEQ
     compiled_tps = tokens_per_step / benchmark.stats.stats.min
     eager_tps = tokens_per_step / min(eager_times)
-    model_flops, gemm_flops = _step_flops(config, eager)
+    model_flops, gemm_flops = _step_flops(config)
     ceiling = gemm_flops / min(gemm_times)
     benchmark.extra_info.update(
         compiled_tokens_per_s=round(compiled_tps),

@@ -37,6 +37,14 @@ nox.options.reuse_existing_virtualenvs = True
 # as unset): otherwise every process the multi-process tests spawn compiles torch again.
 NO_COMPILE = "--no-compile"
 os.environ["PYTHONDONTWRITEBYTECODE"] = ""
+# ``tests`` and ``tests-oldest`` run their test files on pytest-xdist workers, each file whole
+# on one worker (its module fixtures built once). Most tests keep one core busy at a time, so
+# even two workers on two cores finish these suites sooner (most multi-process tests run each
+# rank on one thread). The per-package sessions, each dominated by one or two files, ran
+# longer that way and stay in one process. HLAT_TEST_WORKERS sets the count ("0": one
+# process, as plain pytest; "auto": one per core); a later "-n" in the posargs wins.
+WORKERS = ["-n", os.environ.get("HLAT_TEST_WORKERS", "2"), "--dist", "loadfile"]
+XDIST = "pytest-xdist>=3.6"
 
 
 def _project(package: str) -> dict:
@@ -92,10 +100,12 @@ def tests(session: nox.Session) -> None:
     Tests marked ``upstream`` (a limitation of torch itself, up to minutes of retries) run in
     the per-package sessions (``tests-<package>``) only."""
     _install(session, PACKAGES, "test", editable=True)
+    session.install(XDIST, NO_COMPILE)
     repo_tests = ["tests"] if (ROOT / "tests").is_dir() else []  # tools/ and docs/
     # a "-m" among the posargs comes later and wins
     session.run(
         "pytest",
+        *WORKERS,
         *(f"packages/{p}" for p in PACKAGES),
         *repo_tests,
         "--ignore=tests/test_fault_campaign.py",  # nox -s tests-campaign
@@ -158,9 +168,9 @@ def tests_oldest(session: nox.Session) -> None:
             extras = _project(package).get("optional-dependencies", {})
             args.append(f"packages/{package}[test]" if "test" in extras else f"packages/{package}")
         # torch repeated: nothing may lift it to a newer release
-        session.install(*args, *torch, NO_COMPILE)
+        session.install(*args, *torch, XDIST, NO_COMPILE)
         session.run("python", "-c", "import torch; print('torch', torch.__version__)")
-        session.run("pytest", *(f"packages/{p}" for p in packages), *session.posargs)
+        session.run("pytest", *WORKERS, *(f"packages/{p}" for p in packages), *session.posargs)
 
 
 if "hlat-train" in PACKAGES:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -95,3 +98,62 @@ def launch(scenario: str, root: Path, world_size: int = 2) -> None:
     outputs = [p.communicate(timeout=240)[0] for p in procs]
     for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
         assert p.returncode == 0, f"{scenario} rank {rank} failed:\n{out[-3000:]}"
+
+
+class ForkParent:
+    """Forks test children from a freshly spawned process instead of from pytest's own.
+
+    A child forked from pytest's process copies whatever threads it had only as memory: the
+    OpenMP pool of earlier tests, and under pytest-xdist the thread that serves the worker's
+    channel. A lock one of them held stays locked in the child, which then hangs or crashes.
+    The process spawned here first runs ``warm_up`` (say, a save, which imports what a save
+    needs) and then checks that it has one thread left, so each child starts at once (the
+    crash test kills children a few hundredths of a second in) and starts sound.
+    """
+
+    def __init__(self, target, *args, warm_up=None) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, theirs = ctx.Pipe()
+        self._process = ctx.Process(target=_fork_on_request, args=(theirs, warm_up, target, args))
+        self._process.start()
+        theirs.close()
+
+    def fork(self) -> int:
+        """Forks a child running ``target(*args)``; returns its pid once it runs."""
+        self._conn.send(True)
+        return self._conn.recv()
+
+    def exitcode(self, timeout: float = 60.0) -> int:
+        """Waits for the last child and returns its exit code (negative: the signal)."""
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"the forked child did not end within {timeout} s")
+        return self._conn.recv()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):  # the process already ended
+            self._conn.send(False)
+        self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+
+    def __enter__(self) -> ForkParent:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _fork_on_request(conn, warm_up, target, args) -> None:
+    if warm_up is not None:
+        warm_up()
+    threads = threading.enumerate()
+    if len(threads) > 1:
+        raise RuntimeError(f"the process children are forked from has threads: {threads}")
+    ctx = multiprocessing.get_context("fork")
+    while conn.recv():
+        child = ctx.Process(target=target, args=args)
+        child.start()
+        conn.send(child.pid)
+        child.join()
+        conn.send(child.exitcode)

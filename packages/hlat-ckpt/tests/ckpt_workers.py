@@ -1,7 +1,7 @@
 """Worker processes of the hlat-ckpt tests: a TP=2 DTensor job that saves, a DP=2 job that
 loads, a job that resumes from the newest undamaged checkpoint, a job that resumes from an
-older step (a new lineage), a job saving replicated and sharded tensors, and a trainer that
-checkpoints in a loop until it is killed.
+older step (a new lineage), a job saving replicated and sharded tensors, a trainer that
+checkpoints in a loop until it is killed, and a save that runs past a file size limit.
 
 Run as ``python ckpt_workers.py <scenario> <root>`` with torchrun's environment variables
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) for the distributed scenarios.
@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import signal
 import sys
+import tempfile
 import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from hlat_ckpt import Checkpointer
+from hlat_ckpt import Checkpointer, CheckpointError
 
 
 def tp_model() -> nn.Module:
@@ -174,7 +177,7 @@ def replicated(root: str) -> None:
 def save_forever(root: str, async_save: bool) -> None:
     """Resume from the newest checkpoint, then save every step until killed. The weights of
     step N are all N, so a loaded checkpoint shows which step's data it holds."""
-    torch.set_num_threads(1)  # forked from a process that used OpenMP
+    torch.set_num_threads(1)  # small tensors; the test process runs beside it
     model = nn.Linear(256, 256)
     state = {"model": model, "progress": {"step": 0}}
     ck = Checkpointer(root, keep_last=2, async_save=async_save, save_rng=False)
@@ -186,6 +189,35 @@ def save_forever(root: str, async_save: bool) -> None:
             model.bias.fill_(step)
         state["progress"]["step"] = step
         ck.save(step, state)
+
+
+def warm_up_saving() -> None:
+    """Saves once in a scratch directory, so that what a first save imports (DCP, sympy:
+    over a second) is imported, then stops the writer's thread."""
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as scratch:
+        ck = Checkpointer(scratch, save_rng=False)
+        ck.save(1, {"model": nn.Linear(4, 4)})
+        ck.close()
+
+
+def save_past_a_file_size_limit(root: str, async_save: bool, io_threads: int, results) -> None:
+    """Saves step 1, then fails to write step 2 past a file size limit; puts the error's
+    text (or "no error") on ``results``."""
+    # Without SIG_IGN the kernel kills the process with SIGXFSZ instead of failing the write.
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    ck = Checkpointer(root, async_save=async_save, io_threads=io_threads)
+    state = {"model": torch.nn.Linear(256, 256)}
+    ck.save(1, state)
+    ck.wait()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+    try:
+        ck.save(2, state)
+        ck.wait()
+        results.put("no error")
+    except CheckpointError as e:
+        results.put(str(e))
 
 
 if __name__ == "__main__":

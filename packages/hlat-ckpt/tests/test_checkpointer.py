@@ -1,14 +1,13 @@
 import json
 import multiprocessing
 import os
-import resource
-import signal
 import struct
 
 import fsspec
 import pytest
 import torch
-from ckpt_helpers import make_state, snapshot, train_step
+from ckpt_helpers import ForkParent, make_state, snapshot, train_step
+from ckpt_workers import save_past_a_file_size_limit
 
 from hlat_ckpt import MANIFEST_NAME, Checkpointer, CheckpointError, consolidate
 
@@ -273,25 +272,6 @@ def test_consolidate_returns_full_model_and_optimizer_state(root):
     assert consolidate(f"{url}/step_0000000001", storage_options=options).keys() == full.keys()
 
 
-def _save_past_a_file_size_limit(root: str, async_save: bool, io_threads: int, results) -> None:
-    # Forked from a process that used OpenMP: a single thread keeps the child from waiting on
-    # the parent's thread pool. Without SIG_IGN the kernel kills the process with SIGXFSZ
-    # instead of failing the write.
-    torch.set_num_threads(1)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    ck = Checkpointer(root, async_save=async_save, io_threads=io_threads)
-    state = {"model": torch.nn.Linear(256, 256)}
-    ck.save(1, state)
-    ck.wait()
-    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
-    try:
-        ck.save(2, state)
-        ck.wait()
-        results.put("no error")
-    except CheckpointError as e:
-        results.put(str(e))
-
-
 # Note: with two writing threads the error happens in a thread DCP starts, which DCP does
 # not pass on (torch 2.13): hlat-ckpt's file system records it and the commit fails.
 @pytest.mark.parametrize("io_threads", [1, 2], ids=["one-thread", "two-threads"])
@@ -299,15 +279,12 @@ def _save_past_a_file_size_limit(root: str, async_save: bool, io_threads: int, r
 def test_a_write_error_is_reported_and_earlier_checkpoints_stay_intact(
     tmp_path, async_save, io_threads
 ):
-    ctx = multiprocessing.get_context("fork")
-    results = ctx.Queue()
-    child = ctx.Process(
-        target=_save_past_a_file_size_limit,
-        args=(str(tmp_path), async_save, io_threads, results),
-    )
-    child.start()
-    message = results.get(timeout=60)
-    child.join(timeout=60)
+    results = multiprocessing.get_context("spawn").Queue()
+    args = (str(tmp_path), async_save, io_threads, results)
+    with ForkParent(save_past_a_file_size_limit, *args) as parent:
+        parent.fork()
+        message = results.get(timeout=60)
+        assert parent.exitcode() == 0
     assert "step 2" in message and "earlier checkpoints are untouched" in message
     ck = Checkpointer(tmp_path)
     assert [c.step for c in ck.list()] == [1]

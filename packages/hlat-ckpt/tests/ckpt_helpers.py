@@ -107,8 +107,9 @@ class ForkParent:
     OpenMP pool of earlier tests, and under pytest-xdist the thread that serves the worker's
     channel. A lock one of them held stays locked in the child, which then hangs or crashes.
     The process spawned here first runs ``warm_up`` (say, a save, which imports what a save
-    needs) and then checks that it has one thread left, so each child starts at once (the
-    crash test kills children a few hundredths of a second in) and starts sound.
+    needs, then closes its writer) and checks that no Python thread but its own is left, so
+    each child starts at once (the crash test kills children a few hundredths of a second
+    in) and starts sound.
     """
 
     def __init__(self, target, *args, warm_up=None) -> None:
@@ -119,9 +120,14 @@ class ForkParent:
         theirs.close()
 
     def fork(self) -> int:
-        """Forks a child running ``target(*args)``; returns its pid once it runs."""
+        """Forks a child running ``target(*args)``; returns its pid once it is forked."""
         self._conn.send(True)
-        return self._conn.recv()
+        try:
+            return self._conn.recv()
+        except (EOFError, ConnectionError):
+            raise RuntimeError(
+                "the process that forks the children ended (its traceback is in the output)"
+            ) from None
 
     def exitcode(self, timeout: float = 60.0) -> int:
         """Waits for the last child and returns its exit code (negative: the signal)."""

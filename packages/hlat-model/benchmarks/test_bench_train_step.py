@@ -15,13 +15,15 @@ Run: ``nox -s bench -- packages/hlat-model/benchmarks``.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
 import pytest
 import torch
 
-from hlat_model import Llama, LlamaConfig, cross_entropy_loss, flops_per_token
+from hlat_model import Llama, LlamaConfig, cross_entropy_loss, flops_per_token, linear_cross_entropy
 from hlat_model.linear import Linear, _Fp32AccumulateLinear, cpu_bf16_reason
+from hlat_model.loss import fuses_head
 
 transformers = pytest.importorskip("transformers")
 
@@ -118,7 +120,7 @@ def test_train_step_tokens_per_second(benchmark, dtype):
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
 
     def ours_step() -> None:
-        cross_entropy_loss(ours(inputs), labels).backward()
+        ours(inputs, labels=labels).backward()
         ours.zero_grad(set_to_none=True)
 
     def peer_step() -> None:
@@ -183,7 +185,7 @@ def test_compiled_blocks_against_eager(benchmark, dtype):
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
 
     def step(model) -> None:
-        cross_entropy_loss(model(inputs), labels).backward()
+        model(inputs, labels=labels).backward()
         model.zero_grad(set_to_none=True)
 
     first_s = _timed(lambda: step(compiled))
@@ -344,6 +346,42 @@ def test_loss_kernels(benchmark, shape):
         fp32_copy_page_faults=_page_faults(fp32_copy),
     )
     print(f"\n[{shape} loss] {benchmark.extra_info}")
+
+
+@pytest.mark.parametrize("shape", LOSS_SHAPES)
+def test_fused_head_against_logits(benchmark, shape):
+    """The LM head and the loss in fp32, forward + backward: :func:`linear_cross_entropy`
+    (fused where :func:`hlat_model.loss.fuses_head` says so) against the head's product
+    into logits and :func:`cross_entropy_loss` on them, in the same rounds."""
+    torch.manual_seed(0)
+    tokens, vocab = LOSS_SHAPES[shape]
+    hidden = torch.randn(tokens, CONFIG["dim"], requires_grad=True)
+    head = Linear(CONFIG["dim"], vocab)
+    labels = torch.randint(0, vocab, (tokens,))
+
+    def fused() -> None:
+        linear_cross_entropy(hidden, head.weight, labels).backward()
+        hidden.grad = head.weight.grad = None
+
+    def through_logits() -> None:
+        cross_entropy_loss(head(hidden), labels).backward()
+        hidden.grad = head.weight.grad = None
+
+    fused(), through_logits()
+    peer: list[float] = []
+    benchmark.pedantic(
+        fused, setup=lambda: peer.append(_timed(through_logits)), rounds=3 * ROUNDS, iterations=1
+    )
+    ours, theirs = benchmark.stats.stats.median, statistics.median(peer)
+    benchmark.extra_info.update(
+        fused_path=fuses_head(hidden, head.weight),
+        fused_ms=round(ours * 1e3, 1),
+        through_logits_ms=round(theirs * 1e3, 1),
+        speedup=round(theirs / ours, 2),
+        fused_page_faults=_page_faults(fused),
+        through_logits_page_faults=_page_faults(through_logits),
+    )
+    print(f"\n[{shape} fp32 head + loss] {benchmark.extra_info}")
 
 
 def test_linear_paths_against_the_cpu_rule(benchmark):

@@ -5,10 +5,10 @@
 """
 
 from hlat_model.config import PRESETS, ConfigError, LlamaConfig
-from hlat_model.loss import cross_entropy_loss
+from hlat_model.loss import cross_entropy_loss, linear_cross_entropy
 from hlat_model.model import Llama, block_inputs, flops_per_token
 
-__version__ = "0.8.1"
+__version__ = "0.9.0"
 
 __all__ = [
     "PRESETS",
@@ -18,4 +18,5 @@ __all__ = [
     "block_inputs",
     "cross_entropy_loss",
     "flops_per_token",
+    "linear_cross_entropy",
 ]

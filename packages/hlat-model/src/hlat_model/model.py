@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from hlat_model.attention import AttentionMask, attention, document_positions
 from hlat_model.config import LlamaConfig
 from hlat_model.linear import Linear, linear_permuted_rows
-from hlat_model.loss import eager_plain
+from hlat_model.loss import cross_entropy_loss, eager_plain, fuses_head, linear_cross_entropy
 
 
 class RMSNorm(nn.Module):
@@ -371,12 +371,19 @@ class Llama(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         doc_lens: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits [B, S, vocab] for ``input_ids`` [B, S].
+        """Logits [B, S, vocab] for ``input_ids`` [B, S]; with ``labels``, the mean loss.
 
         ``position_ids`` [B, S] drive RoPE (default: 0..S-1, or restarting per document when
         ``doc_lens`` is given). ``doc_lens`` [B, D] (zero padded) enables document masking:
         no token attends across a document boundary.
+
+        ``labels`` [B, S] (already shifted; ``-100`` is ignored) make it return
+        :func:`hlat_model.cross_entropy_loss` of the logits, a 0-d fp32 tensor, computed
+        through :func:`hlat_model.linear_cross_entropy` where that fuses the head (fp32 on
+        CPUs): the logits are then never made. A head with forward hooks, or sharded by
+        tensor parallelism, goes through its module and the logits.
         """
         batch, seq_len = input_ids.shape
         if seq_len > self.config.max_seq_len:
@@ -400,7 +407,15 @@ class Llama(nn.Module):
                 h = checkpoint(block, h, cos, sin, mask, use_reentrant=False)
             else:
                 h = block(h, cos, sin, mask)
-        logits = self.lm_head(self.norm(h))
+        h = self.norm(h)
+        if labels is not None:
+            if self.config.sequence_first:
+                labels = labels.transpose(0, 1)
+            head = self.lm_head
+            if fuses_head(h, head.weight) and not (head._forward_hooks or head._forward_pre_hooks):
+                return linear_cross_entropy(h, head.weight, labels)
+            return cross_entropy_loss(head(h), labels)
+        logits = self.lm_head(h)
         return logits.transpose(0, 1) if self.config.sequence_first else logits
 
     def block_inputs(

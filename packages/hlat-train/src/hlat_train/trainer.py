@@ -762,28 +762,29 @@ class Trainer:
         return host.to(self.device)
 
     def _forward_backward(self, batch: Any, sync: bool) -> torch.Tensor:
-        from hlat_model import cross_entropy_loss
         from hlat_parallel import loss_parallel, no_grad_sync
 
         # Note: gradients are only reduced across data-parallel ranks on the last micro-step
         no_sync = contextlib.nullcontext() if sync else no_grad_sync(self.model)
         with no_sync, loss_parallel(self.dims):
+            kwargs: dict[str, torch.Tensor] = {}
             if self.config.data.document_mask:
-                logits = self.model(
-                    self._to_device(batch.input_ids),
-                    position_ids=self._to_device(batch.position_ids),
-                    doc_lens=self._to_device(batch.doc_lens),
-                )
+                ids = self._to_device(batch.input_ids)
+                kwargs["position_ids"] = self._to_device(batch.position_ids)
+                kwargs["doc_lens"] = self._to_device(batch.doc_lens)
             elif self.dims.cp > 1:
                 ids = self._tokens(batch.input_ids)
-                logits = self.model(ids, position_ids=self._cp_positions(ids.shape[0]))
+                kwargs["position_ids"] = self._cp_positions(ids.shape[0])
             else:
-                logits = self.model(self._to_device(batch.input_ids))
+                ids = self._to_device(batch.input_ids)
             labels = self._tokens(batch.labels)
             if self.dims.backend == "neuron":
-                loss = neuron.neuron_loss(logits, labels) / self.grad_accum
+                loss = neuron.neuron_loss(self.model(ids, **kwargs), labels)
             else:
-                loss = cross_entropy_loss(logits, labels) / self.grad_accum
+                # the model's own loss: the LM head and the loss fused where that pays
+                # (``hlat_model.linear_cross_entropy``), else through the logits
+                loss = self.model(ids, labels=labels, **kwargs)
+            loss = loss / self.grad_accum
             loss.backward()
         return _full(loss)
 
@@ -1069,7 +1070,6 @@ class Trainer:
         """Mean loss over ``train.eval_batches`` held-out micro-batches (the same ones every
         time), averaged over data-parallel ranks."""
         from hlat_data import PackedLoader
-        from hlat_model import cross_entropy_loss
         from hlat_parallel import loss_parallel
 
         c = self.config
@@ -1105,8 +1105,7 @@ class Trainer:
                 labels = self._tokens(batch.labels)
                 doc_lens = self._to_device(batch.doc_lens) if c.data.document_mask else None
                 positions = self._cp_positions(ids.shape[0]) if self.dims.cp > 1 else None
-                logits = self.model(ids, position_ids=positions, doc_lens=doc_lens)
-                loss = cross_entropy_loss(logits, labels)
+                loss = self.model(ids, position_ids=positions, doc_lens=doc_lens, labels=labels)
             total += _full(loss).float()
             count += 1
             if count == c.train.eval_batches:

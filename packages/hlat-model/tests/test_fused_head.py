@@ -1,0 +1,149 @@
+"""The LM head and the loss fused (``linear_cross_entropy``, ``Llama(..., labels=...)``)
+against the head's product into logits and ``F.cross_entropy`` on them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hlat_model import Llama, LlamaConfig, cross_entropy_loss, linear_cross_entropy
+from hlat_model import loss as loss_module
+
+
+def _reference(hidden, weight, labels, ignore_index=-100, scale=1.0):
+    hidden = hidden.detach().clone().requires_grad_()
+    weight = weight.detach().clone().requires_grad_()
+    logits = F.linear(hidden, weight).flatten(0, -2)
+    value = F.cross_entropy(logits, labels.flatten(), ignore_index=ignore_index)
+    (scale * value).backward()
+    return value.detach(), hidden.grad, weight.grad
+
+
+@pytest.fixture(params=["one chunk", "uneven chunks"])
+def chunking(request, monkeypatch):
+    if request.param == "uneven chunks":
+        # 7 rows per chunk: 30 rows make 4 full chunks and one of 2
+        monkeypatch.setitem(loss_module.FUSED_HEAD_ROWS, "cpu", 7)
+    return request.param
+
+
+@pytest.mark.parametrize("ignore_index", [-100, 7])
+def test_value_and_gradients_are_those_through_the_logits(chunking, ignore_index):
+    hidden = torch.randn(3, 10, 32, requires_grad=True)
+    weight = (torch.randn(300, 32) / 4).requires_grad_()
+    labels = torch.randint(0, 300, (3, 10))
+    labels[0, :4] = ignore_index
+    labels[2, 7] = ignore_index
+    assert loss_module.fuses_head(hidden, weight)
+    value = linear_cross_entropy(hidden, weight, labels, ignore_index=ignore_index)
+    (3.5 * value).backward()
+    expected, grad_hidden, grad_weight = _reference(hidden, weight, labels, ignore_index, 3.5)
+    assert value.dtype == torch.float32 and value.dim() == 0
+    torch.testing.assert_close(value, expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(hidden.grad, grad_hidden, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(weight.grad, grad_weight, rtol=1e-5, atol=1e-8)
+    assert hidden.grad[0, :4].abs().max() == 0  # ignored positions get no gradient
+
+
+def test_a_frozen_head_gets_no_gradient_and_the_input_gets_its_own():
+    hidden = torch.randn(2, 9, 16, requires_grad=True)
+    weight = torch.randn(50, 16)  # a frozen head: a plain tensor without grad
+    labels = torch.randint(0, 50, (2, 9))
+    linear_cross_entropy(hidden, weight, labels).backward()
+    _, grad_hidden, _ = _reference(hidden, weight, labels)
+    torch.testing.assert_close(hidden.grad, grad_hidden, rtol=1e-5, atol=1e-8)
+
+
+def test_keeps_no_logits_for_backward_and_makes_none_without_grad(monkeypatch):
+    """What autograd keeps is the size of the head's input and weight, nothing the size of
+    the logits; without gradients the value is the same."""
+    monkeypatch.setitem(loss_module.FUSED_HEAD_ROWS, "cpu", 16)
+    hidden = torch.randn(4, 64, 32, requires_grad=True)
+    weight = torch.randn(512, 32, requires_grad=True)
+    labels = torch.randint(0, 512, (4, 64))
+    saved: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        value = linear_cross_entropy(hidden, weight, labels)
+    assert sorted(t.numel() for t in saved) == [hidden.numel(), weight.numel()]
+    with torch.no_grad():
+        again = linear_cross_entropy(hidden, weight, labels)
+    assert torch.equal(value.detach(), again)
+
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        cross_entropy_loss(F.linear(hidden, weight), labels)
+    assert any(t.numel() == 4 * 64 * 512 for t in saved)  # the logits, kept by the other path
+
+
+def test_bf16_goes_through_the_logits_as_the_head_rounds_them():
+    hidden = torch.randn(2, 8, 32, dtype=torch.bfloat16)
+    weight = torch.randn(100, 32, dtype=torch.bfloat16)
+    labels = torch.randint(0, 100, (2, 8))
+    assert not loss_module.fuses_head(hidden, weight)
+    from hlat_model.linear import linear
+
+    expected = cross_entropy_loss(linear(hidden, weight), labels)
+    assert torch.equal(linear_cross_entropy(hidden, weight, labels), expected)
+
+
+def test_all_positions_ignored_gives_nan_as_f_cross_entropy_does():
+    hidden = torch.randn(1, 3, 8, requires_grad=True)
+    weight = torch.randn(20, 8, requires_grad=True)
+    labels = torch.full((1, 3), -100)
+    assert linear_cross_entropy(hidden, weight, labels).isnan()
+    assert F.cross_entropy(F.linear(hidden[0], weight), labels[0]).isnan()
+
+
+def test_bad_shapes_and_labels_are_refused_before_any_work():
+    hidden, weight = torch.randn(2, 5, 16), torch.randn(40, 16)
+    with pytest.raises(ValueError, match=r"hidden of shape \(2, 5, 16\) does not fit .*\(40, 8\)"):
+        linear_cross_entropy(hidden, torch.randn(40, 8), torch.zeros(2, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"labels of shape \(2, 4\) do not match.*\(2, 5\)"):
+        linear_cross_entropy(hidden, weight, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(TypeError, match=r"integer token ids, got torch\.float32"):
+        linear_cross_entropy(hidden, weight, torch.zeros(2, 5))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{}, {"tie_embeddings": True}, {"sequence_first": True}],
+    ids=["untied", "tied", "sequence-first"],
+)
+def test_the_model_with_labels_gives_the_loss_of_its_logits(change, monkeypatch):
+    monkeypatch.setitem(loss_module.FUSED_HEAD_ROWS, "cpu", 24)  # 64 rows: 3 chunks
+    config = dataclasses.replace(LlamaConfig.preset("tiny"), **change)
+    model = Llama(config)
+    ids = torch.randint(0, config.vocab_size, (2, 32))
+    labels = torch.randint(0, config.vocab_size, (2, 32))
+    labels[1, :3] = -100
+    expected = cross_entropy_loss(model(ids), labels)
+    expected.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    value = model(ids, labels=labels)
+    value.backward()
+    torch.testing.assert_close(value, expected, rtol=1e-6, atol=0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_a_head_with_hooks_goes_through_its_module():
+    """Forward hooks on the head (an observer, a wrapper's hook) still see its logits."""
+    config = LlamaConfig.preset("tiny")
+    model = Llama(config)
+    seen: list[tuple[int, ...]] = []
+    model.lm_head.register_forward_hook(lambda m, args, out: seen.append(tuple(out.shape)))
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    labels = torch.randint(0, config.vocab_size, (2, 16))
+    value = model(ids, labels=labels)
+    assert seen == [(2, 16, config.vocab_size)]
+    torch.testing.assert_close(value, cross_entropy_loss(model(ids), labels))

@@ -57,28 +57,21 @@ def test_a_frozen_head_gets_no_gradient_and_the_input_gets_its_own():
     torch.testing.assert_close(hidden.grad, grad_hidden, rtol=1e-5, atol=1e-8)
 
 
-def test_keeps_no_logits_for_backward_and_makes_none_without_grad(monkeypatch):
+def test_keeps_no_logits_for_backward_and_makes_none_without_grad(monkeypatch, saved_for_backward):
     """What autograd keeps is the size of the head's input and weight, nothing the size of
     the logits; without gradients the value is the same."""
     monkeypatch.setitem(loss_module.FUSED_HEAD_ROWS, "cpu", 16)
     hidden = torch.randn(4, 64, 32, requires_grad=True)
     weight = torch.randn(512, 32, requires_grad=True)
     labels = torch.randint(0, 512, (4, 64))
-    saved: list[torch.Tensor] = []
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        saved.append(tensor)
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_for_backward() as saved:
         value = linear_cross_entropy(hidden, weight, labels)
     assert sorted(t.numel() for t in saved) == [hidden.numel(), weight.numel()]
     with torch.no_grad():
         again = linear_cross_entropy(hidden, weight, labels)
     assert torch.equal(value.detach(), again)
 
-    saved.clear()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_for_backward() as saved:
         cross_entropy_loss(F.linear(hidden, weight), labels)
     assert any(t.numel() == 4 * 64 * 512 for t in saved)  # the logits, kept by the other path
 
@@ -102,10 +95,11 @@ def test_all_positions_ignored_gives_nan_as_f_cross_entropy_does():
     assert F.cross_entropy(F.linear(hidden[0], weight), labels[0]).isnan()
 
 
-def test_bad_shapes_and_labels_are_refused_before_any_work():
-    hidden, weight = torch.randn(2, 5, 16), torch.randn(40, 16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fused", "logits"])
+def test_bad_shapes_and_labels_are_refused_before_any_work(dtype):
+    hidden, weight = torch.randn(2, 5, 16, dtype=dtype), torch.randn(40, 16, dtype=dtype)
     with pytest.raises(ValueError, match=r"hidden of shape \(2, 5, 16\) does not fit .*\(40, 8\)"):
-        linear_cross_entropy(hidden, torch.randn(40, 8), torch.zeros(2, 5, dtype=torch.long))
+        linear_cross_entropy(hidden, weight[:, :8], torch.zeros(2, 5, dtype=torch.long))
     with pytest.raises(ValueError, match=r"labels of shape \(2, 4\) do not match.*\(2, 5\)"):
         linear_cross_entropy(hidden, weight, torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(TypeError, match=r"integer token ids, got torch\.float32"):

@@ -83,25 +83,18 @@ def test_non_contiguous_logits_and_unchanged_inputs():
     torch.testing.assert_close(logits.grad, expected_grad, rtol=1e-5, atol=1e-8)
 
 
-def test_keeps_the_logits_and_one_number_per_row_for_backward():
+def test_keeps_the_logits_and_one_number_per_row_for_backward(saved_for_backward):
     """What autograd keeps: the bf16 logits and row-sized tensors, no fp32 copy of the
     logits (``F.cross_entropy`` on ``logits.float()`` keeps an fp32 log-softmax)."""
     logits = torch.randn(4, 64, 512, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, 512, (4, 64))
-    saved: list[torch.Tensor] = []
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        saved.append(tensor)
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_for_backward() as saved:
         cross_entropy_loss(logits, labels)
     big = [t for t in saved if t.numel() >= logits.numel()]
     assert len(big) == 1 and big[0].dtype == torch.bfloat16
     assert sum(t.numel() for t in saved if t.numel() < logits.numel()) <= 4 * 4 * 64 + 1
 
-    saved.clear()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_for_backward() as saved:
         F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
     assert any(t.dtype == torch.float32 and t.numel() == logits.numel() for t in saved)
 

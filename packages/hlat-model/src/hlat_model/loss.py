@@ -51,17 +51,22 @@ def cross_entropy_loss(
     PyTorch/XLA's lazy tensors (whose compiler fuses the loss itself) go through
     ``F.cross_entropy`` on the fp32 logits.
     """
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(
-            f"labels of shape {tuple(labels.shape)} do not match logits of shape "
-            f"{tuple(logits.shape)}: expected labels of shape {tuple(logits.shape[:-1])}"
-        )
-    if labels.is_floating_point() or labels.is_complex():
-        raise TypeError(f"labels must be integer token ids, got {labels.dtype}")
+    _check_labels(logits, labels, "logits")
     flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
     if not eager_plain(logits):
         return F.cross_entropy(flat_logits.float(), flat_labels, ignore_index=ignore_index)
     return _ChunkedCrossEntropy.apply(flat_logits, flat_labels, ignore_index)
+
+
+def _check_labels(inputs: torch.Tensor, labels: torch.Tensor, what: str) -> None:
+    """Refuse labels that do not fit ``inputs`` [..., features] before any work."""
+    if inputs.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"labels of shape {tuple(labels.shape)} do not match {what} of shape "
+            f"{tuple(inputs.shape)}: expected labels of shape {tuple(inputs.shape[:-1])}"
+        )
+    if labels.is_floating_point() or labels.is_complex():
+        raise TypeError(f"labels must be integer token ids, got {labels.dtype}")
 
 
 def eager_plain(x: torch.Tensor) -> bool:
@@ -127,15 +132,9 @@ def linear_cross_entropy(
             f"hidden of shape {tuple(hidden.shape)} does not fit an LM head weight of shape "
             f"{tuple(weight.shape)}: expected a [vocab, {hidden.shape[-1]}] weight"
         )
+    _check_labels(hidden, labels, "hidden states")
     if not fuses_head(hidden, weight):
         return cross_entropy_loss(linear(hidden, weight), labels, ignore_index)
-    if hidden.shape[:-1] != labels.shape:
-        raise ValueError(
-            f"labels of shape {tuple(labels.shape)} do not match hidden states of shape "
-            f"{tuple(hidden.shape)}: expected labels of shape {tuple(hidden.shape[:-1])}"
-        )
-    if labels.is_floating_point() or labels.is_complex():
-        raise TypeError(f"labels must be integer token ids, got {labels.dtype}")
     flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(flat_hidden, weight, flat_labels, ignore_index)

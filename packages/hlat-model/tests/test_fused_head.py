@@ -141,3 +141,16 @@ def test_a_head_with_hooks_goes_through_its_module():
     value = model(ids, labels=labels)
     assert seen == [(2, 16, config.vocab_size)]
     torch.testing.assert_close(value, cross_entropy_loss(model(ids), labels))
+
+
+def test_the_model_refuses_labels_that_do_not_fit_before_running():
+    config = LlamaConfig.preset("tiny")
+    model = Llama(config)
+    calls: list[int] = []
+    model.embed_tokens.register_forward_hook(lambda *_: calls.append(1))
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    with pytest.raises(ValueError, match=r"shape of input_ids \(2, 16\), got torch.int64 of"):
+        model(ids, labels=ids[:, :-1])
+    with pytest.raises(ValueError, match=r"integer token ids .* got torch.float32"):
+        model(ids, labels=ids.float())
+    assert calls == []

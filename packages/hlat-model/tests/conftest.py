@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import torch
 
@@ -11,7 +13,6 @@ def _deterministic():
 @pytest.fixture
 def saved_for_backward():
     """A context manager that lists the tensors autograd saves for backward inside it."""
-    import contextlib
 
     @contextlib.contextmanager
     def record():

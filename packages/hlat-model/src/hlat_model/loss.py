@@ -92,7 +92,8 @@ EPYC, fp32, 2,048 tokens, dim 512, forward and backward, the fastest of 7 interl
 rounds: at vocabulary 8,192, 328 ms in chunks of 1,024 rows against 374 ms through the
 logits, 335-347 ms in 256-512 rows, 341 ms in one chunk; at vocabulary 32,000, 1,410-1,456
 ms in 524-1,048 rows against 1,637 ms, and 1,753 ms (slower than the logits) in 131 rows.
-``benchmarks/test_bench_train_step.py::test_fused_head_against_logits`` measures 1,024
+(Those runs zero-filled the weight's gradient before the first chunk; it now starts from
+the first chunk's product.) ``benchmarks/test_bench_train_step.py::test_fused_head_against_logits`` measures 1,024
 rows against the logits.
 
 CPUs only, where it was measured; on accelerators, where the logits' memory rather than

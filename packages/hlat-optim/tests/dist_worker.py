@@ -89,15 +89,19 @@ def main() -> None:
             )
     # A dim-0 shard whose gradient arrives replicated (as DTensor's autograd leaves a
     # vocab-parallel embedding's): the update brings it to the parameter's layout.
-    realigned = torch.nn.Parameter(
-        distribute_tensor(globals_(3, 8, 6).bfloat16(), mesh, [Shard(0)])
-    )
-    opt = AdamW([realigned], lr=1e-2, weight_decay=0.1, impl="reference")
-    for step in range(3):
-        g = globals_(100 + 10 * step, 8, 6).bfloat16()
-        realigned.grad = distribute_tensor(g, mesh, [Replicate()])
-        opt.step()
-    result["shard0_replicated_grad"] = realigned.detach().full_tensor()
+    # The compiled path's later steps reuse the first one's work (hlat_optim.adamw._Steady),
+    # and bring each step's gradient to the layout in the same way.
+    for impl in ("reference", "compiled"):
+        realigned = torch.nn.Parameter(
+            distribute_tensor(globals_(3, 8, 6).bfloat16(), mesh, [Shard(0)])
+        )
+        opt = AdamW([realigned], lr=1e-2, weight_decay=0.1, impl=impl, compile_backend="eager")
+        for step in range(3):
+            g = globals_(100 + 10 * step, 8, 6).bfloat16()
+            realigned.grad = distribute_tensor(g, mesh, [Replicate()])
+            opt.step()
+        suffix = "" if impl == "reference" else "_compiled"
+        result["shard0_replicated_grad" + suffix] = realigned.detach().full_tensor()
     # stochastic_round on a DTensor rounds the local shard and keeps the placements.
     x = distribute_tensor(globals_(6, 8, 6), mesh, [Shard(0)])
     rounded = stochastic_round(x, torch.Generator().manual_seed(rank))

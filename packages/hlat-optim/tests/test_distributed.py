@@ -85,9 +85,8 @@ def test_a_gradient_in_another_layout_than_its_parameter_gives_the_same_update(r
     # three, so the rounding keys match.
     expected = _single_process(3, 0)
     for r in ranks:
-        assert torch.equal(
-            r["shard0_replicated_grad"].view(torch.int16), expected.view(torch.int16)
-        )
+        for key in ("shard0_replicated_grad", "shard0_replicated_grad_compiled"):
+            assert torch.equal(r[key].view(torch.int16), expected.view(torch.int16)), key
 
 
 def test_replicated_dtensor_stays_identical_on_every_rank(ranks):

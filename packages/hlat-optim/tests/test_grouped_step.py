@@ -3,6 +3,8 @@ and the device-side skip, on every path (CPU tensors; the compiled path through 
 
 import copy
 import io
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hlat_optim.adamw as adamw_module
 from hlat_optim import AdamW
+
+sys.path.insert(0, str(Path(__file__).parent))
+from optim_bits import assert_same as _assert_same
+from optim_bits import bits as _bits
+from optim_bits import snapshot as _snapshot
 
 SHAPES = [(48, 32), (32,), (7, 5)]
 IMPLS = ["reference", "native", "compiled"]
@@ -58,22 +65,6 @@ def _run(opt, params, steps, start=0, **step_kwargs):
     for step in range(start, start + steps):
         _gradients(params, step)
         opt.step(**step_kwargs)
-
-
-def _bits(t):
-    t = t.detach()
-    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32).clone()
-
-
-def _snapshot(opt, params):
-    """Bit patterns of every parameter and state tensor, step counts included."""
-    return [_bits(t) for p in params for t in [p, *opt.state[p].values()]]
-
-
-def _assert_same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b, strict=True):
-        assert torch.equal(x, y)
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import threading
 import warnings
 from collections.abc import Callable, Iterable
@@ -352,12 +353,15 @@ def _group_table(
     return table.to(device, non_blocking=True)
 
 
-def _flat_table(hyper: list[float], keys: list[int], device: torch.device) -> torch.Tensor:
+def _flat_table(
+    hyper: list[float], keys: list[int] | torch.Tensor, device: torch.device
+) -> torch.Tensor:
     """``adamw_update_flat``'s table on ``device``: ``hyper``'s float32 bit patterns, then
-    the keys, built on the host and copied in one transfer."""
+    the keys (a list, or an int32 CPU tensor), built on the host and copied in one
+    transfer."""
     table = _host_empty((_HYPER_WIDTH + len(keys),), torch.int32, device)
     table[:_HYPER_WIDTH] = torch.tensor(hyper, dtype=torch.float32).view(torch.int32)
-    table[_HYPER_WIDTH:] = torch.tensor(keys, dtype=torch.int32)
+    table[_HYPER_WIDTH:] = keys if torch.is_tensor(keys) else torch.tensor(keys, dtype=torch.int32)
     return table.to(device, non_blocking=True)
 
 
@@ -399,6 +403,31 @@ def _step_key(seed: int, step: int, index: int, salt: int) -> int:
         h = h * 0x85EBCA6B & 0xFFFFFFFF
         h ^= h >> 13
     return h - (1 << 32) if h >= 1 << 31 else h
+
+
+def _mix(h: Any, word: Any) -> Any:
+    """One round of ``_step_key``'s hash, on Python ints or on int64 tensors of values in
+    [0, 2**32): the products are split in two so that no int64 product overflows."""
+    h = h ^ (word & 0xFFFFFFFF)
+    h = _low_product(h, 0x9E3779B1)
+    h = h ^ (h >> 16)
+    h = _low_product(h, 0x85EBCA6B)
+    return h ^ (h >> 13)
+
+
+def _low_product(h: Any, factor: int) -> Any:
+    """The low 32 bits of ``h * factor`` for ``h`` and ``factor`` in [0, 2**32)."""
+    high = (h * (factor >> 16)) & 0xFFFF
+    return (h * (factor & 0xFFFF) + high * 0x10000) & 0xFFFFFFFF
+
+
+def _step_keys(seed: int, step: int, indices: torch.Tensor, salts: torch.Tensor) -> torch.Tensor:
+    """``_step_key(seed, step, index, salt)`` of every (index, salt) pair at once: int64
+    CPU tensors in, int32 keys out, bit for bit the per-parameter function's."""
+    h = _mix(_mix(0, seed), step)
+    keys = _mix(_mix(torch.full_like(indices, h), indices), salts)
+    # as a signed int32: the values wrap, as _step_key's do
+    return (keys - ((keys >> 31) << 32)).to(torch.int32)
 
 
 def _shard_layout(p: torch.Tensor) -> tuple[int, int]:
@@ -475,7 +504,9 @@ class AdamW(torch.optim.Optimizer):
             states in flat buffers (each state entry a view of one), and makes one call
             per group and step on them, with the group's per-step values in one small table
             copied to the device at once. A step also gathers the group's parameters and
-            gradients into one buffer each, transiently.
+            gradients into one buffer each (at most ``FLAT_BUCKET`` elements), kept between
+            steps; from the second step on, a step reuses the first one's work while the
+            parameters with gradients, their dtypes, states and memory stay the same.
         compile_backend: the ``torch.compile`` backend of the compiled path; ``None`` means
             ``"neuron"`` for TorchNeuron tensors (device type ``neuron``) and ``"inductor"``
             for every other device.
@@ -544,6 +575,8 @@ class AdamW(torch.optim.Optimizer):
         # Flat states of the compiled path: by the ids of their parameters, and by parameter.
         self._flat: dict[tuple[int, ...], _FlatStates] = {}
         self._flat_of: dict[torch.Tensor, _FlatStates] = {}
+        # What the compiled path reuses from one step to the next (see _Steady).
+        self._steady: _Steady | None = None
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
         master = self.master_weights and p.dtype == torch.bfloat16
@@ -568,6 +601,7 @@ class AdamW(torch.optim.Optimizer):
         reads all counts on the host at once.
         """
         saved = state_dict["state"]
+        self._steady = None
         super().load_state_dict(state_dict)
         ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
@@ -648,20 +682,7 @@ class AdamW(torch.optim.Optimizer):
         flat_grad = bucket.gather(batch.grads[tensors.start : tensors.stop])
         # Note: one more key than tensors, see _Bucket.
         table = _flat_table(batch.hyper, [*keys[tensors.start : tensors.stop], 0], batch.device)
-        state = plan.of(bucket)
-        update(
-            flat_param,
-            flat_grad,
-            state["exp_avg"],
-            state["exp_avg_sq"],
-            state["master"],
-            table,
-            bucket.blocks,
-            bucket.shifts,
-            self.stochastic_rounding,
-            state["compensation"],
-            skip,
-        )
+        plan.update(update, bucket, flat_param, flat_grad, table, self.stochastic_rounding, skip)
         torch._foreach_copy_(params, bucket.parts(flat_param))
 
     def _flat_plan(self, batch: _FlatBatch) -> _FlatStates:
@@ -721,6 +742,9 @@ class AdamW(torch.optim.Optimizer):
             raise TypeError(
                 f"hlat_optim.AdamW.step: skip must be a 0-d torch.bool tensor, got {got}"
             )
+        if self._steady is not None and self._steady.step(self, skip):
+            return loss
+        self._steady = None
         todo: list[tuple[dict[str, Any], torch.Tensor, int]] = []
         index = -1
         for group in self.param_groups:
@@ -811,6 +835,10 @@ class AdamW(torch.optim.Optimizer):
             _adamw_update_group(*g.arguments(self.stochastic_rounding, flag_on(g.device)))
         for flat in flats.values():
             self._run_flat(flat, flag_on(flat.device))
+        if flats and not groups and not batch.rows and self.impl in ("auto", "compiled"):
+            # Note: every parameter went through the compiled flat path; the next steps
+            # reuse what this one worked out while nothing it depends on changes.
+            self._steady = _Steady(self, list(flats.values()))
         return loss
 
     def _locals(
@@ -912,7 +940,8 @@ class _FlatBatch:
         self.seed = seed
         self.step = step
         self.owners: list[torch.Tensor] = []  # the parameters, as the optimizer holds them
-        self.params: list[torch.Tensor] = []  # their flat local tensors
+        self.locals: list[torch.Tensor] = []  # their local tensors
+        self.params: list[torch.Tensor] = []  # the same, flat
         self.grads: list[torch.Tensor] = []
         self.keys: list[tuple[int, int]] = []  # (parameter index, key salt)
         self.offsets: list[int] = []
@@ -927,6 +956,7 @@ class _FlatBatch:
         salt: int,
     ) -> None:
         self.owners.append(owner)
+        self.locals.append(param)
         self.params.append(param.view(-1))
         self.grads.append(grad.view(-1))
         self.keys.append((index, salt))
@@ -985,6 +1015,9 @@ class _FlatStates:
     into buckets of consecutive ones, of at most ``FLAT_BUCKET`` elements unless one
     parameter is larger, each updated by one call.
 
+    The step counts are views of one CPU float32 tensor in the same way (``steps``), so a
+    step advances them all with one addition.
+
     Note: made from the states as they are (fresh zeros on the first step, or what
     ``load_state_dict`` put there), copied once; the old tensors are freed after the step.
     """
@@ -994,6 +1027,10 @@ class _FlatStates:
         self.ids = tuple(id(p) for p in owners)
         states = [state[p] for p in owners]
         self.names = [name for name in _STATE_NAMES if name in states[0]]
+        # Note: stacked, not read, so that no count is read on the host here.
+        self.steps = torch.stack([s["step"] for s in states]).to(torch.float32)
+        for s, count in zip(states, self.steps.unbind(0), strict=True):
+            s["step"] = count
         sizes = [_local(s["exp_avg"]).numel() for s in states]
         spans = [-(-n // FLAT_BLOCK) * FLAT_BLOCK for n in sizes]
         starts = list(itertools.accumulate(spans, initial=0))
@@ -1020,6 +1057,8 @@ class _FlatStates:
                     views.append(states[i][name])
             self.buffers[name] = buffer
             self.views[name] = views
+        self.names.append("step")
+        self.views["step"] = [s["step"] for s in states]
 
     def of(self, bucket: _Bucket) -> dict[str, torch.Tensor | None]:
         """A bucket's range of each state's buffer, by state name (None for the states
@@ -1029,12 +1068,41 @@ class _FlatStates:
             for name in _STATE_NAMES
         }
 
+    def update(
+        self,
+        update: Callable[..., None],
+        bucket: _Bucket,
+        flat_param: torch.Tensor,
+        flat_grad: torch.Tensor,
+        table: torch.Tensor,
+        stochastic_rounding: bool,
+        skip: torch.Tensor | None,
+    ) -> None:
+        """``update`` (the compiled ``adamw_update_flat``) of a bucket's gathered parameters
+        and gradients with its range of the states."""
+        state = self.of(bucket)
+        update(
+            flat_param,
+            flat_grad,
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            state["master"],
+            table,
+            bucket.blocks,
+            bucket.shifts,
+            stochastic_rounding,
+            state["compensation"],
+            skip,
+        )
+
     def owns(self, state: Any) -> bool:
         """Whether every state entry is still this plan's view."""
+        entries = [state.get(p) for p in self.owners]
+        if None in entries:
+            return False
         return all(
-            state[p].get(name) is view
+            all(map(operator.is_, [e.get(name) for e in entries], self.views[name]))
             for name in self.names
-            for p, view in zip(self.owners, self.views[name], strict=True)
         )
 
     def part(self, name: str, i: int) -> torch.Tensor | None:
@@ -1053,6 +1121,169 @@ class _FlatStates:
                     state[p][name] = view.clone()
         self.buffers.clear()
         self.views.clear()
+
+
+class _Steady:
+    """The compiled path's work of a step that the next step can reuse: which parameters
+    have gradients, their groups, flat states and shard layouts, and per bucket of each
+    ``_FlatBatch`` the views a step gathers into and writes back from.
+
+    ``step()`` makes a step with it while every parameter that had a gradient has one
+    again (and no other), of the same dtype and contiguous, the states are still the flat
+    plans' views with equal step counts, and the parameters still hold the same memory.
+    Anything else (``load_state_dict``, a new param group, a parameter without a gradient,
+    ``p.data`` replaced) sends the step down the full path, which builds a new one.
+
+    Note: the full path's host work per parameter (checks, views, keys, a step count each)
+    is most of a compiled step's time on an accelerator; here a step makes one addition
+    for all step counts, one vectorised computation of the rounding keys, and three
+    ``torch._foreach_copy_`` per bucket into and out of buffers kept from step to step (at
+    most ``FLAT_BUCKET`` elements of parameters and of gradients per batch, the size of
+    the largest bucket).
+    """
+
+    def __init__(self, opt: AdamW, batches: list[_FlatBatch]) -> None:
+        self.sizes = [len(group["params"]) for group in opt.param_groups]
+        self.params = [p for group in opt.param_groups for p in group["params"]]
+        self.has_grad = [p.grad is not None for p in self.params]
+        self.impl = opt.impl
+        self.state = opt.state
+        groups = {id(p): group for group in opt.param_groups for p in group["params"]}
+        self.batches = [
+            _SteadyBatch(b, opt._flat_plan(b), groups[id(b.owners[0])]) for b in batches
+        ]
+
+    def step(self, opt: AdamW, skip: torch.Tensor | None) -> bool:
+        """One step, if nothing it reuses has changed; False (having changed nothing) if
+        something has."""
+        if opt.impl != self.impl or opt.state is not self.state:
+            return False
+        if [len(group["params"]) for group in opt.param_groups] != self.sizes:
+            return False
+        params = [p for group in opt.param_groups for p in group["params"]]
+        if not all(map(operator.is_, params, self.params)):
+            return False
+        if [p.grad is not None for p in params] != self.has_grad:
+            return False
+        if not all(b.unchanged(opt.state, skip) for b in self.batches):
+            return False
+        grads = [b.local_grads() for b in self.batches]
+        for b, local in zip(self.batches, grads, strict=True):
+            b.run(opt, local, skip)
+        return True
+
+
+class _SteadyBatch:
+    """One ``_FlatBatch`` of a ``_Steady`` step: its parameters, flat states and buckets,
+    with buffers for the gathered parameters and gradients and their parts' views."""
+
+    def __init__(self, batch: _FlatBatch, plan: _FlatStates, group: dict[str, Any]) -> None:
+        self.plan = plan
+        self.group = group
+        self.device = batch.device
+        self.step = batch.step
+        self.owners = batch.owners
+        self.locals = batch.locals
+        self.pointers = [t.data_ptr() for t in batch.locals]
+        self.indices = [index for index, _ in batch.keys]
+        self.is_dtensor = [_is_dtensor(p) for p in batch.owners]
+        self.dtensor = any(self.is_dtensor)
+        self.grad_dtype = batch.grads[0].dtype
+        # (parameter index, key salt) of each tensor of each bucket, one more pair than
+        # tensors for the table's unread last key (see _Bucket)
+        self.words = []
+        for bucket in plan.buckets:
+            pairs = [batch.keys[i] for i in bucket.tensors] + [(0, 0)]
+            words = torch.tensor(pairs, dtype=torch.int64).T.contiguous()
+            self.words.append((words[0], words[1]))
+        size = max(b.end - b.begin for b in plan.buckets)
+        # Note: zeros, so that the gaps between tensors stay zeros in every buffer.
+        self.param_buffer = torch.zeros(size, dtype=batch.locals[0].dtype, device=self.device)
+        self.grad_buffer = torch.zeros(size, dtype=self.grad_dtype, device=self.device)
+        self.param_parts = [self._parts(self.param_buffer, b) for b in plan.buckets]
+        self.grad_parts = [self._parts(self.grad_buffer, b) for b in plan.buckets]
+
+    def _parts(self, buffer: torch.Tensor, bucket: _Bucket) -> list[torch.Tensor]:
+        parts = bucket.parts(buffer.narrow(0, 0, bucket.end - bucket.begin))
+        return [
+            part.view(self.locals[i].shape) for part, i in zip(parts, bucket.tensors, strict=True)
+        ]
+
+    def unchanged(self, state: Any, skip: torch.Tensor | None) -> bool:
+        """Whether this batch can step as it did: the same gradients' kind, states and
+        parameters' memory, and equal step counts."""
+        if skip is not None and skip.device.type != "cpu" and self.device.type == "cpu":
+            return False  # the full path reports it
+        grad_dtype, strided = self.grad_dtype, torch.strided
+        # Note: _Steady.step has checked that each of these parameters has a gradient.
+        grads: list[Any] = [p.grad for p in self.owners]
+        for g in grads:
+            if g.dtype is not grad_dtype or g.layout is not strided:
+                return False
+        if self.dtensor:
+            if list(map(_is_dtensor, grads)) != self.is_dtensor:
+                return False
+            pointers = [_local(p).data_ptr() for p in self.owners]
+        else:
+            if not all(
+                p.is_contiguous() and g.is_contiguous()
+                for p, g in zip(self.owners, grads, strict=True)
+            ):
+                return False
+            pointers = [p.data_ptr() for p in self.owners]
+        if pointers != self.pointers or not self.plan.owns(state):
+            return False
+        counts = self.plan.steps.tolist()
+        return counts.count(self.step) == len(counts)
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """The gradients' local tensors, each brought to its parameter's layout first (as
+        ``AdamW._locals`` does)."""
+        if not self.dtensor:
+            return [p.grad for p in self.owners]  # type: ignore[misc]
+        grads = []
+        for p, dtensor, index in zip(self.owners, self.is_dtensor, self.indices, strict=True):
+            grad: Any = p.grad
+            pd: Any = p
+            if dtensor and tuple(grad.placements) != tuple(pd.placements):
+                grad = grad.redistribute(pd.device_mesh, pd.placements)
+            local = _local(grad)
+            if not local.is_contiguous():
+                raise RuntimeError(
+                    f"hlat_optim.AdamW: parameter {index} (shape {tuple(p.shape)}) or its "
+                    "gradient is not contiguous; call .contiguous() on the parameter before "
+                    "building the optimizer"
+                )
+            grads.append(local)
+        return grads
+
+    def run(self, opt: AdamW, grads: list[torch.Tensor], skip: torch.Tensor | None) -> None:
+        self.plan.steps.add_(1.0)
+        self.step += 1
+        hyper = _hyper(self.group, self.step)
+        seed = self.group["seed"]
+        if skip is not None and skip.device != self.device:
+            skip = skip.to(self.device, non_blocking=True)
+        update = _compiled_update(
+            opt.compile_backend or _default_backend(self.device), self.device.type
+        )
+        for k, bucket in enumerate(self.plan.buckets):
+            tensors = bucket.tensors
+            params = self.locals[tensors.start : tensors.stop]
+            torch._foreach_copy_(self.param_parts[k], params)
+            torch._foreach_copy_(self.grad_parts[k], grads[tensors.start : tensors.stop])
+            size = bucket.end - bucket.begin
+            table = _flat_table(hyper, _step_keys(seed, self.step, *self.words[k]), self.device)
+            self.plan.update(
+                update,
+                bucket,
+                self.param_buffer.narrow(0, 0, size),
+                self.grad_buffer.narrow(0, 0, size),
+                table,
+                opt.stochastic_rounding,
+                skip,
+            )
+            torch._foreach_copy_(params, self.param_parts[k])
 
 
 def _like(old: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

@@ -96,8 +96,10 @@ ms in 524-1,048 rows against 1,637 ms, and 1,753 ms (slower than the logits) in 
 the first chunk's product.) ``benchmarks/test_bench_train_step.py::test_fused_head_against_logits`` measures 1,024
 rows against the logits.
 
-CPUs only, where it was measured; on accelerators, where the logits' memory rather than
-page faults is the cost, the path through the logits stays until measured there."""
+CPUs only, where it pays. On CUDA (one H200, fp32, 8,192 tokens, forward and backward) it
+took 0.90-0.99x the time of the path through the logits, in chunks of 1,024 to 8,192 rows,
+while needing a fifth to a half of its peak memory (the package README has the figures), so
+CUDA keeps the logits."""
 
 
 def fuses_head(hidden: torch.Tensor, weight: torch.Tensor) -> bool:

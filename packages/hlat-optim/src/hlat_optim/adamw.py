@@ -295,17 +295,23 @@ def _compiled_update(backend: str, device_type: str = "cpu") -> Callable[..., No
                 options=_compile_options(backend, device_type),
             )
 
+            patches = threading.local()
+
             def run(*args: Any) -> None:
                 # Note: every kind of group (parameter, gradient and state dtypes; master
                 # weights or Kahan compensation; rounding mode; with or without skip) is
                 # its own graph; torch's default limit of 8 graphs per function would make
                 # a process with several kinds fail. Without duck shaping, buffers of equal
                 # sizes get sizes of their own, so groups that differ in which sizes repeat
-                # share one graph.
-                with (
-                    torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT),
-                    fx_config.patch(use_duck_shape=False),  # type: ignore[attr-defined]
-                ):
+                # share one graph. The patches are made once per thread (making one defines
+                # a class), and entered around every call, as a call may compile.
+                if not hasattr(patches, "both"):
+                    patches.both = (
+                        torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT),
+                        fx_config.patch(use_duck_shape=False),  # type: ignore[attr-defined]
+                    )
+                limit, shapes = patches.both
+                with limit, shapes:
                     compiled(*args)
 
             fn = _compiled[backend, device_type] = run
@@ -1097,11 +1103,11 @@ class _FlatStates:
 
     def owns(self, state: Any) -> bool:
         """Whether every state entry is still this plan's view."""
-        entries = [state.get(p) for p in self.owners]
+        entries = list(map(state.get, self.owners))
         if None in entries:
             return False
         return all(
-            all(map(operator.is_, [e.get(name) for e in entries], self.views[name]))
+            all(map(operator.is_, map(dict.get, entries, itertools.repeat(name)), self.views[name]))
             for name in self.names
         )
 
@@ -1163,7 +1169,7 @@ class _Steady:
         params = [p for group in opt.param_groups for p in group["params"]]
         if not all(map(operator.is_, params, self.params)):
             return False
-        if [p.grad is not None for p in params] != self.has_grad:
+        if [g is not None for g in map(_GRAD, params)] != self.has_grad:
             return False
         if not all(b.unchanged(opt.state, skip) for b in self.batches):
             return False
@@ -1171,6 +1177,11 @@ class _Steady:
         for b, local in zip(self.batches, grads, strict=True):
             b.run(opt, local, skip)
         return True
+
+
+_GRAD = operator.attrgetter("grad")
+_DTYPE = operator.attrgetter("dtype")
+_LAYOUT = operator.attrgetter("layout")
 
 
 class _SteadyBatch:
@@ -1189,13 +1200,10 @@ class _SteadyBatch:
         self.is_dtensor = [_is_dtensor(p) for p in batch.owners]
         self.dtensor = any(self.is_dtensor)
         self.grad_dtype = batch.grads[0].dtype
-        # (parameter index, key salt) of each tensor of each bucket, one more pair than
-        # tensors for the table's unread last key (see _Bucket)
-        self.words = []
-        for bucket in plan.buckets:
-            pairs = [batch.keys[i] for i in bucket.tensors] + [(0, 0)]
-            words = torch.tensor(pairs, dtype=torch.int64).T.contiguous()
-            self.words.append((words[0], words[1]))
+        # (parameter index, key salt) of each tensor, and one more pair: a bucket's table
+        # takes the keys of its tensors and the next one, its unread last key (see _Bucket)
+        words = torch.tensor([*batch.keys, (0, 0)], dtype=torch.int64).T.contiguous()
+        self.words = (words[0], words[1])
         size = max(b.end - b.begin for b in plan.buckets)
         # Note: zeros, so that the gaps between tensors stay zeros in every buffer.
         self.param_buffer = torch.zeros(size, dtype=batch.locals[0].dtype, device=self.device)
@@ -1214,23 +1222,24 @@ class _SteadyBatch:
         parameters' memory, and equal step counts."""
         if skip is not None and skip.device.type != "cpu" and self.device.type == "cpu":
             return False  # the full path reports it
-        grad_dtype, strided = self.grad_dtype, torch.strided
-        # Note: _Steady.step has checked that each of these parameters has a gradient.
-        grads: list[Any] = [p.grad for p in self.owners]
-        for g in grads:
-            if g.dtype is not grad_dtype or g.layout is not strided:
-                return False
+        # Note: _Steady.step has checked that each of these parameters has a gradient. The
+        # checks map C functions over the tensors: their cost per tensor is most of a
+        # step's host work.
+        grads: list[Any] = list(map(_GRAD, self.owners))
+        if not (
+            all(map(operator.is_, map(_DTYPE, grads), itertools.repeat(self.grad_dtype)))
+            and all(map(operator.is_, map(_LAYOUT, grads), itertools.repeat(torch.strided)))
+        ):
+            return False
         if self.dtensor:
             if list(map(_is_dtensor, grads)) != self.is_dtensor:
                 return False
             pointers = [_local(p).data_ptr() for p in self.owners]
         else:
-            if not all(
-                p.is_contiguous() and g.is_contiguous()
-                for p, g in zip(self.owners, grads, strict=True)
-            ):
+            contiguous = torch.Tensor.is_contiguous
+            if not (all(map(contiguous, grads)) and all(map(contiguous, self.owners))):
                 return False
-            pointers = [p.data_ptr() for p in self.owners]
+            pointers = list(map(torch.Tensor.data_ptr, self.owners))
         if pointers != self.pointers or not self.plan.owns(state):
             return False
         counts = self.plan.steps.tolist()
@@ -1240,7 +1249,7 @@ class _SteadyBatch:
         """The gradients' local tensors, each brought to its parameter's layout first (as
         ``AdamW._locals`` does)."""
         if not self.dtensor:
-            return [p.grad for p in self.owners]  # type: ignore[misc]
+            return list(map(_GRAD, self.owners))
         grads = []
         for p, dtensor, index in zip(self.owners, self.is_dtensor, self.indices, strict=True):
             grad: Any = p.grad
@@ -1267,13 +1276,14 @@ class _SteadyBatch:
         update = _compiled_update(
             opt.compile_backend or _default_backend(self.device), self.device.type
         )
+        keys = _step_keys(seed, self.step, *self.words)
         for k, bucket in enumerate(self.plan.buckets):
             tensors = bucket.tensors
             params = self.locals[tensors.start : tensors.stop]
             torch._foreach_copy_(self.param_parts[k], params)
             torch._foreach_copy_(self.grad_parts[k], grads[tensors.start : tensors.stop])
             size = bucket.end - bucket.begin
-            table = _flat_table(hyper, _step_keys(seed, self.step, *self.words[k]), self.device)
+            table = _flat_table(hyper, keys[tensors.start : tensors.stop + 1], self.device)
             self.plan.update(
                 update,
                 bucket,

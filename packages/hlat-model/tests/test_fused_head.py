@@ -151,6 +151,6 @@ def test_the_model_refuses_labels_that_do_not_fit_before_running():
     ids = torch.randint(0, config.vocab_size, (2, 16))
     with pytest.raises(ValueError, match=r"shape of input_ids \(2, 16\), got torch.int64 of"):
         model(ids, labels=ids[:, :-1])
-    with pytest.raises(ValueError, match=r"integer token ids .* got torch.float32"):
+    with pytest.raises(TypeError, match=r"integer token ids .* got torch.float32"):
         model(ids, labels=ids.float())
     assert calls == []

@@ -75,6 +75,39 @@ def test_tp2_and_dp2_runs_agree_with_one_process(corpus, tmp_path, dp2_reference
         torch.testing.assert_close(full_tp2[name], value, rtol=1e-3, atol=1e-5)
 
 
+def test_fp32_tp2_with_vocabulary_sharded_logits_agrees_with_one_process_fused_head(
+    corpus, tmp_path, monkeypatch
+):
+    import hlat_model.loss
+
+    # One process in fp32 on the CPU takes the LM head and the loss fused (no logits); TP=2
+    # shards the head by vocabulary and takes the loss of the sharded logits.
+    chunks = []
+    fused = hlat_model.loss._head_loss_in_chunks
+
+    def counting(hidden, *args):
+        chunks.append(hidden.shape)
+        return fused(hidden, *args)
+
+    monkeypatch.setattr(hlat_model.loss, "_head_loss_in_chunks", counting)
+    fp32 = "--optim.precision=fp32"
+    trainer = Trainer(tiny_config(corpus, tmp_path / "single", HORIZON, fp32, steps=4))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    assert chunks  # the one-process run went through the fused head
+    _finish(_launch(corpus, tmp_path / "tp2", 2, "--parallel.tp=2", fp32, steps=4))
+    single, tp2 = _losses(tmp_path / "single"), _losses(tmp_path / "tp2")
+    assert len(single) == len(tp2) == 4
+    # the same sums in another order: fp32 rounding, far under bf16's tolerance above
+    assert tp2 == pytest.approx(single, rel=1e-5)
+    full_single = consolidate(str(tmp_path / "single" / "checkpoints"))["model"]
+    full_tp2 = consolidate(str(tmp_path / "tp2" / "checkpoints"))["model"]
+    for name, value in full_single.items():
+        torch.testing.assert_close(full_tp2[name], value, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("dp_shard", ["zero1", "none"])
 def test_zero1_and_unsharded_dp2_match_fsdp_and_resume_under_it(
     corpus, tmp_path, dp2_reference, dp_shard

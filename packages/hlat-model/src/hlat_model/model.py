@@ -386,13 +386,19 @@ class Llama(nn.Module):
         tensor parallelism, goes through its module and the logits.
         """
         batch, seq_len = input_ids.shape
-        if labels is not None and (
-            labels.shape != input_ids.shape or labels.is_floating_point() or labels.is_complex()
-        ):
-            raise ValueError(
-                f"labels must be integer token ids of the shape of input_ids "
-                f"{tuple(input_ids.shape)}, got {labels.dtype} of shape {tuple(labels.shape)}"
-            )
+        if labels is not None:
+            # Note: the losses' own check, made here before the first layer; the error types
+            # are theirs (ValueError for the shape, TypeError for the dtype).
+            if labels.shape != input_ids.shape:
+                raise ValueError(
+                    f"labels must be integer token ids of the shape of input_ids "
+                    f"{tuple(input_ids.shape)}, got {labels.dtype} of shape {tuple(labels.shape)}"
+                )
+            if labels.is_floating_point() or labels.is_complex():
+                raise TypeError(
+                    f"labels must be integer token ids of the shape of input_ids "
+                    f"{tuple(input_ids.shape)}, got {labels.dtype} of shape {tuple(labels.shape)}"
+                )
         if seq_len > self.config.max_seq_len:
             raise ValueError(
                 f"sequence length {seq_len} exceeds max_seq_len {self.config.max_seq_len}; "

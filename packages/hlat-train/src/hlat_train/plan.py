@@ -547,7 +547,9 @@ def activation_parts(llama: Any, layout: Layout) -> Activations:
     norm, the LM head's input, and the logits: ``T V A`` on the torch backend without TP
     (``hlat_model.cross_entropy_loss`` keeps the logits and one fp32 number per token),
     ``T V / t (A + 8)`` with vocabulary-sharded logits and on the neuron backend (the
-    loss's fp32 copy and log-softmax besides).
+    loss's fp32 copy and log-softmax besides). The plan's devices are accelerators, where
+    the head goes through the logits: ``hlat_model.linear_cross_entropy`` fuses the head and
+    the loss on CPUs only (on CUDA it was measured slower than the logits).
 
     Context parallelism (cp > 1, ``hlat_parallel.ContextParallelAttention``): every
     per-token term above holds 1/cp of the sequence. Attention all-gathers the keys and

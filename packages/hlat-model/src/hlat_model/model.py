@@ -389,13 +389,10 @@ class Llama(nn.Module):
         if labels is not None:
             # Note: the losses' own check, made here before the first layer; the error types
             # are theirs (ValueError for the shape, TypeError for the dtype).
-            if labels.shape != input_ids.shape:
-                raise ValueError(
-                    f"labels must be integer token ids of the shape of input_ids "
-                    f"{tuple(input_ids.shape)}, got {labels.dtype} of shape {tuple(labels.shape)}"
-                )
-            if labels.is_floating_point() or labels.is_complex():
-                raise TypeError(
+            wrong_shape = labels.shape != input_ids.shape
+            if wrong_shape or labels.is_floating_point() or labels.is_complex():
+                error = ValueError if wrong_shape else TypeError
+                raise error(
                     f"labels must be integer token ids of the shape of input_ids "
                     f"{tuple(input_ids.shape)}, got {labels.dtype} of shape {tuple(labels.shape)}"
                 )

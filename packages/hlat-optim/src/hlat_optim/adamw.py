@@ -1171,11 +1171,15 @@ class _Steady:
             return False
         if [g is not None for g in map(_GRAD, params)] != self.has_grad:
             return False
-        if not all(b.unchanged(opt.state, skip) for b in self.batches):
-            return False
-        grads = [b.local_grads() for b in self.batches]
-        for b, local in zip(self.batches, grads, strict=True):
-            b.run(opt, local, skip)
+        grads = []
+        for b in self.batches:
+            found = b.gradients(opt.state, skip)
+            if found is None:
+                return False
+            grads.append(found)
+        local = [b.local_grads(g) for b, g in zip(self.batches, grads, strict=True)]
+        for b, g in zip(self.batches, local, strict=True):
+            b.run(opt, g, skip)
         return True
 
 
@@ -1217,11 +1221,11 @@ class _SteadyBatch:
             part.view(self.locals[i].shape) for part, i in zip(parts, bucket.tensors, strict=True)
         ]
 
-    def unchanged(self, state: Any, skip: torch.Tensor | None) -> bool:
-        """Whether this batch can step as it did: the same gradients' kind, states and
-        parameters' memory, and equal step counts."""
+    def gradients(self, state: Any, skip: torch.Tensor | None) -> list[Any] | None:
+        """The parameters' gradients if this batch can step as it did (the same gradients'
+        kind, states and parameters' memory, and equal step counts), else None."""
         if skip is not None and skip.device.type != "cpu" and self.device.type == "cpu":
-            return False  # the full path reports it
+            return None  # the full path reports it
         # Note: _Steady.step has checked that each of these parameters has a gradient. The
         # checks map C functions over the tensors: their cost per tensor is most of a
         # step's host work.
@@ -1230,29 +1234,30 @@ class _SteadyBatch:
             all(map(operator.is_, map(_DTYPE, grads), itertools.repeat(self.grad_dtype)))
             and all(map(operator.is_, map(_LAYOUT, grads), itertools.repeat(torch.strided)))
         ):
-            return False
+            return None
         if self.dtensor:
             if list(map(_is_dtensor, grads)) != self.is_dtensor:
-                return False
+                return None
             pointers = [_local(p).data_ptr() for p in self.owners]
         else:
             contiguous = torch.Tensor.is_contiguous
             if not (all(map(contiguous, grads)) and all(map(contiguous, self.owners))):
-                return False
+                return None
             pointers = list(map(torch.Tensor.data_ptr, self.owners))
         if pointers != self.pointers or not self.plan.owns(state):
-            return False
+            return None
         counts = self.plan.steps.tolist()
-        return counts.count(self.step) == len(counts)
+        return grads if counts.count(self.step) == len(counts) else None
 
-    def local_grads(self) -> list[torch.Tensor]:
-        """The gradients' local tensors, each brought to its parameter's layout first (as
-        ``AdamW._locals`` does)."""
+    def local_grads(self, grads: list[Any]) -> list[torch.Tensor]:
+        """The local tensors of ``grads`` (the parameters' gradients), each brought to its
+        parameter's layout first (as ``AdamW._locals`` does)."""
         if not self.dtensor:
-            return list(map(_GRAD, self.owners))
-        grads = []
-        for p, dtensor, index in zip(self.owners, self.is_dtensor, self.indices, strict=True):
-            grad: Any = p.grad
+            return grads
+        local_grads = []
+        for p, grad, dtensor, index in zip(
+            self.owners, grads, self.is_dtensor, self.indices, strict=True
+        ):
             pd: Any = p
             if dtensor and tuple(grad.placements) != tuple(pd.placements):
                 grad = grad.redistribute(pd.device_mesh, pd.placements)
@@ -1263,8 +1268,8 @@ class _SteadyBatch:
                     "gradient is not contiguous; call .contiguous() on the parameter before "
                     "building the optimizer"
                 )
-            grads.append(local)
-        return grads
+            local_grads.append(local)
+        return local_grads
 
     def run(self, opt: AdamW, grads: list[torch.Tensor], skip: torch.Tensor | None) -> None:
         self.plan.steps.add_(1.0)

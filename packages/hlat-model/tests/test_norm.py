@@ -55,3 +55,16 @@ def test_without_gradients_it_still_normalises():
     x = torch.randn(2, 16).to(torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(norm(x), _composed(x, norm.weight, norm.eps))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_what_backward_keeps(dtype):
+    """bf16 keeps the input (backward recomputes the unrounded normalised input from it);
+    fp32 keeps the normalised input, which is unrounded there, and not the input."""
+    norm = RMSNorm(32).to(dtype)
+    norm.reset_parameters()
+    x = torch.randn(4, 32).to(dtype).requires_grad_()
+    saved = [t for t in norm(x).grad_fn.saved_tensors if t is not None]
+    keeps_input = any(t.data_ptr() == x.data_ptr() for t in saved)
+    assert keeps_input == (dtype == torch.bfloat16)
+    assert len(saved) == (4 if dtype == torch.bfloat16 else 3)

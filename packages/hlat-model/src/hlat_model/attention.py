@@ -196,31 +196,51 @@ def _probabilities(
     scale: float,
     masked: torch.Tensor | None,
     heads: int,
+    causal: torch.Tensor | None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 softmax of the scores of queries ``start:end`` against keys ``:end`` (written
     into ``out`` when given); q is [B*H, S, D], ``k_t`` the keys transposed, [B*H, D, S]
     (its slices are rows, which the product copies fast; slices of the untransposed keys
     copied 3x slower). ``masked`` is the negated ``allowed`` mask (True where masked), or
-    None for plain causal."""
+    None for plain causal, which adds :func:`_causal_bias` ``causal`` in the product."""
     rows = end - start
-    scores = torch.baddbmm(
-        q.new_zeros(()).expand(q.shape[0], rows, end),
-        q[:, start:end],
-        k_t[:, :, :end],
-        beta=0,
-        alpha=scale,
-    )
     if masked is None:
-        above = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu(1)
-        scores[:, :, start:].masked_fill_(above, float("-inf"))
+        assert causal is not None
+        # Note: the mask as an addend of the product (0 or -inf) rather than a fill of the
+        # diagonal block after it: scores and mask in one pass.
+        seq_len = q.shape[1]
+        bias = causal[:rows, seq_len - start : seq_len + rows].expand(q.shape[0], rows, end)
+        scores = torch.baddbmm(bias, q[:, start:end], k_t[:, :, :end], alpha=scale)
     else:
+        scores = torch.baddbmm(
+            q.new_zeros(()).expand(q.shape[0], rows, end),
+            q[:, start:end],
+            k_t[:, :, :end],
+            beta=0,
+            alpha=scale,
+        )
         by_head = scores.unflatten(0, (-1, heads))
         by_head.masked_fill_(masked[:, :, start:end, :end], float("-inf"))
     if out is None:
         return torch.softmax(scores, dim=-1, dtype=torch.float32)
     # Note: CPUs have no bf16-to-fp32 softmax kernel; torch.softmax converts first too.
     return torch.ops.aten._softmax.out(scores.float(), -1, False, out=out)
+
+
+def _causal_bias(q: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor | None:
+    """For plain causal attention (``allowed`` None), the causal mask of every query block
+    as one [block, S + block] tensor of q's dtype: zeros, then a block whose entries above
+    the diagonal are -inf. Block ``start:end`` adds its columns
+    ``S - start : S + end - start``: 0 for keys up to each query, -inf after it."""
+    if allowed is not None:
+        return None
+    seq_len = q.shape[2]
+    block = min(query_block(seq_len), seq_len)
+    bias = q.new_zeros(block, seq_len + block)
+    above = torch.ones(block, block, dtype=torch.bool, device=q.device).triu(1)
+    bias[:, seq_len:].masked_fill_(above, float("-inf"))
+    return bias
 
 
 def _blocks(seq_len: int) -> list[tuple[int, int]]:
@@ -267,11 +287,12 @@ def _blocked_forward(
     sizes = _kept_sizes(qf.shape[0], seq_len)
     kept = q.new_empty(sum(sizes), dtype=torch.float32)
     into = _per_block(kept, qf.shape[0], seq_len)
+    causal = _causal_bias(q, allowed)
     # Note: the output is laid out [B, S, H, D] (returned as a [B, H, S, D] view), so the
     # output projection reads it without a copy; each block is written in place.
     out = q.new_empty(batch, seq_len, heads, head_dim)
     for n, (start, end) in enumerate(_blocks(seq_len)):
-        probs = _probabilities(qf, k_t, start, end, scale, masked, heads, into[n])
+        probs = _probabilities(qf, k_t, start, end, scale, masked, heads, causal, into[n])
         rows = torch.bmm(probs.to(vf.dtype), vf[:, :end])
         out[:, start:end].copy_(rows.view(batch, heads, end - start, head_dim).transpose(1, 2))
     return out.transpose(1, 2), kept
@@ -304,6 +325,7 @@ def _blocked_backward(
     scale = head_dim**-0.5
     kept_blocks = _per_block(kept, qf.shape[0], seq_len)
     k_t = None if kept.numel() else kf.transpose(1, 2).contiguous()
+    causal = None if kept.numel() else _causal_bias(q, allowed)
     v_t = vf.transpose(1, 2).contiguous()
     # Note: key and value gradients sum over query blocks in fp32, as flash kernels do.
     dk = torch.zeros(kf.shape, dtype=torch.float32, device=kf.device)
@@ -312,7 +334,7 @@ def _blocked_backward(
     for (start, end), probs in zip(_blocks(seq_len), kept_blocks, strict=True):
         if probs is None:
             assert k_t is not None
-            probs = _probabilities(qf, k_t, start, end, scale, masked, heads)
+            probs = _probabilities(qf, k_t, start, end, scale, masked, heads, causal)
         # one copy of the block's rows, which both products below read
         rows = grad[:, :, start:end].reshape(batch * heads, end - start, head_dim)
         dv[:, :end].add_(torch.bmm(probs.to(rows.dtype).transpose(1, 2), rows))

@@ -177,13 +177,15 @@ def _head_loss_in_chunks(
         if wants_grad:
             chunk.div_(lse[start:end, None])  # softmax
             chunk.scatter_add_(1, targets[start:end, None], minus_one[: end - start])
-            chunk.mul_(scale[start:end, None])  # the logits' gradient for this chunk
+            # Note: the logits' gradient is this chunk scaled per row; the scale goes on the
+            # rows of the (vocabulary-times narrower) input and hidden gradient instead.
+            row_scale = scale[start:end, None]
             if gh is not None:
-                torch.mm(chunk, weight, out=gh[start:end])
+                torch.mm(chunk, weight, out=gh[start:end]).mul_(row_scale)
             if gw is not None and start == 0:
-                torch.mm(chunk.t(), x, out=gw)
+                torch.mm(chunk.t(), x * row_scale, out=gw)
             elif gw is not None:
-                gw.addmm_(chunk.t(), x)
+                gw.addmm_(chunk.t(), x * row_scale)
         lse[start:end].log_().add_(row_max[:, 0])
     loss = (lse - picked).mul_(valid).sum() / count
     return loss, gh, gw

@@ -64,7 +64,8 @@ def test_what_backward_keeps(dtype):
     norm = RMSNorm(32).to(dtype)
     norm.reset_parameters()
     x = torch.randn(4, 32).to(dtype).requires_grad_()
-    saved = [t for t in norm(x).grad_fn.saved_tensors if t is not None]
+    out = norm(x)  # held: its node's saved tensors live as long as it does
+    saved = [t for t in out.grad_fn.saved_tensors if t is not None]
     keeps_input = any(t.data_ptr() == x.data_ptr() for t in saved)
     assert keeps_input == (dtype == torch.bfloat16)
     assert len(saved) == (4 if dtype == torch.bfloat16 else 3)

@@ -17,8 +17,15 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Benchmarks (``packages/*/benchmarks``) run only under ``--benchmark-only`` (``nox -s bench``):
-    they take minutes and measure, rather than check, behaviour."""
+    """Test files with ``slow`` (multi-process) tests run first, each file's tests in their
+    order; benchmarks (``packages/*/benchmarks``) run only under ``--benchmark-only`` (``nox -s
+    bench``): they take minutes and measure, rather than check, behaviour.
+
+    Note: pytest-xdist hands whole files to its workers in this order (``--dist loadfile``);
+    with the longest files last, one worker still ran one of them after the other had
+    finished everything else."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: order kept otherwise
     if config.getoption("benchmark_only", default=False):
         return
     skip = pytest.mark.skip(reason="benchmark: run with --benchmark-only (nox -s bench)")

@@ -44,6 +44,11 @@ os.environ["PYTHONDONTWRITEBYTECODE"] = ""
 # longer that way and stay in one process. HLAT_TEST_WORKERS sets the count ("0": one
 # process, as plain pytest; "auto": one per core); a later "-n" in the posargs wins.
 WORKERS = ["-n", os.environ.get("HLAT_TEST_WORKERS", "2"), "--dist", "loadfile"]
+# Note: torch's OpenMP threads spin after each parallel region by default; beside another
+# worker on the same cores that spinning took CPU time from it (hlat-model and hlat-optim's
+# tests: 92-97 s of CPU with passive waiting, 102-128 s without, on 2 workers and 2 cores).
+# Passive threads sleep instead; what runs is the same. An OMP_WAIT_POLICY already set wins.
+WORKER_ENV = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 XDIST = "pytest-xdist>=3.6"
 
 
@@ -112,6 +117,7 @@ def tests(session: nox.Session) -> None:
         "-m",
         "not upstream",
         *session.posargs,
+        env=WORKER_ENV,
     )
 
 
@@ -170,7 +176,13 @@ def tests_oldest(session: nox.Session) -> None:
         # torch repeated: nothing may lift it to a newer release
         session.install(*args, *torch, XDIST, NO_COMPILE)
         session.run("python", "-c", "import torch; print('torch', torch.__version__)")
-        session.run("pytest", *WORKERS, *(f"packages/{p}" for p in packages), *session.posargs)
+        session.run(
+            "pytest",
+            *WORKERS,
+            *(f"packages/{p}" for p in packages),
+            *session.posargs,
+            env=WORKER_ENV,
+        )
 
 
 if "hlat-train" in PACKAGES:

@@ -82,16 +82,14 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         x, weight, rstd, normed = ctx.saved_tensors
-        dims = tuple(range(grad.dim() - 1))
+        scaled = grad * normed
+        grad_weight = scaled.sum(dim=tuple(range(grad.dim() - 1)))
         # d/dx of x * rstd(x): rstd * (g - n * mean(g * n)), g the normalised output's grad
         # (``grad * weight``), n the normalised x
         if ctx.fp32:
-            scaled = grad * normed
-            grad_weight = scaled.sum(dim=dims)
             dot = torch.matmul(scaled, weight).div_(grad.shape[-1]).unsqueeze_(-1)
             grad_x = (grad * weight).addcmul_(normed, dot, value=-1).mul_(rstd)
             return grad_x, grad_weight, None
-        grad_weight = (grad * normed).sum(dim=dims)
         d_normed = (grad * weight).float()
         xf = x.float()
         n = xf.mul_(rstd) if xf is not x else xf * rstd

@@ -1,8 +1,10 @@
 """Developer sessions for the hlat monorepo.
 
-``nox -s tests`` installs every package (editable) into one environment and runs all tests;
-``nox -s tests-<package>`` proves one package installs and passes alone (its tests but the
-``slow`` multi-process ones, which ``tests`` runs); ``nox -s
+``nox -s tests`` installs every package (editable) into one environment and runs all tests
+but two groups, each run by a session of its own in the same kind of environment: ``nox -s
+tests-compile`` (torch.compile across processes) and ``nox -s tests-faults`` (processes
+killed, stopped or restarted); ``nox -s tests-<package>`` proves one package installs and
+passes alone (its tests but the ``slow`` multi-process ones, which ``tests`` runs); ``nox -s
 tests-oldest`` runs every package's tests on the oldest torch the packages declare
 (``torch>=X.Y``: the newest X.Y.* release); ``lint``, ``typecheck``, ``bench`` and ``build``
 do what they say; ``reuse-torchtitan`` runs the torchtitan example of ``docs/reuse`` in an
@@ -99,35 +101,52 @@ def typecheck(session: nox.Session) -> None:
     session.run("mypy", *(f"packages/{p}/src" for p in PACKAGES))
 
 
-@nox.session(python=PYTHON, tags=["ci"])
-def tests(session: nox.Session) -> None:
-    """All packages installed editable in one environment; every test suite and README example.
-    Tests marked ``upstream`` (a limitation of torch itself, up to minutes of retries) run in
-    the per-package sessions (``tests-<package>``) only."""
+# Tests that take minutes of their own and check one concern: each marker's tests run in a
+# session of its own (``tests-<marker>``), so that ``tests`` stays under 15 minutes on a 2-core
+# machine with a cold compile cache. ``upstream`` ones run in the per-package sessions.
+OWN_SESSIONS = {
+    "compile": "torch.compile's inductor across processes, minutes on a cold compile cache",
+    "faults": "processes killed, stopped or restarted, and tools/fault_campaign.py run for real",
+}
+
+
+def _all_tests(session: nox.Session, marks: str) -> None:
+    """pytest over every package and the repository's tests (tools/, docs/) in one environment
+    with every package installed editable, on the xdist workers, selecting ``marks``."""
     _install(session, PACKAGES, "test", editable=True)
     session.install(XDIST, NO_COMPILE)
-    repo_tests = ["tests"] if (ROOT / "tests").is_dir() else []  # tools/ and docs/
+    repo_tests = ["tests"] if (ROOT / "tests").is_dir() else []
     # a "-m" among the posargs comes later and wins
     session.run(
         "pytest",
         *WORKERS,
         *(f"packages/{p}" for p in PACKAGES),
         *repo_tests,
-        "--ignore=tests/test_fault_campaign.py",  # nox -s tests-campaign
         "-m",
-        "not upstream",
+        marks,
         *session.posargs,
         env=WORKER_ENV,
     )
 
 
-@nox.session(name="tests-campaign", python=PYTHON, tags=["ci"])
-def tests_campaign(session: nox.Session) -> None:
-    """``tools/fault_campaign.py`` run for real (two shortened campaigns of a 2-process job
-    with injected faults, about two minutes): a session of its own, as ``tests-eval``, so
-    that ``tests`` stays under 15 minutes on a 2-core machine."""
-    _install(session, PACKAGES, "test", editable=True)
-    session.run("pytest", "tests/test_fault_campaign.py", *session.posargs)
+@nox.session(python=PYTHON, tags=["ci"])
+def tests(session: nox.Session) -> None:
+    """All packages installed editable in one environment; every test suite and README example
+    but the tests of ``tests-compile`` and ``tests-faults`` (markers ``compile`` and
+    ``faults``). Tests marked ``upstream`` (a limitation of torch itself, up to minutes of
+    retries) run in the per-package sessions (``tests-<package>``) only."""
+    _all_tests(session, " and ".join(f"not {m}" for m in ("upstream", *OWN_SESSIONS)))
+
+
+for _marker, _what in OWN_SESSIONS.items():
+
+    @nox.session(name=f"tests-{_marker}", python=PYTHON, tags=["ci"])
+    def _tests_marked(session: nox.Session, marker: str = _marker) -> None:
+        _all_tests(session, marker)
+
+    _tests_marked.__doc__ = (
+        f"The tests marked ``{_marker}``, in the environment of ``tests``: {_what}."
+    )
 
 
 for _package in PACKAGES:

@@ -21,6 +21,9 @@ CRASH_KINDS = "kill-rank,kill-during-save,sigterm,corrupt-newest"
 sys.path.insert(0, str(ROOT / "tools"))
 from campaign import harness, measure, report  # noqa: E402
 
+# every test here, its quick checks of the report included: the campaign's session runs them
+pytestmark = pytest.mark.faults
+
 
 def _run_quick(out: Path, seed: int, kinds: str) -> tuple[dict, Path]:
     doc = out.parent / "reliability.md"

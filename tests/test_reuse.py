@@ -42,6 +42,7 @@ def _worker_pids(launcher: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
+@pytest.mark.faults
 def test_ddp_loop_resumes_after_a_sigkill_and_ends_where_an_uninterrupted_run_does(tmp_path):
     from hlat_ckpt import Checkpointer, consolidate
 

@@ -13,7 +13,11 @@ from ckpt_workers import save_forever, warm_up_saving
 
 from hlat_ckpt import Checkpointer
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.faults,
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
 KILLS = 12
 
 

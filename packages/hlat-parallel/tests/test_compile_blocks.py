@@ -53,6 +53,8 @@ def test_blocks_compile_in_place_keep_their_names_and_compute_the_same():
 WORKER = Path(__file__).with_name("compile_worker.py")
 
 
+@pytest.mark.slow
+@pytest.mark.compile
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
 def test_compiled_blocks_under_tensor_parallelism_train_like_eager_ones(tmp_path, sp):
     """Two ranks, TP2 (and sequence parallel): compiled blocks give the eager run's losses

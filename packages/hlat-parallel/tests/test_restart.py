@@ -63,6 +63,7 @@ def test_torchs_own_rendezvous_alone_does_not_reliably_survive_the_restart(tmp_p
     raise AssertionError(f"every restart formed a group with torch's own rendezvous: {outcomes}")
 
 
+@pytest.mark.faults
 def test_workers_restarted_by_torchrun_form_a_new_process_group(tmp_path):
     job = _restarted_job(tmp_path)
     log = job.stdout[-3000:] + job.stderr[-3000:]

@@ -39,6 +39,7 @@ def eager(corpus, tmp_path_factory):
     return _losses(out)
 
 
+@pytest.mark.compile
 def test_compiled_blocks_train_like_eager_and_resume(corpus, tmp_path, eager):
     out = tmp_path / "compiled"
     trainer = _fit(tiny_config(corpus, out, *SETTINGS, "--model.compile=true", steps=4))
@@ -99,6 +100,7 @@ def eager_dp2(corpus, tmp_path_factory):
     return losses
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_compiled_blocks_under_parallelism_match_eager(corpus, tmp_path, eager_dp2, layout):
     """Four ranks: TP2 with sequence parallelism (the embedding's output reduced

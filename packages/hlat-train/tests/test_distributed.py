@@ -126,6 +126,7 @@ def test_zero1_and_unsharded_dp2_match_fsdp_and_resume_under_it(
     assert _losses(out) == pytest.approx(fsdp[:10], rel=1e-4)
 
 
+@pytest.mark.compile
 def test_the_compiled_optimizer_on_fsdp_shards_trains_and_resumes_as_the_native_one(
     corpus, tmp_path, dp2_reference
 ):
@@ -160,6 +161,7 @@ def _workers(torchrun_pid: int) -> list[int]:
         return [int(pid) for pid in f.read().split()]
 
 
+@pytest.mark.faults
 def test_sigkilled_worker_restarts_via_torchrun_and_resumes_bit_exactly(
     corpus, tmp_path, dp2_reference
 ):

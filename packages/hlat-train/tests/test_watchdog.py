@@ -192,6 +192,7 @@ HOLDING_THE_GIL = textwrap.dedent(
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_faulthandler_ends_a_process_whose_main_thread_holds_the_gil():
     # the watchdog thread cannot run; faulthandler's C timer, a grace period (10 s) after
     # the limit, dumps the stacks and exits with status 1
@@ -255,6 +256,7 @@ def _wait_for_text(path: Path, text: str, proc: subprocess.Popen, timeout: float
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_a_sigstopped_rank_is_ended_by_the_other_ranks_watchdog(corpus, tmp_path):
     out = tmp_path / "hang"
     config = tiny_config(

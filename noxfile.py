@@ -5,8 +5,8 @@ but two groups, each run by a session of its own in the same kind of environment
 tests-compile`` (torch.compile across processes) and ``nox -s tests-faults`` (processes
 killed, stopped or restarted); ``nox -s tests-<package>`` proves one package installs and
 passes alone (its tests but the ``slow`` multi-process ones, which ``tests`` runs); ``nox -s
-tests-oldest`` runs every package's tests on the oldest torch the packages declare
-(``torch>=X.Y``: the newest X.Y.* release); ``lint``, ``typecheck``, ``bench`` and ``build``
+tests-oldest`` runs every package's tests but the ``faults`` ones on the oldest torch the
+packages declare (``torch>=X.Y``: the newest X.Y.* release); ``lint``, ``typecheck``, ``bench`` and ``build``
 do what they say; ``reuse-torchtitan`` runs the torchtitan example of ``docs/reuse`` in an
 environment of its own; ``demo`` trains a tiny Llama on the standard library and ``eval``
 scores a checkpoint with lm-evaluation-harness (``tools/evaluate.py``), both on CPU and
@@ -182,7 +182,9 @@ def _torch_floors() -> dict[str, list[str]]:
 @nox.session(name="tests-oldest", python=PYTHON, tags=["ci"])
 def tests_oldest(session: nox.Session) -> None:
     """Every package's tests on the oldest torch it declares (the newest patch release of
-    that X.Y). On x86-64 Linux, PyPI's torch below the pinned CPU wheel is a CUDA build (about
+    that X.Y), but those marked ``faults``: processes killed and restarted test hlat's own
+    recovery, minutes of CI time that ``tests-faults`` spends once, on the pinned torch
+    (``-- -m ""`` runs them too). On x86-64 Linux, PyPI's torch below the pinned CPU wheel is a CUDA build (about
     4 GB); it runs on the CPU. ``HLAT_TORCH_OLDEST`` replaces the torch requirement (e.g.
     with ``--index-url https://download.pytorch.org/whl/cpu``)."""
     for floor, packages in sorted(_torch_floors().items()):
@@ -195,10 +197,13 @@ def tests_oldest(session: nox.Session) -> None:
         # torch repeated: nothing may lift it to a newer release
         session.install(*args, *torch, XDIST, NO_COMPILE)
         session.run("python", "-c", "import torch; print('torch', torch.__version__)")
+        # a "-m" among the posargs comes later and wins
         session.run(
             "pytest",
             *WORKERS,
             *(f"packages/{p}" for p in packages),
+            "-m",
+            "not faults",
             *session.posargs,
             env=WORKER_ENV,
         )
@@ -268,6 +273,15 @@ def reuse_torchtitan(session: nox.Session) -> None:
     session.run("pytest", "packages/hlat-optim/tests/test_reuse_torchtitan.py", *session.posargs)
 
 
+def _bench_targets(session: nox.Session, default: list[str]) -> list[str]:
+    """The posargs, led by ``default`` when they name no path (only options, such as
+    ``-k fp32`` or ``--benchmark-json=out.json``), so that options alone do not widen the
+    run to every test pytest finds from the repository root."""
+    args = list(session.posargs)
+    names_a_path = any(not a.startswith("-") and (ROOT / a.split("::")[0]).exists() for a in args)
+    return args if names_a_path else [*default, *args]
+
+
 @nox.session(name="bench-torchtitan", python=PYTHON)
 def bench_torchtitan(session: nox.Session) -> None:
     """The whole trainer against torchtitan's on the same Llama shape and data
@@ -281,7 +295,9 @@ def bench_torchtitan(session: nox.Session) -> None:
         "pytest-benchmark>=4",
         *TORCH,  # repeated: nothing may lift torch to another release
     )
-    targets = session.posargs or ["packages/hlat-train/benchmarks/test_bench_vs_torchtitan.py"]
+    targets = _bench_targets(
+        session, ["packages/hlat-train/benchmarks/test_bench_vs_torchtitan.py"]
+    )
     session.run(
         "pytest", "--benchmark-only", "--benchmark-columns=min,median,rounds", "-s", *targets
     )
@@ -291,11 +307,14 @@ def bench_torchtitan(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """pytest-benchmark suites of every package (or ``nox -s bench -- packages/hlat-optim``)."""
     _install(session, PACKAGES, "bench", editable=True)
-    targets = session.posargs or [
-        f"packages/{p}/benchmarks"
-        for p in PACKAGES
-        if (ROOT / "packages" / p / "benchmarks").is_dir()
-    ]
+    targets = _bench_targets(
+        session,
+        [
+            f"packages/{p}/benchmarks"
+            for p in PACKAGES
+            if (ROOT / "packages" / p / "benchmarks").is_dir()
+        ],
+    )
     session.run(
         "pytest", "--benchmark-only", "--benchmark-columns=min,median,mean,rounds", *targets
     )

@@ -183,8 +183,8 @@ def _torch_floors() -> dict[str, list[str]]:
 def tests_oldest(session: nox.Session) -> None:
     """Every package's tests on the oldest torch it declares (the newest patch release of
     that X.Y), but those marked ``faults``: processes killed and restarted test hlat's own
-    recovery, minutes of CI time that ``tests-faults`` spends once, on the pinned torch
-    (``-- -m ""`` runs them too). On x86-64 Linux, PyPI's torch below the pinned CPU wheel is a CUDA build (about
+    recovery, which ``tests-faults`` runs once, on the pinned torch (``-- -m ""`` runs them
+    too). On x86-64 Linux, PyPI's torch below the pinned CPU wheel is a CUDA build (about
     4 GB); it runs on the CPU. ``HLAT_TORCH_OLDEST`` replaces the torch requirement (e.g.
     with ``--index-url https://download.pytorch.org/whl/cpu``)."""
     for floor, packages in sorted(_torch_floors().items()):

@@ -105,7 +105,7 @@ def typecheck(session: nox.Session) -> None:
 # session of its own (``tests-<marker>``), so that ``tests`` stays under 15 minutes on a 2-core
 # machine with a cold compile cache. ``upstream`` ones run in the per-package sessions.
 OWN_SESSIONS = {
-    "compile": "torch.compile's inductor across processes or in whole training runs, minutes on a cold compile cache",
+    "compile": "torch.compile's inductor on kernels, across processes or in whole training runs, minutes on a cold compile cache",
     "faults": "processes killed, stopped or restarted, and tools/fault_campaign.py run for real",
 }
 

@@ -210,3 +210,88 @@ def test_backward_makes_no_gradient_for_the_kept_probabilities():
         out.sum().backward()
     assert "hlat.blocked_causal_attention_backward.default" in [name for name, _ in made]
     assert kept not in [numel for _, numel in made], made
+
+
+def _traced_targets(fn, *args):
+    """The operators of the graph that ``torch.compile`` traces from ``fn(*args)`` (dynamo's
+    graph, before any backend compiles it)."""
+    targets: list[str] = []
+
+    def record(graph_module, example_inputs):
+        targets.extend(str(node.target) for node in graph_module.graph.nodes)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(fn, backend=record, fullgraph=True, dynamic=False)(*args)
+    finally:
+        torch._dynamo.reset()
+    return targets
+
+
+def test_compiled_code_runs_plain_operators_only_where_the_probabilities_would_be_kept(
+    monkeypatch,
+):
+    """Where the operator would keep its probabilities, code being compiled gets plain
+    operators (which inductor fuses): two products per block; above
+    :data:`KEEP_PROBABILITIES_BYTES` it gets the operator, whose backward recomputes them."""
+    q, k, v, _ = _inputs(2, 4, 2, 300, 32, torch.bfloat16)
+    composed = _traced_targets(blocked_causal_attention, q, k, v)
+    assert not any("hlat.blocked_causal_attention" in t for t in composed), composed
+    assert sum("bmm" in t for t in composed) == 2 * len(attention_module._blocks(300))
+    monkeypatch.setattr(attention_module, "KEEP_PROBABILITIES_BYTES", 0)
+    opaque = _traced_targets(blocked_causal_attention, q, k, v)
+    assert any("hlat.blocked_causal_attention" in t for t in opaque), opaque
+    assert not any("bmm" in t for t in opaque), opaque
+
+
+def _compiled(allowed):
+    return torch.compile(
+        lambda q, k, v: blocked_causal_attention(q, k, v, allowed), fullgraph=True, dynamic=False
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+@pytest.mark.parametrize(
+    "case, dtype",
+    [(case, torch.bfloat16) for case in CASES] + [("gqa-documents-uneven", torch.float32)],
+)
+def test_compiled_attention_is_as_precise_as_the_operator(case, dtype):
+    """Through inductor (the plain operators of the test above): fp32 equals SDPA in float64
+    to 1e-5; bf16's output and gradients are within 1.25x of Hugging Face's eager
+    attention's error, as the operator's are."""
+    batch, heads, kv_heads, seq_len, head_dim, documents = CASES[case]
+    q, k, v, grad = _inputs(batch, heads, kv_heads, seq_len, head_dim, dtype)
+    allowed = _document_mask(batch, seq_len) if documents else None
+    torch._dynamo.reset()
+    try:
+        ours = _run(_compiled(allowed), q, k, v, grad)
+    finally:
+        torch._dynamo.reset()
+    reference = _run(_sdpa(allowed, heads != kv_heads), q, k, v, grad, torch.float64)
+    errors = _relative_errors(ours, reference)
+    if dtype == torch.float32:
+        assert max(errors) < 1e-5, errors
+        return
+    eager_errors = _relative_errors(_run(_eager(allowed), q, k, v, grad), reference)
+    for name, mine, theirs in zip(("out", "dq", "dk", "dv"), errors, eager_errors, strict=True):
+        assert mine <= 1.25 * theirs, (name, mine, theirs)
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_compiled_attention_keeps_at_most_half_again_the_operators_bytes():
+    """What inductor's backward keeps (the probabilities, and copies of key and value
+    prefixes) stays within 1.5x of what the operator keeps (inputs and probabilities)."""
+    q, k, v, _ = _inputs(4, 8, 8, 512, 64, torch.bfloat16)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    operator = _saved_bytes(blocked_causal_attention, q, k, v)
+    torch._dynamo.reset()
+    try:
+        compiled = _compiled(None)
+        compiled(q, k, v)
+        composed = _saved_bytes(compiled, q, k, v)
+    finally:
+        torch._dynamo.reset()
+    assert composed <= 1.5 * operator, (composed, operator)

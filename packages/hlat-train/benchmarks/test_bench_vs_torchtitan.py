@@ -1,7 +1,7 @@
 """The whole training step of ``hlat-train`` against torchtitan's ``Trainer``, in one run.
 
 Both train the same Llama (vocab 8192, dim 512, 8 layers, 8 heads, FFN 1376, sequence 512,
-micro-batch 4, no compile, no activation checkpointing, plain causal attention) from the same
+micro-batch 4, no activation checkpointing, plain causal attention) from the same
 Arrow corpus and SentencePiece model, read by hlat-data's ``PackedLoader`` in both, with the
 same thread count: one process with every core, or two processes (FSDP2 over gloo) with one
 thread each. Each setting runs both trainers as fresh processes, one after the other; a
@@ -17,6 +17,12 @@ Precision, per setting:
 - ``fp32``: fp32 throughout in both.
 - ``mixed`` (two processes): fp32 weights, bf16 compute through FSDP2's mixed-precision
   policy, fp32 gradient reduction, in both.
+
+Every setting runs eager but ``compiled`` (one process, bf16), where both compile as their
+users would: hlat-train ``model.compile = true`` (each transformer block through
+``torch.compile``; its chunked loss stays eager), torchtitan ``compile.enable = true`` (its
+default components: each block and the loss). Both compile in their first step, which the
+median leaves out.
 
 Reported per setting: steady-state tokens/s (median step after ``WARMUP`` steps) of each and
 their ratio. Run: ``nox -s bench-torchtitan`` (torchtitan 0.3 and triton in an environment of
@@ -46,7 +52,8 @@ from trainer_runs import (
 )
 
 STEPS = int(os.environ.get("HLAT_BENCH_STEPS", "14"))
-SETTINGS = [(1, "bf16"), (1, "fp32"), (2, "mixed"), (2, "bf16")]
+SETTINGS = [(1, "bf16", False), (1, "fp32", False), (2, "mixed", False), (2, "bf16", False)]
+SETTINGS += [(1, "bf16", True)]  # compiled
 HLAT_PRECISION = {"bf16": "bf16-sr", "fp32": "fp32", "mixed": "mixed"}
 WORKER = Path(__file__).with_name("torchtitan_worker.py")
 
@@ -58,13 +65,15 @@ def data(tmp_path_factory) -> Path:
     return make_corpus(tmp_path_factory.mktemp("trainer-bench"))
 
 
-def run_torchtitan(data: Path, out: Path, nproc: int, precision: str) -> dict[int, float]:
+def run_torchtitan(
+    data: Path, out: Path, nproc: int, precision: str, compiled: bool = False
+) -> dict[int, float]:
     """torchtitan's ``Trainer`` (``torchtitan_worker.py``) at the same shape; each step's
     seconds (rank 0; its first step has no predecessor and is not recorded)."""
     shape = json.dumps({**SHAPE, "seq_len": SEQ})
     launch(
         [str(WORKER), str(data), str(out), f"--precision={precision}", f"--steps={STEPS}",
-         f"--shape={shape}", f"--micro-batch={MICRO_BATCH}"],
+         f"--shape={shape}", f"--micro-batch={MICRO_BATCH}", *(["--compile"] if compiled else [])],
         nproc,
         out.with_suffix(".log"),
     )  # fmt: skip
@@ -73,18 +82,22 @@ def run_torchtitan(data: Path, out: Path, nproc: int, precision: str) -> dict[in
 
 
 @pytest.mark.parametrize(
-    ("nproc", "precision"), SETTINGS, ids=[f"{n}proc-{p}" for n, p in SETTINGS]
+    ("nproc", "precision", "compiled"),
+    SETTINGS,
+    ids=[f"{n}proc-{p}" + ("-compiled" if c else "") for n, p, c in SETTINGS],
 )
-def test_trainer_against_torchtitan(benchmark, data, tmp_path, nproc, precision):
+def test_trainer_against_torchtitan(benchmark, data, tmp_path, nproc, precision, compiled):
     peer: list[dict[int, float]] = []
     ours: list[dict[int, float]] = []
+    extra = ["--model.compile=true"] if compiled else []
 
     def setup() -> None:
-        peer.append(run_torchtitan(data, tmp_path / f"torchtitan-{len(peer)}", nproc, precision))
+        out = tmp_path / f"torchtitan-{len(peer)}"
+        peer.append(run_torchtitan(data, out, nproc, precision, compiled))
 
     def hlat() -> None:
         out = tmp_path / f"hlat-{len(ours)}"
-        ours.append(run_hlat(data, out, nproc, HLAT_PRECISION[precision], STEPS))
+        ours.append(run_hlat(data, out, nproc, HLAT_PRECISION[precision], STEPS, *extra))
 
     benchmark.pedantic(hlat, setup=setup, rounds=int(os.environ.get("HLAT_BENCH_ROUNDS", "1")))
     hlat_tps = max(steady_tokens_per_s(s, nproc) for s in ours)
@@ -92,8 +105,9 @@ def test_trainer_against_torchtitan(benchmark, data, tmp_path, nproc, precision)
     benchmark.extra_info.update(
         processes=nproc,
         precision=precision,
+        compiled=compiled,
         hlat_tokens_per_s=round(hlat_tps),
         torchtitan_tokens_per_s=round(peer_tps),
         ratio=round(hlat_tps / peer_tps, 3),
     )
-    print(f"\n[{nproc} proc, {precision}] {benchmark.extra_info}")
+    print(f"\n[{nproc} proc, {precision}{', compiled' if compiled else ''}] {benchmark.extra_info}")

@@ -2,7 +2,8 @@
 
 Run by ``test_bench_vs_torchtitan.py``, alone or under torchrun::
 
-    python torchtitan_worker.py DATA OUT --precision bf16|fp32|mixed --steps N [--shape JSON]
+    python torchtitan_worker.py DATA OUT --shape JSON [--precision bf16|fp32|mixed]
+        [--steps N] [--compile]
 
 ``DATA`` holds ``corpus.arrow`` and ``tokenizer.model``. Rank 0 writes ``OUT/steps.jsonl``: per
 step, its loss and the seconds since the previous step's metrics (the whole step: data,
@@ -31,7 +32,7 @@ from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
-from torchtitan.config import DebugConfig, ParallelismConfig, TrainingConfig
+from torchtitan.config import CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.llama3 import (
@@ -111,6 +112,7 @@ def main() -> None:
     parser.add_argument("--shape", type=json.loads, required=True)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--compile", action="store_true", help="compile.enable (model, loss)")
     args = parser.parse_args()
     reuse.single_process_env()
     init_logger()
@@ -153,6 +155,7 @@ def main() -> None:
         checkpoint=CheckpointManager.Config(enable=False),
         parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
         activation_checkpoint=None,
+        compile=CompileConfig(enable=args.compile),
         debug=DebugConfig(seed=0),
     )
     trainer = config.build()

@@ -476,7 +476,8 @@ def compiled_tp_checkpoints_fail() -> bool:
     """Whether the installed torch is one that cannot compile a tensor-parallel block with
     SDPA inside a ``torch.utils.checkpoint`` region (``selective`` checkpointing): 2.13
     fails, 2.9 works; 2.10 and later count as failing until tested. The blocked attention
-    kernel (one registered operator) compiles there on 2.13 (``tests/test_compile.py``)."""
+    kernel (plain operators in compiled code) compiles there on 2.13
+    (``tests/test_compile.py``)."""
     import torch
     from torch.torch_version import TorchVersion
 

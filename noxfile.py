@@ -7,8 +7,8 @@ killed, stopped or restarted); ``nox -s tests-<package>`` proves one package ins
 passes alone (its tests but the ``slow`` multi-process ones, which ``tests`` runs); ``nox -s
 tests-oldest`` runs every package's tests but the ``faults`` ones on the oldest torch the
 packages declare (``torch>=X.Y``: the newest X.Y.* release); ``lint``, ``typecheck``,
-``bench`` and ``build`` do what they say; ``reuse-torchtitan`` runs the torchtitan example of ``docs/reuse`` in an
-environment of its own; ``demo`` trains a tiny Llama on the standard library and ``eval``
+``bench`` and ``build`` do what they say; ``reuse-torchtitan`` runs the torchtitan example
+of ``docs/reuse`` in an environment of its own; ``demo`` trains a tiny Llama on the standard library and ``eval``
 scores a checkpoint with lm-evaluation-harness (``tools/evaluate.py``), both on CPU and
 outside CI.
 

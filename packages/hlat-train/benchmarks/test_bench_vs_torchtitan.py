@@ -52,8 +52,13 @@ from trainer_runs import (
 )
 
 STEPS = int(os.environ.get("HLAT_BENCH_STEPS", "14"))
-SETTINGS = [(1, "bf16", False), (1, "fp32", False), (2, "mixed", False), (2, "bf16", False)]
-SETTINGS += [(1, "bf16", True)]  # compiled
+SETTINGS = [  # (processes, precision, compiled)
+    (1, "bf16", False),
+    (1, "fp32", False),
+    (2, "mixed", False),
+    (2, "bf16", False),
+    (1, "bf16", True),
+]
 HLAT_PRECISION = {"bf16": "bf16-sr", "fp32": "fp32", "mixed": "mixed"}
 WORKER = Path(__file__).with_name("torchtitan_worker.py")
 

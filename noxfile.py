@@ -8,9 +8,9 @@ passes alone (its tests but the ``slow`` multi-process ones, which ``tests`` run
 tests-oldest`` runs every package's tests but the ``faults`` ones on the oldest torch the
 packages declare (``torch>=X.Y``: the newest X.Y.* release); ``lint``, ``typecheck``,
 ``bench`` and ``build`` do what they say; ``reuse-torchtitan`` runs the torchtitan example
-of ``docs/reuse`` in an environment of its own; ``demo`` trains a tiny Llama on the standard library and ``eval``
-scores a checkpoint with lm-evaluation-harness (``tools/evaluate.py``), both on CPU and
-outside CI.
+of ``docs/reuse`` in an environment of its own; ``demo`` trains a tiny Llama on the
+standard library and ``eval`` scores a checkpoint with lm-evaluation-harness
+(``tools/evaluate.py``), both on CPU and outside CI.
 
 torch is pinned to a CPU-friendly release; GPU users override it, e.g.
 ``HLAT_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" nox -s tests``.

@@ -4,11 +4,13 @@ bookkeeping on real files without a Trainium instance.
 It reimplements what ``neuronx_distributed.trainer.checkpoint`` (neuronx-distributed 0.18.0,
 aws-neuron/neuronx-distributed at fbac349b61a3adbb123c2983835af692840ff62f) writes and reads
 without xser serialisation, on a local directory, for a job of TP 1 and PP 1 whose ranks
-are all data-parallel replicas (one process, or one per rank of a torch.distributed group)
-and whose optimizer is ZeRO-1's (one optimizer file per DP rank):
+are all data-parallel replicas (one process, or one per rank of a torch.distributed group):
 
     <root>/<tag>/checkpoint                                "1", by rank 0 when the save begins
     <root>/<tag>/optim/dp_rank_<r>_tp_rank_00_pp_rank_00.pt   each rank's optimizer.state_dict()
+                                                           (ZeRO-1: NxD's own optimizer)
+    <root>/<tag>/optim/dp_rank_00_tp_rank_00_pp_rank_00.pt rank 0's (any other optimizer,
+                                                           the same on every DP replica)
     <root>/<tag>/model/dp_rank_00_tp_rank_00_pp_rank_00.pt torch.save(model.state_dict()), rank 0
     <root>/<tag>/scheduler.pt                              scheduler.state_dict(), rank 0
     <root>/<tag>/user_content.pt                           user_content, rank 0
@@ -18,11 +20,14 @@ As in NxD, an asynchronous save copies the state to host memory when called and 
 files (and ``done``) only when the next save begins or at ``finalize_checkpoint()``; after
 marking a checkpoint done, the tags without ``done`` that are older than every completed
 one are removed (``num_kept_ckpts=None`` keeps all completed ones); ``load_checkpoint``
-without a tag takes the newest tag with ``done`` by modification time, loads the optimizer
-(this rank's file), then the model, then the scheduler, and returns ``user_content``.
-NxD's ``xm.rendezvous`` points are ``dist.barrier()`` here.
+without a tag takes the newest tag with ``done`` by modification time, loads the optimizer,
+then the model, then the scheduler, and returns ``user_content``. As NxD's, it loads an
+optimizer of NxD's own classes (here: of a class from a ``neuronx_distributed`` module,
+:func:`zero1_optimizer_class`) from this rank's ZeRO-1 file, fills a dict given in its place
+(from this rank's file when the checkpoint has a second DP rank's, else rank 0's), and
+raises on any other optimizer. NxD's ``xm.rendezvous`` points are ``dist.barrier()`` here.
 
-Not reproduced: TP or PP above 1, xser, S3, NxD's check that the optimizer is one of its own.
+Not reproduced: TP or PP above 1, xser, S3, an ``NxDOptimizer`` without ZeRO-1.
 """
 
 from __future__ import annotations
@@ -50,6 +55,23 @@ def _rendezvous() -> None:
 
 def _optimizer_file(rank: int) -> str:
     return f"dp_rank_{rank:02d}_tp_rank_00_pp_rank_00.pt"
+
+
+def _nxd_class(obj: Any) -> bool:
+    """Whether ``obj`` is of a class from NxD's package (NxD: ``isinstance(optimizer,
+    NeuronZero1Optimizer)``)."""
+    return any((c.__module__ or "").startswith("neuronx_distributed.") for c in type(obj).__mro__)
+
+
+def zero1_optimizer_class(base: type) -> type:
+    """A subclass of ``base`` that plays NxD's ``NeuronZero1Optimizer``: its module is NxD's,
+    so the stand-in (and hlat-ckpt) take it for NxD's own; as under ZeRO-1 each rank keeps
+    its own optimizer state."""
+    return type(
+        "NeuronZero1Optimizer",
+        (base,),
+        {"__module__": "neuronx_distributed.optimizer.zero_redundancy_optimizer"},
+    )
 
 
 def _cpu(obj: Any) -> Any:
@@ -104,8 +126,10 @@ class NxdStandIn:
             self._text("1", tag, "checkpoint")
         _rendezvous()
         items: list[tuple[Any, str]] = []
-        if optimizer is not None:
+        if optimizer is not None and _nxd_class(optimizer):
             items.append((optimizer.state_dict(), f"{tag}/optim/{_optimizer_file(rank)}"))
+        elif optimizer is not None and rank == 0:  # one writer per group of DP replicas
+            items.append((optimizer.state_dict(), f"{tag}/optim/{RANK_FILE}"))
         if model is not None and rank == 0:
             items.append((model.state_dict(), f"{tag}/model/{RANK_FILE}"))
         if scheduler is not None and rank == 0:
@@ -144,8 +168,23 @@ class NxdStandIn:
             tag = completed[-1]
         base = os.path.join(path, tag)
         if optimizer is not None:
-            state = torch.load(f"{base}/optim/{_optimizer_file(_rank())}", weights_only=False)
-            optimizer.load_state_dict(state)
+            if _nxd_class(optimizer):
+                zero1 = True
+            elif isinstance(optimizer, dict):
+                zero1 = os.path.exists(f"{base}/optim/{_optimizer_file(1)}")
+            else:
+                raise RuntimeError(
+                    "Error: invalid type for the argument optimizer for load_checkpoint, "
+                    "expecting a dict or NxDOptimizer, or NeuronZero1Optimizer, got "
+                    f"{type(optimizer)}"
+                )
+            file = _optimizer_file(_rank() if zero1 else 0)
+            state = torch.load(f"{base}/optim/{file}", weights_only=False)
+            if isinstance(optimizer, dict):
+                for key in state:
+                    optimizer[key] = state[key]
+            else:
+                optimizer.load_state_dict(state)
         if model is not None:
             state = torch.load(f"{base}/model/{RANK_FILE}", weights_only=False)
             model.load_state_dict(state, strict=strict)

@@ -15,7 +15,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from nxd_standin import NxdStandIn
+from nxd_standin import NxdStandIn, zero1_optimizer_class
 
 from hlat_ckpt.neuron import NeuronCheckpointer
 
@@ -23,8 +23,8 @@ from hlat_ckpt.neuron import NeuronCheckpointer
 def state(rank: int) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
-    # a stand-in for ZeRO-1's shard: the ranks' optimizer states differ
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    # ZeRO-1's shard: the ranks' optimizer states differ
+    optimizer = zero1_optimizer_class(torch.optim.SGD)(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.full((2, 4), float(rank + 1))).sum().backward()
     optimizer.step()
     return {"model": model, "optimizer": optimizer, "loader": {"position": 0}}

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from ckpt_helpers import Counters, make_state, snapshot, train_step
-from nxd_standin import RANK_FILE, NxdStandIn
+from nxd_standin import RANK_FILE, NxdStandIn, zero1_optimizer_class
 
 from hlat_ckpt import MANIFEST_NAME, CheckpointError, CheckpointInfo
 from hlat_ckpt.neuron import (
@@ -24,6 +24,7 @@ from hlat_ckpt.neuron import (
     checksum_share,
     load_checkpoint_kwargs,
     manifest_entries,
+    nxd_optimizer,
     rank_file,
     rank_state_bytes,
     restore_rank_state,
@@ -60,6 +61,18 @@ def test_load_always_names_the_tag_hlat_ckpt_chose():
     kwargs = load_checkpoint_kwargs("/ckpt", 20, state, num_workers=4)
     assert (kwargs["path"], kwargs["tag"], kwargs["num_workers"]) == ("/ckpt", "step_0000000020", 4)
     assert kwargs["model"] is state["model"] and kwargs["strict"] is True
+
+
+def test_load_gives_nxd_its_own_optimizer_and_any_other_as_a_dict_to_fill():
+    # NxD's load_checkpoint raises on an optimizer that is neither its own nor a dict
+    state = make_state(0)
+    kwargs = load_checkpoint_kwargs("/ckpt", 20, state)
+    assert not nxd_optimizer(state["optimizer"])
+    assert kwargs["optimizer"] == {} and kwargs["optimizer"] is not state["optimizer"]
+    zero1 = zero1_optimizer_class(torch.optim.AdamW)(state["model"].parameters())
+    assert nxd_optimizer(zero1)
+    assert load_checkpoint_kwargs("/ckpt", 20, {**state, "optimizer": zero1})["optimizer"] is zero1
+    assert load_checkpoint_kwargs("/ckpt", 20, {"model": state["model"]})["optimizer"] is None
 
 
 def test_manifest_entries_say_who_saved_what():

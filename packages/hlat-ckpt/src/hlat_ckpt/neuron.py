@@ -15,8 +15,15 @@ which ``torch.distributed.checkpoint`` would save as one replicated copy), the s
   damaged one for the one before;
 - per-rank state (data loader, counters, RNG) is saved by every rank, in
   ``hlat-rank/rank_<rank>.pt`` (NxD's ``user_content`` is rank 0's only);
-- retention (keep the last N) is done by hlat-ckpt after each commit, never by NxD
-  (``num_kept_ckpts=None``), and never removes anything when a save fails.
+- retention (keep the last N) is done by hlat-ckpt after each commit, and never removes
+  anything when a save fails. NxD deletes no checkpoint it marked ``done``
+  (``num_kept_ckpts=None``); after each save it still removes the tags it began (its
+  ``checkpoint`` marker) and never marked ``done`` that are older than its oldest ``done``
+  one: saves that failed, which hlat-ckpt never committed;
+- an optimizer of NxD's own classes (``NeuronZero1Optimizer``, ``NxDOptimizer``) is loaded by
+  NxD itself; NxD's ``load_checkpoint`` refuses any other (it saves them all), so another
+  optimizer (a plain ``torch.optim`` one, without ZeRO-1) is loaded through a dict that NxD
+  fills, then its ``load_state_dict`` (:func:`load_checkpoint_kwargs`).
 
 The argument mapping and the bookkeeping are tested without NxD; the calls into NxD are
 unverified on hardware (they need a trn1 instance with the Neuron SDK). Trust model: NxD
@@ -151,11 +158,27 @@ def save_checkpoint_kwargs(
     }
 
 
+def nxd_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is of one of NxD's own optimizer classes (or a subclass), which
+    NxD's ``load_checkpoint`` accepts as they are: ``NeuronZero1Optimizer`` and
+    ``NxDOptimizer``, from the ``neuronx_distributed`` package."""
+    return any(
+        (c.__module__ or "").partition(".")[0] == "neuronx_distributed"
+        for c in type(optimizer).__mro__
+    )
+
+
 def load_checkpoint_kwargs(
     root: str, step: int, state: Mapping[str, Any], *, num_workers: int = 8, tag: str = ""
 ) -> dict[str, Any]:
     """Keyword arguments of ``neuronx_distributed.load_checkpoint`` for step ``step``, from
     the checkpoint directory ``tag`` (default ``step_<N>``).
+
+    The optimizer is passed as it is when it is one of NxD's (:func:`nxd_optimizer`); any
+    other is replaced by an empty dict, the form NxD's ``load_checkpoint`` takes for
+    optimizers that are not its own (it raises ``RuntimeError`` on them), which it fills with
+    the saved state dict: load that into the optimizer after the call
+    (:class:`NeuronCheckpointer` does).
 
     Note: the tag is always given: without one NxD takes the newest tag with a ``done``
     file (by modification time), which may be one hlat-ckpt has not committed or has found
@@ -166,7 +189,7 @@ def load_checkpoint_kwargs(
         "path": root,
         "tag": tag or step_dirname(step),
         "model": model,
-        "optimizer": optimizer,
+        "optimizer": optimizer if optimizer is None or nxd_optimizer(optimizer) else {},
         "scheduler": scheduler,
         "num_workers": num_workers,
         "strict": True,
@@ -247,8 +270,9 @@ class NeuronCheckpointer(CheckpointPolicy[Written]):
             ``finalize_checkpoint``; default ``neuronx_distributed``, imported here.
 
     ``state`` maps names to one ``nn.Module`` (built with NxD's parallel layers), at most one
-    optimizer (NxD's ``NeuronZero1Optimizer``) and one LR scheduler, which NxD saves, and
-    any other objects with ``state_dict()/load_state_dict()`` or plain dicts, saved per rank.
+    optimizer (NxD's ``NeuronZero1Optimizer``, or any ``torch.optim`` optimizer: see
+    :func:`load_checkpoint_kwargs`) and one LR scheduler, which NxD saves, and any other
+    objects with ``state_dict()/load_state_dict()`` or plain dicts, saved per rank.
 
     For an asynchronous save, the :class:`~hlat_ckpt.SaveStats` of :meth:`pop_save_stats`
     count as ``stall_s`` the time :meth:`save` blocked (NxD's copy to host memory, after
@@ -386,7 +410,7 @@ class NeuronCheckpointer(CheckpointPolicy[Written]):
 
     def _read(self, step: int, dirname: str, manifest: Manifest, state: Mapping[str, Any]) -> None:
         where = self._storage.url_of(dirname)
-        _, _, _, others = split_state(state)
+        _, optimizer, _, others = split_state(state)
         self._check_entries(where, manifest, manifest_entries(state, save_rng=False))
         per_rank = self._storage.path(dirname, rank_file(self.rank))
         if not self._storage.fs.exists(per_rank):
@@ -394,14 +418,23 @@ class NeuronCheckpointer(CheckpointPolicy[Written]):
                 f"{where} was written by {manifest.world_size} ranks and has no per-rank state "
                 f"for rank {self.rank}; resume with the same number of ranks"
             )
+        kwargs = load_checkpoint_kwargs(
+            self.root, step, state, num_workers=self.num_workers, tag=dirname
+        )
         try:
-            content = self._nxd.load_checkpoint(
-                **load_checkpoint_kwargs(
-                    self.root, step, state, num_workers=self.num_workers, tag=dirname
-                )
-            )
+            content = self._nxd.load_checkpoint(**kwargs)
         except Exception as e:
             raise CheckpointError(f"NxD could not load {where}: {type(e).__name__}: {e}") from e
+        if optimizer is not None and kwargs["optimizer"] is not optimizer:
+            if not kwargs["optimizer"]:
+                raise CheckpointError(f"NxD loaded no optimizer state from {where}")
+            try:
+                optimizer.load_state_dict(kwargs["optimizer"])
+            except Exception as e:
+                raise CheckpointError(
+                    f"{where}: the optimizer state NxD loaded does not fit the optimizer "
+                    f"({type(e).__name__}: {e})"
+                ) from e
         if not isinstance(content, Mapping) or content.get(STEP_KEY) != step:
             raise CheckpointError(
                 f"{where}: NxD's user_content does not name step {step}; it was not written "

@@ -275,6 +275,20 @@ def test_unsaveable_per_rank_state_fails_before_nxd_writes_anything(tmp_path):
     assert nxd.calls == [] and ck.list() == []
 
 
+def test_a_process_saves_through_nxd_in_the_mode_of_its_first_save_only(tmp_path):
+    # NxD's first save_checkpoint fixes synchronous or asynchronous saving for the process
+    nxd = NxdStandIn()
+    first = NeuronCheckpointer(tmp_path / "a", async_save=True, use_xser=False, nxd=nxd)
+    other = NeuronCheckpointer(tmp_path / "b", async_save=False, use_xser=False, nxd=nxd)
+    first.save(1, make_state(0))
+    first.wait()
+    with pytest.raises(ValueError, match="async_save=True"):
+        other.save(1, make_state(0))
+    assert not os.path.exists(tmp_path / "b" / "step_0000000001")
+    assert nxd.calls == ["save step_0000000001", "finalize"]
+    assert [i.step for i in first.list()] == [1]
+
+
 def test_saving_a_step_twice_is_refused_and_keeps_the_first(tmp_path):
     ck = checkpointer(tmp_path)
     a = make_state(0)

@@ -37,6 +37,7 @@ import builtins
 import io
 import os
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -60,6 +61,10 @@ RANK_DIR = "hlat-rank"
 """Where each rank's own state goes inside a checkpoint."""
 RNG_ENTRY = "rng"
 _RANK_FORMAT = "hlat-rank-state"
+_NXD_MODES: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+"""``async_save`` of the first save handed to each NxD module of this process: NxD fixes
+synchronous or asynchronous saving then, for the whole process (its first
+``save_checkpoint`` creates its one ``CheckpointIOState``)."""
 
 
 def rank_file(rank: int) -> str:
@@ -281,7 +286,10 @@ class NeuronCheckpointer(CheckpointPolicy[Written]):
     :meth:`save` to the commit, training in between.
 
     Note: construct it on every rank in the same order (it creates a process group) and
-    call :meth:`close` (or :meth:`wait`) before the process group is destroyed.
+    call :meth:`close` (or :meth:`wait`) before the process group is destroyed. NxD saves
+    synchronously or asynchronously as its first ``save_checkpoint`` in the process did, so
+    a process saves with one ``async_save``: a save with the other is refused before any
+    work.
     """
 
     _markers = (MANIFEST_NAME, DONE)
@@ -343,6 +351,13 @@ class NeuronCheckpointer(CheckpointPolicy[Written]):
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        first = _NXD_MODES.get(self._nxd)
+        if first is not None and first != self.async_save:
+            raise ValueError(
+                f"this NeuronCheckpointer has async_save={self.async_save}, but this process "
+                f"already saved through NxD with async_save={first}, and NxD keeps the mode of "
+                "its first save_checkpoint for the whole process: use one async_save per process"
+            )
         started = time.perf_counter()
         _, _, _, others = split_state(state)
         entries = manifest_entries(state, self.save_rng)
@@ -359,6 +374,7 @@ class NeuronCheckpointer(CheckpointPolicy[Written]):
                 self._storage.path(dirname, rank_file(self.rank)), "wb"
             ) as f:
                 f.write(data)
+            _NXD_MODES.setdefault(self._nxd, self.async_save)
             self._nxd.save_checkpoint(
                 **save_checkpoint_kwargs(
                     self.root,

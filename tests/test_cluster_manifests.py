@@ -151,6 +151,25 @@ def test_sbatch_runs_preflight_on_every_node_before_training(path):
     assert _after(preflight, "--rdzv-endpoint") != _after(commands[training], "--rdzv-endpoint")
 
 
+def test_the_precompile_command_runs_the_training_jobs_nodes_and_layout():
+    # neuron_parallel_compile caches the graphs of the command it runs; the DP degree changes
+    # them (gradient all-reduce groups, ZeRO-1 shards), so one node's graphs miss at 64 nodes
+    doc = (CLUSTER / "compile-cache.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", doc, flags=re.S)
+    compiles = [c for b in blocks for c in _shell_commands(b) if "neuron_parallel_compile" in c]
+    assert len(compiles) == 1
+    compile_args = compiles[0]
+    assert compile_args[0] == "srun" and _after(compile_args, "--ntasks-per-node") == "1"
+    torchrun = compile_args[compile_args.index("neuron_parallel_compile") + 1 :]
+    (sbatch,) = SBATCH
+    training = next(c for c in _shell_commands(sbatch.read_text()) if "hlat_train" in c)
+    training = training[training.index("torchrun") :]
+    for flag in ("--nnodes", "--nproc-per-node", "--config", "--parallel.backend",
+                 "--parallel.nodes", "--parallel.dp", "--data.tokenizer"):  # fmt: skip
+        assert _after(torchrun, flag) == _after(training, flag), flag
+    assert int(_after(torchrun, "--train.steps") or 0) > 0, "a few steps, not the whole run"
+
+
 # --- EKS ----------------------------------------------------------------------------------
 
 
@@ -213,6 +232,8 @@ def test_pytorchjob_trains_the_preset_it_names_on_its_replicas(path):
     assert cache
     for name, expected in _neuron_env(cache, preset).items():
         assert env.get(name) == expected, name
+    # in a container, the Neuron collectives bootstrap on the pod's interface (NxD's scripts)
+    assert env.get("CCOM_SOCKET_IFNAME") == "eth0"
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)

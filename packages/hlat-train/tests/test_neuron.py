@@ -19,6 +19,7 @@ from hlat_train.neuron import (
     STOCHASTIC_ROUNDING,
     apply_neuron_env,
     describe_precision,
+    extracting_graphs,
     mark_step,
     neuron_checkpointer_kwargs,
     neuron_env,
@@ -70,6 +71,17 @@ def test_variables_the_user_set_win(monkeypatch):
 
 def test_mark_step_is_a_no_op_off_xla():
     assert mark_step() is None
+
+
+def test_graph_extraction_is_told_by_the_variable_neuron_parallel_compile_sets(monkeypatch):
+    # as NxD's training scripts read it: set to anything non-empty
+    assert extracting_graphs({"NEURON_EXTRACT_GRAPHS_ONLY": "1"})
+    assert not extracting_graphs({"NEURON_EXTRACT_GRAPHS_ONLY": ""})
+    assert not extracting_graphs({})
+    monkeypatch.setenv("NEURON_EXTRACT_GRAPHS_ONLY", "1")
+    assert extracting_graphs()
+    monkeypatch.delenv("NEURON_EXTRACT_GRAPHS_ONLY")
+    assert not extracting_graphs()
 
 
 # --- the pieces a training loop on NxD calls ------------------------------------------------

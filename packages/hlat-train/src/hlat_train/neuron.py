@@ -23,13 +23,16 @@ Those functions call NxD and are unverified on hardware; the arguments they comp
 tested (:func:`neuron_optimizer_kwargs`, :func:`neuron_checkpointer_kwargs`,
 :func:`describe_precision`).
 
-Pre-compiling: run the same command under ``neuron_parallel_compile`` with a few steps
-(``neuron_parallel_compile torchrun --nproc-per-node 32 -m hlat_train train --config
-hlat-7b --train.steps=10``); it traces every graph and compiles them in parallel into the
-compile cache (``neuron.cache_dir``, passed as ``--cache_dir`` in ``NEURON_CC_FLAGS``;
-default ``/var/tmp/neuron-compile-cache``). On a cluster, compile once into shared storage,
-then copy the cache to each node's local disk and point ``neuron.cache_dir`` there: HLAT
-found shared storage too slow to serve the cache to every node.
+Pre-compiling: run the training command itself, on the same nodes and layout (the graphs
+depend on DP too), under ``neuron_parallel_compile`` with a few steps
+(``srun neuron_parallel_compile torchrun --nnodes 64 --nproc-per-node 32 ... -m hlat_train
+train --config hlat-7b ... --train.steps=10``); it traces every graph and compiles them in
+parallel into the compile cache (``neuron.cache_dir``, passed as ``--cache_dir`` in
+``NEURON_CC_FLAGS``; default ``/var/tmp/neuron-compile-cache``). While it collects graphs
+(:func:`extracting_graphs`) the trainer does not act on the values it reads back. On a
+cluster, compile once into shared storage, then copy the cache to each node's local disk
+and point ``neuron.cache_dir`` there: HLAT found shared storage too slow to serve the cache
+to every node (``docs/cluster/compile-cache.md``).
 """
 
 from __future__ import annotations
@@ -101,6 +104,20 @@ def apply_neuron_env(config: NeuronConfig, precision: str, multi_node: bool) -> 
             os.environ[key] = value
             applied[key] = value
     return applied
+
+
+EXTRACT_GRAPHS_ONLY = "NEURON_EXTRACT_GRAPHS_ONLY"
+"""Set by ``neuron_parallel_compile`` in the processes it runs to collect graphs."""
+
+
+def extracting_graphs(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process runs under ``neuron_parallel_compile``'s graph extraction
+    (:data:`EXTRACT_GRAPHS_ONLY` set, to anything non-empty, as NxD's own training scripts
+    read it): the graphs are traced and collected, not executed, so every value read back
+    from the device is meaningless. The trainer still reads what it reads in a real run (a
+    host read ends a graph, so skipping it would collect other graphs), but does not act on
+    the verdicts it reads (no skipped update, no rollback)."""
+    return bool((os.environ if env is None else env).get(EXTRACT_GRAPHS_ONLY))
 
 
 _xla_model: Any = None

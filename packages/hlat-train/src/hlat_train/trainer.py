@@ -315,6 +315,13 @@ class Trainer:
             )
         # the modules that run (the pipeline stages, or the model) for FSDP's bookkeeping
         self.model_parts = self.pipeline.modules if self.pipeline is not None else [model]
+        # values read from the device mean nothing while neuron_parallel_compile collects graphs
+        self._extracting = dims.backend == "neuron" and neuron.extracting_graphs()
+        if self._extracting:
+            self._log(
+                "neuron_parallel_compile is collecting graphs: nothing runs on the devices, "
+                "and the losses, norms and spike verdicts read back are not acted on"
+            )
         if dims.backend == "neuron":
             self._log(f"precision {neuron.describe_precision(c.optim.precision)}")
             self.optimizer = neuron.neuron_optimizer(c, model, dims)
@@ -656,7 +663,11 @@ class Trainer:
                     # The device is read here, once. The verdicts since the last read come
                     # first, so a rollback never saves or logs a state past a spike.
                     seen = self._read(window, loss_value, grad_norm, spike, skip, log)
-                    if seen["first_spike"] and c.spike.policy == "rollback":
+                    if (
+                        seen["first_spike"]
+                        and c.spike.policy == "rollback"
+                        and not self._extracting
+                    ):
                         first = int(seen["first_spike"])
                         watchdog.activity("spike rollback (checkpoint load)", region="startup")
                         batches = self._rollback(first, window.batches[first], batches)
@@ -906,7 +917,9 @@ class Trainer:
 
         if self.dims.backend == "neuron":
             spike, skip = self._judge(loss, torch.zeros_like(loss))
-            skipped = self.config.spike.policy in ("skip", "rollback") and bool(skip)
+            # the verdict is read even while graphs are collected: the read ends a graph
+            verdict = self.config.spike.policy in ("skip", "rollback") and bool(skip)
+            skipped = verdict and not self._extracting
             if not skipped:
                 self.optimizer.step()
             norm = neuron.neuron_grad_norm(self.optimizer)

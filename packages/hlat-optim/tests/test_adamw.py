@@ -347,3 +347,35 @@ def test_failed_compilation_falls_back_to_the_reference_update_with_a_warning(mo
     _run(AdamW(expected, lr=1e-2, impl="reference"), expected, 3)
     for a, b in zip(params, expected, strict=True):
         assert torch.equal(_bits(a), _bits(b))
+
+
+def test_the_update_compiles_to_static_shapes_for_neurons_backend(monkeypatch):
+    # TorchNeuron's torch.compile backend ("neuron") rejects dynamic=True at compilation (its
+    # backend reference, Neuron 2.33). Played here by a backend registered under that name
+    # which refuses graphs with symbolic sizes and runs the others as traced.
+    from torch._dynamo.backends import registry
+
+    import hlat_optim.adamw as adamw_module
+
+    graphs = []
+
+    def static_shapes_only(gm, example_inputs):
+        for node in gm.graph.find_nodes(op="placeholder"):
+            value = node.meta.get("example_value")
+            sizes = getattr(value, "shape", ())
+            if isinstance(value, torch.SymInt) or any(isinstance(d, torch.SymInt) for d in sizes):
+                raise RuntimeError("dynamic shapes are not supported by this backend")
+        graphs.append(gm)
+        return gm.forward
+
+    registry._lazy_import()  # torch's own backends first, so none is registered later
+    monkeypatch.setitem(registry._BACKENDS, "neuron", None)
+    monkeypatch.setitem(registry._COMPILER_FNS, "neuron", static_shapes_only)
+    monkeypatch.setattr(adamw_module, "_compiled", {})
+    assert adamw_module._compile_kwargs("inductor", "cuda")["dynamic"] is True
+    params, expected = _params(torch.bfloat16), _params(torch.bfloat16)
+    _run(AdamW(params, lr=1e-2, impl="compiled", compile_backend="neuron"), params, 3)
+    _run(AdamW(expected, lr=1e-2, impl="reference"), expected, 3)
+    assert graphs
+    for a, b in zip(params, expected, strict=True):
+        assert torch.equal(_bits(a), _bits(b))

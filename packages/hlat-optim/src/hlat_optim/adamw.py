@@ -282,18 +282,31 @@ def _compile_options(backend: str, device_type: str) -> dict[str, Any] | None:
     return {k: v for k, v in _DEVICE_INDUCTOR_OPTIONS.items() if _has_inductor_option(k)}
 
 
+def _compile_kwargs(backend: str, device_type: str) -> dict[str, Any]:
+    """The ``torch.compile`` arguments of the update with ``backend`` for tensors of
+    ``device_type``: one graph whatever the buffer sizes (``dynamic=True``) where the backend
+    can, else one graph per size.
+
+    Note: TorchNeuron's backend (``"neuron"``) rejects ``dynamic=True`` at compilation (its
+    ``torch.compile`` backend reference, Neuron 2.33: shapes that vary compile anew per
+    shape); the failed compile made ``impl="auto"`` fall back to the eager update. The
+    update's sizes are its buckets' (one per batch of tensors unless they hold more than
+    ``FLAT_BUCKET`` elements), a few graphs, far below the recompile limit.
+    """
+    return {
+        "backend": backend,
+        "dynamic": backend != "neuron",
+        "fullgraph": True,
+        "options": _compile_options(backend, device_type),
+    }
+
+
 def _compiled_update(backend: str, device_type: str = "cpu") -> Callable[..., None]:
     """``adamw_update_flat`` through ``torch.compile`` with ``backend``, made once."""
     with _compile_lock:
         fn = _compiled.get((backend, device_type))
         if fn is None:
-            compiled = torch.compile(
-                adamw_update_flat,
-                backend=backend,
-                dynamic=True,
-                fullgraph=True,
-                options=_compile_options(backend, device_type),
-            )
+            compiled = torch.compile(adamw_update_flat, **_compile_kwargs(backend, device_type))
 
             patches = threading.local()
 

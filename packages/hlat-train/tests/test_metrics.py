@@ -75,3 +75,52 @@ def test_resumed_steps_are_read_once_with_the_last_record_winning(tmp_path):
     ]
     assert plot_metrics(records, str(tmp_path / "plot.png"))
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
+
+
+PYTHON_BACKEND = """
+import torch
+from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+
+class DeviceModule:
+    # what a backend whose allocator is not torch's DeviceAllocator offers: its own counter
+    @staticmethod
+    def is_available():
+        return True
+
+    @staticmethod
+    def device_count():
+        return 1
+
+    @staticmethod
+    def current_device():
+        return 0
+
+    @staticmethod
+    def max_memory_allocated(device=None):
+        return 3 * 2**29
+
+
+_setup_privateuseone_for_python_backend("neuron", backend_module=DeviceModule())
+"""
+
+
+def test_peak_memory_comes_from_the_device_module_where_torch_accelerator_has_none():
+    import subprocess
+    import sys
+
+    script = PYTHON_BACKEND + (
+        "from hlat_train.metrics import memory_gib\n"
+        "device = torch.device('neuron', 0)\n"
+        "try:\n"
+        "    torch.accelerator.max_memory_allocated(device)\n"
+        "    print('accelerator statistics')\n"
+        "except (RuntimeError, NotImplementedError):\n"
+        "    print('no accelerator statistics')\n"
+        "print(memory_gib(device))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["no", "accelerator", "statistics", "1.5"]

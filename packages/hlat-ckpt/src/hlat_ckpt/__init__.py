@@ -35,7 +35,7 @@ __all__ = [
     "SaveStats",
     "consolidate",
 ]
-__version__ = "0.8.3"
+__version__ = "0.8.4"
 
 
 def __getattr__(name: str) -> Any:

@@ -39,7 +39,7 @@ class RNGState:
         found = _accelerator_module()
         if found is not None and getattr(found[1], "is_initialized", lambda: True)():
             # keyed by device type ("cuda", "neuron"...), as hlat-ckpt 0.2 keyed CUDA's
-            state[found[0]] = found[1].get_rng_state_all()
+            state[found[0]] = _device_states(found[1])
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -59,17 +59,37 @@ class RNGState:
             np.random.set_state(state["numpy"])
         found = _accelerator_module()
         if found is not None and found[0] in state:
-            found[1].set_rng_state_all(list(state[found[0]]))
+            _set_device_states(found[1], list(state[found[0]]))
 
 
 def _accelerator_module() -> tuple[str, Any] | None:
     """(device type, torch module) of the accelerator (``torch.cuda``, ``torch.xpu``,
-    TorchNeuron's...) when there is one and it keeps per-device generator states, else
-    None."""
+    TorchNeuron's...) when there is one and it keeps per-device generator states, every
+    device's at once (``get_rng_state_all``) or one device's (``get_rng_state(device)``),
+    else None."""
     device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if device is None:
         return None
     module = torch.get_device_module(device)
-    if not callable(getattr(module, "get_rng_state_all", None)):
+    if not (
+        callable(getattr(module, "get_rng_state_all", None))
+        or callable(getattr(module, "get_rng_state", None))
+    ):
         return None
     return device.type, module
+
+
+def _device_states(module: Any) -> list[torch.Tensor]:
+    """Every visible device's generator state, in device order."""
+    if callable(getattr(module, "get_rng_state_all", None)):
+        return list(module.get_rng_state_all())
+    return [module.get_rng_state(index) for index in range(torch.accelerator.device_count())]
+
+
+def _set_device_states(module: Any, states: list[torch.Tensor]) -> None:
+    """Restore :func:`_device_states`'s list; devices beyond it keep theirs."""
+    if callable(getattr(module, "set_rng_state_all", None)):
+        module.set_rng_state_all(states)
+        return
+    for index, device_state in enumerate(states[: torch.accelerator.device_count()]):
+        module.set_rng_state(device_state, index)

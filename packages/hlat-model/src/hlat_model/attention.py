@@ -142,23 +142,29 @@ def _flex_block_mask(doc_ids: torch.Tensor) -> Any:
 
 
 KEEP_PROBABILITIES_BYTES = 256 * 2**20
-"""Largest attention probabilities (bytes per call) that :func:`blocked_causal_attention`
-keeps for backward; above it, backward recomputes them block by block, so what a layer
-keeps for backward is linear in the sequence length (q, k and v), as with flash kernels.
-Either way one block's scores ([B*H, block, S] at most) exist at a time."""
+"""Largest attention probabilities (bytes per call, in the inputs' dtype) that
+:func:`blocked_causal_attention` keeps for backward; above it, backward recomputes them
+block by block, so what a layer keeps for backward is linear in the sequence length (q, k
+and v), as with flash kernels. Either way one block's scores ([B*H, block, S] at most)
+exist at a time."""
 
 
 def query_block(seq_len: int) -> int:
     """Queries per block of :func:`blocked_causal_attention`: a multiple of 64, a
-    sixteenth of the sequence or more (a diagonal block computes its masked half too).
+    sixteenth of the sequence, and at least 128 (a diagonal block computes its masked half
+    too).
 
-    Note: on a 2-core AVX512-BF16 CPU, forward + backward in bf16 took 180 ms with blocks
-    of 128, 193 ms with 256 and 230 ms with 512 at 1 x 8 heads x 2048 x 128; 44 ms with
-    64, 46 ms with 128 and 53 ms with 32 at 4 x 8 x 512 x 64
-    (``benchmarks/test_bench_train_step.py::test_query_block_sizes``). Smaller blocks copy
-    more key prefixes (a product copies a sliced operand) but compute less of the masked
-    half."""
-    return max(64, -(-seq_len // 16 // 64) * 64)
+    Note: smaller blocks compute less of the masked half but make more, smaller products,
+    each copying the key prefix it reads (a product copies a sliced operand), and more
+    passes over the scores; which wins moves with the machine and the kernel. Forward and
+    backward in bf16 (``benchmarks/test_bench_train_step.py::test_query_block_sizes``) on
+    2-core AVX512-BF16 EPYCs: at 4 x 8 heads x 512 x 64, 41.1 ms with blocks of 64, 31.5
+    ms with 128 and 58.1 ms with 32; at 1 x 8 x 2048 x 128, 127.3 ms with 128, 120.6 ms
+    with 256 and 133.6 ms with 512. The kernel of hlat-model 0.11 (fp32 probabilities) ran
+    44 ms with 64 against 46 ms with 128 on one such machine, 36.3 ms against 32.2 ms on
+    another.
+    """
+    return max(128, -(-seq_len // 16 // 64) * 64)
 
 
 def blocked_causal_attention(
@@ -171,23 +177,28 @@ def blocked_causal_attention(
     to a key, within the causal triangle) masks packed documents.
 
     Precision: scores come out of the product scaled and rounded to the inputs' dtype
-    (fp32 accumulation inside it), as in Hugging Face's eager attention; probabilities are
-    fp32 (rounded to the inputs' dtype for the products); score gradients are computed in
-    fp32, scaled, and rounded once; key and value gradients sum over blocks in fp32. In
-    bf16 the output and gradients are as close to float64 as the eager path's (tested).
+    (fp32 accumulation inside it), as in Hugging Face's eager attention; the softmax is
+    computed in fp32 and its probabilities rounded once to the inputs' dtype, which the
+    products and the softmax's backward read; score gradients are computed in fp32 from
+    those and rounded once; key and value gradients sum over blocks in fp32. In bf16 the
+    output and gradients are as close to float64 as Hugging Face's eager attention's, which
+    keeps fp32 probabilities for its softmax's backward (norm-wise, tested).
     Backward keeps the probabilities when they fit :data:`KEEP_PROBABILITIES_BYTES`, else
     recomputes them. Where they fit, code being compiled runs the same blocks as plain
     operators that inductor fuses (:func:`_composed`).
 
     Note: on CPUs torch's flash kernel runs its products in small tiles; with these larger
-    products forward + backward ran 1.75x faster in bf16 and 1.63x in fp32 at 4 x 8 heads x
-    512 x 64, 1.30x and 1.09x at 1 x 8 x 2048 x 128, on a 2-core AVX512-BF16 CPU
-    (``benchmarks/test_bench_train_step.py::test_attention_kernels``).
+    products forward + backward ran 1.61x faster in bf16 and 1.51x in fp32 at 4 x 8 heads x
+    512 x 64, 1.10x faster in bf16 and 0.95x (slower) in fp32 at 1 x 8 x 2048 x 128, on a
+    2-core AVX512-BF16 EPYC (``benchmarks/test_bench_train_step.py::
+    test_attention_kernels``; hlat-model 0.11's kernel, on another such machine: 1.75x,
+    1.63x, 1.30x, 1.09x).
     """
     if k.shape[1] != q.shape[1]:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    if torch.compiler.is_compiling() and _kept_sizes(q.shape[0] * q.shape[1], q.shape[2]):
+    rows, seq_len = q.shape[0] * q.shape[1], q.shape[2]
+    if torch.compiler.is_compiling() and _kept_sizes(rows, seq_len, q.element_size()):
         return _composed(q, k, v, allowed)
     return torch.ops.hlat.blocked_causal_attention(q, k, v, allowed)[0]
 
@@ -197,32 +208,34 @@ def _composed(
 ) -> torch.Tensor:
     """:func:`blocked_causal_attention` as plain differentiable operators, for code being
     compiled: the same blocks and products, the same precision (scores rounded to the
-    inputs' dtype out of the product, then scaled in fp32; an fp32 softmax; probabilities
-    rounded for the product), backward derived by autograd. Inductor fuses the mask, the
-    conversions, the softmax and its backward, and the sums of the key and value gradients
-    over blocks into a few kernels between the products, where the operator makes a pass
-    over memory for each. It runs only where the operator would keep its probabilities
-    (:data:`KEEP_PROBABILITIES_BYTES`); what backward keeps is the compiler's choice: at
-    4 x 8 heads x 512 x 64 in bf16, the same probabilities plus contiguous copies of the
-    key and value prefixes its products read, 32.8 MiB where the operator keeps 24.0.
+    inputs' dtype out of the product; a softmax computed in fp32, its probabilities rounded
+    to the inputs' dtype for the product and its backward), backward derived by autograd.
+    Inductor fuses the scale, the mask, the softmax and its backward, and the sums of the
+    key and value gradients over blocks into a few kernels between the products, where the
+    operator makes a pass over memory for each. It runs only where the operator would keep
+    its probabilities (:data:`KEEP_PROBABILITIES_BYTES`); what backward keeps is the
+    compiler's choice: at 4 x 8 heads x 512 x 64 in bf16, 16.0 MiB, what the operator keeps
+    (tested to stay within 1.5x of it).
 
     Note: measured on a 2-core AVX512-BF16 CPU, 8 layers of width 512 at 4 x 512 bf16
-    tokens, compiled blocks ran at 0.871 and 0.875 of the model's matrix-product ceiling
-    this way, against 0.863 and 0.864 calling the operator
+    tokens, with blocks of 64 and fp32 probabilities kept (hlat-model 0.11), compiled
+    blocks ran at 0.871 and 0.875 of the model's matrix-product ceiling this way, against
+    0.863 and 0.864 calling the operator
     (``benchmarks/test_bench_train_step.py::test_compiled_blocks_against_eager``, runs
     alternating)."""
     batch, heads, seq_len, head_dim = q.shape
     qf, kf, vf = (t.reshape(batch * heads, seq_len, head_dim) for t in (q, k, v))
     rows = []
     for start, end in _blocks(seq_len):
-        scores = torch.bmm(qf[:, start:end], kf[:, :end].transpose(1, 2)).float()
+        scores = torch.bmm(qf[:, start:end], kf[:, :end].transpose(1, 2))
         query = torch.arange(start, end, device=q.device)[:, None]
         keep = torch.arange(end, device=q.device) <= query
         if allowed is not None:
             in_document = allowed[:, :, start:end, :end].expand(batch, heads, -1, -1)
             keep = keep & in_document.reshape(batch * heads, end - start, end)
         scores = scores.mul(head_dim**-0.5).masked_fill(~keep, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        # Note: inductor computes a bf16 softmax (and its backward) in fp32 and rounds once.
+        probs = torch.softmax(scores, dim=-1)
         rows.append(torch.bmm(probs, vf[:, :end]))
     return torch.cat(rows, dim=1).view(q.shape)
 
@@ -238,10 +251,10 @@ def _probabilities(
     causal: torch.Tensor | None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fp32 softmax of the scores of queries ``start:end`` against keys ``:end`` (written
-    into ``out`` when given); q is [B*H, S, D], ``k_t`` the keys transposed, [B*H, D, S]
-    (its slices are rows, which the product copies fast; slices of the untransposed keys
-    copied 3x slower). ``masked`` is the negated ``allowed`` mask (True where masked), or
+    """Softmax of the scores of queries ``start:end`` against keys ``:end``, computed in
+    fp32 and rounded once to q's dtype (written into ``out`` when given); q is [B*H, S, D],
+    ``k_t`` the keys transposed, [B*H, D, S] (its slices are rows, which the product copies
+    fast; slices of the untransposed keys copied 3x slower). ``masked`` is the negated ``allowed`` mask (True where masked), or
     None for plain causal, which adds :func:`_causal_bias` ``causal`` in the product."""
     rows = end - start
     if masked is None:
@@ -261,10 +274,11 @@ def _probabilities(
         )
         by_head = scores.unflatten(0, (-1, heads))
         by_head.masked_fill_(masked[:, :, start:end, :end], float("-inf"))
+    # Note: torch's CPU softmax computes in fp32 for bf16 and rounds its result once: the
+    # numbers of an fp32 softmax rounded to bf16, without the two conversions (tested).
     if out is None:
-        return torch.softmax(scores, dim=-1, dtype=torch.float32)
-    # Note: CPUs have no bf16-to-fp32 softmax kernel; torch.softmax converts first too.
-    return torch.ops.aten._softmax.out(scores.float(), -1, False, out=out)
+        return torch.softmax(scores, dim=-1)
+    return torch.ops.aten._softmax.out(scores, -1, False, out=out)
 
 
 def _causal_bias(q: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor | None:
@@ -287,11 +301,12 @@ def _blocks(seq_len: int) -> list[tuple[int, int]]:
     return [(start, min(start + block, seq_len)) for start in range(0, seq_len, block)]
 
 
-def _kept_sizes(rows: int, seq_len: int) -> list[int]:
-    """Elements of each block's kept probabilities for ``rows`` = B*H, or none when they
-    exceed :data:`KEEP_PROBABILITIES_BYTES` (backward recomputes them)."""
+def _kept_sizes(rows: int, seq_len: int, itemsize: int) -> list[int]:
+    """Elements of each block's kept probabilities for ``rows`` = B*H, of ``itemsize``
+    bytes each, or none when they exceed :data:`KEEP_PROBABILITIES_BYTES` (backward
+    recomputes them)."""
     sizes = [rows * (end - start) * end for start, end in _blocks(seq_len)]
-    return sizes if 4 * sum(sizes) <= KEEP_PROBABILITIES_BYTES else []
+    return sizes if itemsize * sum(sizes) <= KEEP_PROBABILITIES_BYTES else []
 
 
 def _per_block(kept: torch.Tensor, rows: int, seq_len: int) -> list[torch.Tensor | None]:
@@ -300,7 +315,7 @@ def _per_block(kept: torch.Tensor, rows: int, seq_len: int) -> list[torch.Tensor
     blocks = _blocks(seq_len)
     if kept.numel() == 0:
         return [None] * len(blocks)
-    pieces = kept.split(_kept_sizes(rows, seq_len))
+    pieces = kept.split(_kept_sizes(rows, seq_len, kept.element_size()))
     return [p.view(rows, end - start, end) for p, (start, end) in zip(pieces, blocks, strict=True)]
 
 
@@ -317,15 +332,15 @@ def _per_block(kept: torch.Tensor, rows: int, seq_len: int) -> list[torch.Tensor
 def _blocked_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the output, the kept fp32 probabilities of all blocks flat: empty when recomputed);
-    q, k and v have the same number of heads."""
+    """(the output, the kept probabilities of all blocks flat, in q's dtype: empty when
+    recomputed); q, k and v have the same number of heads."""
     batch, heads, seq_len, head_dim = q.shape
     qf, kf, vf = (t.reshape(batch * heads, seq_len, head_dim) for t in (q, k, v))
     k_t = kf.transpose(1, 2).contiguous()
     masked = None if allowed is None else ~allowed
     scale = head_dim**-0.5
-    sizes = _kept_sizes(qf.shape[0], seq_len)
-    kept = q.new_empty(sum(sizes), dtype=torch.float32)
+    sizes = _kept_sizes(qf.shape[0], seq_len, q.element_size())
+    kept = q.new_empty(sum(sizes))
     into = _per_block(kept, qf.shape[0], seq_len)
     causal = _causal_bias(q, allowed)
     # Note: the output is laid out [B, S, H, D] (returned as a [B, H, S, D] view), so the
@@ -333,7 +348,7 @@ def _blocked_forward(
     out = q.new_empty(batch, seq_len, heads, head_dim)
     for n, (start, end) in enumerate(_blocks(seq_len)):
         probs = _probabilities(qf, k_t, start, end, scale, masked, heads, causal, into[n])
-        rows = torch.bmm(probs.to(vf.dtype), vf[:, :end])
+        rows = torch.bmm(probs, vf[:, :end])
         out[:, start:end].copy_(rows.view(batch, heads, end - start, head_dim).transpose(1, 2))
     return out.transpose(1, 2), kept
 
@@ -341,7 +356,7 @@ def _blocked_forward(
 @_blocked_forward.register_fake
 def _(q, k, v, allowed):
     batch, heads, seq_len, head_dim = q.shape
-    kept = q.new_empty(sum(_kept_sizes(batch * heads, seq_len)), dtype=torch.float32)
+    kept = q.new_empty(sum(_kept_sizes(batch * heads, seq_len, q.element_size())))
     return q.new_empty(batch, seq_len, heads, head_dim).transpose(1, 2), kept
 
 
@@ -377,7 +392,7 @@ def _blocked_backward(
             probs = _probabilities(qf, k_t, start, end, scale, masked, heads, causal)
         # one copy of the block's rows, which both products below read
         rows = grad[:, :, start:end].reshape(batch * heads, end - start, head_dim)
-        dv[:, :end].add_(torch.bmm(probs.to(rows.dtype).transpose(1, 2), rows))
+        dv[:, :end].add_(torch.bmm(probs.transpose(1, 2), rows))
         # the scale goes into the product: d scores = scale * softmax'(d probs)
         dprobs = torch.baddbmm(
             rows.new_zeros(()).expand(rows.shape[0], end - start, end),
@@ -385,9 +400,9 @@ def _blocked_backward(
             v_t[:, :, :end],
             beta=0,
             alpha=scale,
-        ).float()
+        )
+        # Note: torch's CPU kernel computes in fp32 for bf16 operands and rounds once.
         dscores = torch.ops.aten._softmax_backward_data(dprobs, probs, -1, probs.dtype)
-        dscores = dscores.to(qf.dtype)
         dqs.append(torch.bmm(dscores, kf[:, :end]))
         dk[:, :end].add_(torch.bmm(dscores.transpose(1, 2), qf[:, start:end]))
     dq = torch.cat(dqs, dim=1).view(q.shape)

@@ -147,15 +147,27 @@ def measure_matmul_tflops(device: torch.device, size: int = 1024, seconds: float
 
 
 def memory_gib(device: torch.device) -> float:
-    """Peak memory allocated on an accelerator (``torch.accelerator``'s statistics), or the
-    resident memory of this process on a CPU, in GiB."""
+    """Peak memory allocated on an accelerator, or the resident memory of this process on a
+    CPU, in GiB (NaN where the accelerator keeps no statistics).
+
+    The accelerator's figure is ``torch.accelerator``'s, which torch gives only for backends
+    whose allocator is its ``DeviceAllocator``; for another allocator it raises, and the
+    figure is then the device module's own ``max_memory_allocated`` (``torch.neuron``'s,
+    ``torch.cuda``'s...) where it has one."""
     if device.type != "cpu":
         import torch
 
         try:
             return torch.accelerator.max_memory_allocated(device) / 2**30
-        except (RuntimeError, NotImplementedError):  # a backend without memory statistics
-            return math.nan
+        except (RuntimeError, NotImplementedError):
+            pass
+        try:
+            own = getattr(torch.get_device_module(device), "max_memory_allocated", None)
+            if callable(own):
+                return float(own(device)) / 2**30
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+            pass
+        return math.nan
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30

@@ -119,14 +119,19 @@ def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: tor
     """:func:`apply_rope` of ``x`` written into ``out`` (a view of any strides), computed in
     fp32 and rounded once to ``out``'s dtype; ``-sin`` gives the inverse rotation. Where
     ``out`` has the computation's dtype (fp32) each half is computed in place in ``out``,
-    with no temporary and no copy; the numbers are the same."""
+    with no temporary and no copy; the numbers are the same. Otherwise ``x`` is widened
+    once, not by each of the four operations that read a half of it (on CPUs an operation
+    on operands of two dtypes converts the narrower one first); the numbers are the same."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    if out.dtype == torch.promote_types(x.dtype, cos.dtype):
+    wide = torch.promote_types(x.dtype, cos.dtype)
+    if out.dtype == wide:
+        x1, x2 = x[..., :half], x[..., half:]
         out1, out2 = out[..., :half], out[..., half:]
         torch.mul(x1, cos, out=out1).addcmul_(x2, sin, value=-1)
         torch.mul(x2, cos, out=out2).addcmul_(x1, sin)
         return
+    widened = x.to(wide)
+    x1, x2 = widened[..., :half], widened[..., half:]
     rotated = torch.mul(x1, cos)
     out[..., :half].copy_(rotated.addcmul_(x2, sin, value=-1))
     torch.mul(x2, cos, out=rotated)

@@ -254,8 +254,9 @@ def _probabilities(
     """Softmax of the scores of queries ``start:end`` against keys ``:end``, computed in
     fp32 and rounded once to q's dtype (written into ``out`` when given); q is [B*H, S, D],
     ``k_t`` the keys transposed, [B*H, D, S] (its slices are rows, which the product copies
-    fast; slices of the untransposed keys copied 3x slower). ``masked`` is the negated ``allowed`` mask (True where masked), or
-    None for plain causal, which adds :func:`_causal_bias` ``causal`` in the product."""
+    fast; slices of the untransposed keys copied 3x slower). ``masked`` is the negated
+    ``allowed`` mask (True where masked), or None for plain causal, which adds
+    :func:`_causal_bias` ``causal`` in the product."""
     rows = end - start
     if masked is None:
         assert causal is not None

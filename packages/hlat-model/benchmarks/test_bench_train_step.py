@@ -168,8 +168,9 @@ def test_train_step_tokens_per_second(benchmark, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_compiled_blocks_against_eager(benchmark, dtype):
-    """Each block through ``torch.compile`` (``Module.compile``, what ``model.compile`` and
-    ``hlat_parallel.compile_blocks`` do) against the same model eager, in the same rounds;
+    """Each block through ``torch.compile`` (``Module.compile``) and the model's
+    ``loss_fn`` too (what ``model.compile`` and ``hlat_parallel.compile_blocks`` do) against
+    the same model eager, in the same rounds;
     the first compiled step's time (compilation) is reported beside the speed-up, and each
     one's fraction of the matrix products' ceiling (as in the test above, measured in the
     same rounds)."""
@@ -181,6 +182,7 @@ def test_compiled_blocks_against_eager(benchmark, dtype):
     compiled.load_state_dict(eager.state_dict())
     for block in compiled.layers:
         block.compile()
+    compiled.loss_fn = torch.compile(compiled.loss_fn)
     tokens = torch.randint(0, config.vocab_size, (BATCH, SEQ + 1))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
 

@@ -4,6 +4,7 @@ against the head's product into logits and ``F.cross_entropy`` on them."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -148,6 +149,40 @@ def test_a_head_with_hooks_goes_through_its_module():
     value = model(ids, labels=labels)
     assert seen == [(2, 16, config.vocab_size)]
     torch.testing.assert_close(value, cross_entropy_loss(model(ids), labels))
+
+
+def test_the_model_computes_its_loss_with_its_loss_fn():
+    """``Llama.loss_fn`` is what the model's loss is computed with: another trainer's own
+    loss gets the logits (the fused head and loss, cross entropy's, are bypassed), and the
+    default (or a wrapper of it, such as its compiled form) keeps the fused path."""
+    config = LlamaConfig.preset("tiny")
+    model = Llama(config)
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    labels = torch.randint(0, config.vocab_size, (2, 16))
+    seen: list[tuple[int, ...]] = []
+
+    def z_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        seen.append(tuple(logits.shape))
+        return cross_entropy_loss(logits, labels) + 1e-4 * logits.logsumexp(-1).square().mean()
+
+    assert model.loss_fn is cross_entropy_loss
+    plain = model(ids, labels=labels)
+    model.loss_fn = z_loss
+    value = model(ids, labels=labels)
+    assert seen == [(2, 16, config.vocab_size)]
+    logits = model(ids)
+    torch.testing.assert_close(value, z_loss(logits, labels))
+    assert value > plain
+
+    @functools.wraps(cross_entropy_loss)
+    def wrapped(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        seen.append(tuple(logits.shape))
+        return cross_entropy_loss(logits, labels)
+
+    seen.clear()
+    model.loss_fn = wrapped
+    torch.testing.assert_close(model(ids, labels=labels), plain)
+    assert seen == []  # fp32 on a CPU: the head and the loss fused, no logits made
 
 
 def test_the_model_refuses_labels_that_do_not_fit_before_running():

@@ -50,6 +50,42 @@ def test_blocks_compile_in_place_keep_their_names_and_compute_the_same():
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_the_models_loss_is_compiled_too_and_gives_the_eager_loss_and_gradients():
+    """A model with a ``loss_fn`` (hlat-model's Llama) gets it compiled beside its blocks,
+    once however often ``compile_blocks`` runs, and trains as the eager model does. bf16,
+    where the CPU's loss goes through ``loss_fn`` (fp32 fuses the head and the loss)."""
+    from hlat_model import Llama, LlamaConfig, cross_entropy_loss
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, ffn_dim=64)
+    eager = Llama(config).to(torch.bfloat16)
+    compiled = Llama(config).to(torch.bfloat16)
+    compiled.load_state_dict(eager.state_dict())
+    assert compile_blocks(compiled, backend="inductor") == 2
+    compile_blocks(compiled, backend="inductor")
+    assert compiled.loss_fn.hlat_compiled
+    assert compiled.loss_fn.__wrapped__ is cross_entropy_loss  # not wrapped twice
+    calls = []
+    compiled.lm_head.register_forward_hook(lambda *args: calls.append(1))
+    eager.lm_head.register_forward_hook(lambda *args: None)
+    tokens = torch.randint(0, config.vocab_size, (2, 17))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:].clone()
+    labels[0, :3] = -100
+    eager_loss = eager(inputs, labels=labels)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    compiled_loss = compiled(inputs, labels=labels)
+    assert calls == [1]
+    # the blocks' graph and the loss's (``cross_entropy_loss`` on bf16 logits)
+    assert counters["stats"]["unique_graphs"] == 2
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-5)
+    eager_loss.backward()
+    compiled_loss.backward()
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(b.grad.float(), a.grad.float(), rtol=0.05, atol=2e-3, msg=name)
+
+
 WORKER = Path(__file__).with_name("compile_worker.py")
 
 

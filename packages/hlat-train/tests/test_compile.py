@@ -45,6 +45,7 @@ def test_compiled_blocks_train_like_eager_and_resume(corpus, tmp_path, eager):
     trainer = _fit(tiny_config(corpus, out, *SETTINGS, "--model.compile=true", steps=4))
     compiled = [m for m in trainer.model.modules() if getattr(m, "_compiled_call_impl", None)]
     assert len(compiled) == 2  # the tiny-check model's two blocks
+    assert trainer.model.loss_fn.hlat_compiled  # and its loss (fp32: the fused head runs)
     assert {n.split(".")[0] for n, _ in trainer.model.named_parameters()} == {
         "embed_tokens", "layers", "norm", "lm_head"
     }  # fmt: skip

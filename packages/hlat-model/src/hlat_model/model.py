@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -353,11 +354,20 @@ class Llama(nn.Module):
         model.init_weights()
 
     Built on a real device, the weights are initialised at once.
+
+    ``loss_fn(logits, labels)`` is the loss that ``forward`` computes from the logits when
+    given ``labels`` (default :func:`hlat_model.cross_entropy_loss`; see ``forward`` for
+    when the head and the loss are fused instead). Another trainer may set its own;
+    ``hlat_parallel.compile_blocks`` replaces it with its compiled form, as torchtitan
+    compiles its loss beside its blocks.
     """
+
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
+        self.loss_fn = cross_entropy_loss
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
@@ -401,11 +411,11 @@ class Llama(nn.Module):
         ``doc_lens`` is given). ``doc_lens`` [B, D] (zero padded) enables document masking:
         no token attends across a document boundary.
 
-        ``labels`` [B, S] (already shifted; ``-100`` is ignored) make it return
-        :func:`hlat_model.cross_entropy_loss` of the logits, a 0-d fp32 tensor, computed
-        through :func:`hlat_model.linear_cross_entropy` where that fuses the head (fp32 on
-        CPUs): the logits are then never made. A head with forward hooks, or sharded by
-        tensor parallelism, goes through its module and the logits.
+        ``labels`` [B, S] (already shifted; ``-100`` is ignored) make it return the mean
+        loss, a 0-d fp32 tensor: ``loss_fn`` of the logits, or
+        :func:`hlat_model.linear_cross_entropy` where that fuses the head (fp32 on CPUs,
+        with the default ``loss_fn``): the logits are then never made. A head with forward
+        hooks, or sharded by tensor parallelism, goes through its module and the logits.
         """
         batch, seq_len = input_ids.shape
         if labels is not None:
@@ -444,9 +454,11 @@ class Llama(nn.Module):
             if self.config.sequence_first:
                 labels = labels.transpose(0, 1)
             head = self.lm_head
-            if fuses_head(h, head.weight) and not (head._forward_hooks or head._forward_pre_hooks):
+            hooked = head._forward_hooks or head._forward_pre_hooks
+            default_loss = getattr(self.loss_fn, "__wrapped__", self.loss_fn) is cross_entropy_loss
+            if default_loss and fuses_head(h, head.weight) and not hooked:
                 return linear_cross_entropy(h, head.weight, labels)
-            return cross_entropy_loss(head(h), labels)
+            return self.loss_fn(head(h), labels)
         logits = self.lm_head(h)
         return logits.transpose(0, 1) if self.config.sequence_first else logits
 

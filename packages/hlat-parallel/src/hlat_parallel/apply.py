@@ -52,7 +52,7 @@ def compile_blocks(model: nn.Module, **options: Any) -> int:
                 blocks.append(child)
     loss_fn = getattr(model, "loss_fn", None)
     if callable(loss_fn) and not getattr(loss_fn, "hlat_compiled", False):
-        model.loss_fn = _compiled_loss(loss_fn, **options)
+        setattr(model, "loss_fn", _compiled_loss(loss_fn, **options))  # noqa: B010
     try:
         from torch.distributed._functional_collectives import AsyncCollectiveTensor
     except ImportError:  # torch built without distributed: no collectives to wait for

@@ -47,23 +47,27 @@ def test_ddp_loop_resumes_after_a_sigkill_and_ends_where_an_uninterrupted_run_do
     from hlat_ckpt import Checkpointer, consolidate
 
     script = REUSE / "ddp_auto_resume.py"
-    whole = _torchrun(script, str(tmp_path / "whole"), "40")
+    # Note: the worker is killed once a checkpoint of step 10 is listed; the steps after it
+    # leave room for the time between that write and the kill on a loaded machine (40 steps
+    # were not always enough: the run had saved its last checkpoint before the kill).
+    steps = "200"
+    whole = _torchrun(script, str(tmp_path / "whole"), steps)
     output, _ = whole.communicate(timeout=300)
     assert whole.returncode == 0, output[-3000:]
 
     out = tmp_path / "killed"
-    first = _torchrun(script, str(out), "40")
+    first = _torchrun(script, str(out), steps)
     deadline = time.monotonic() + 120
     while not any(c.step >= 10 for c in Checkpointer(str(out / "checkpoints")).list()):
         assert first.poll() is None and time.monotonic() < deadline, "no checkpoint at step 10"
-        time.sleep(0.2)
+        time.sleep(0.05)
     os.kill(_worker_pids(first.pid)[0], signal.SIGKILL)
     killed, _ = first.communicate(timeout=120)
     assert first.returncode != 0, killed[-2000:]
     kept = [c.step for c in Checkpointer(str(out / "checkpoints")).list()]
-    assert kept and max(kept) < 40
+    assert kept and max(kept) < int(steps)
 
-    again = _torchrun(script, str(out), "40")
+    again = _torchrun(script, str(out), steps)
     resumed, _ = again.communicate(timeout=300)
     assert again.returncode == 0, resumed[-3000:]
     # it started after the newest checkpoint, not from step 1

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -111,9 +113,6 @@ def test_peak_memory_comes_from_the_device_module_where_torch_accelerator_has_no
 
     if not hasattr(backend_registration, "_setup_privateuseone_for_python_backend"):
         pytest.skip("this torch cannot register a Python device backend")
-    import subprocess
-    import sys
-
     script = PYTHON_BACKEND + (
         "from hlat_train.metrics import memory_gib\n"
         "device = torch.device('neuron', 0)\n"

@@ -22,7 +22,12 @@ import pytest
 import torch
 
 from hlat_model import Llama, LlamaConfig, cross_entropy_loss, flops_per_token, linear_cross_entropy
-from hlat_model.linear import Linear, _Fp32AccumulateLinear, cpu_bf16_reason
+from hlat_model.linear import (
+    Linear,
+    _Fp32AccumulateLinear,
+    cpu_bf16_reason,
+    cpu_fp32_onednn_reason,
+)
 from hlat_model.loss import fuses_head
 
 transformers = pytest.importorskip("transformers")
@@ -219,6 +224,44 @@ def test_compiled_blocks_against_eager(benchmark, dtype):
     print(f"\n[{dtype} compiled] {benchmark.extra_info}")
 
 
+def test_fp32_step_onednn_against_torch_products(benchmark, monkeypatch):
+    """The fp32 training step with ``Linear``'s products through oneDNN against the same
+    model's with torch's (MKL), alternating in the same rounds, whatever this CPU's rule
+    (:func:`cpu_fp32_onednn_reason`, reported) picks: the measurement the rule rests on."""
+    import hlat_model.linear as linear_module
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**CONFIG)
+    model = Llama(config)
+    tokens = torch.randint(0, config.vocab_size, (BATCH, SEQ + 1))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    rule = cpu_fp32_onednn_reason()
+
+    def step(onednn: bool) -> None:
+        monkeypatch.setattr(linear_module, "_CPU_FP32_ONEDNN", "measured" if onednn else None)
+        model(inputs, labels=labels).backward()
+        model.zero_grad(set_to_none=True)
+
+    step(True), step(False)
+    torch_times: list[float] = []
+    benchmark.pedantic(
+        lambda: step(True),
+        setup=lambda: torch_times.append(_timed(lambda: step(False))),
+        rounds=ROUNDS,
+        iterations=1,
+    )
+    tokens_per_step = BATCH * SEQ
+    onednn_tps = tokens_per_step / benchmark.stats.stats.min
+    torch_tps = tokens_per_step / min(torch_times)
+    benchmark.extra_info.update(
+        rule=rule or "torch's products",
+        onednn_tokens_per_s=round(onednn_tps),
+        torch_tokens_per_s=round(torch_tps),
+        onednn_vs_torch=round(onednn_tps / torch_tps, 3),
+    )
+    print(f"\n[fp32 products] {benchmark.extra_info}")
+
+
 ATTENTION_SHAPES = {
     "model": (BATCH, CONFIG["n_heads"], SEQ, CONFIG["dim"] // CONFIG["n_heads"]),
     "s2048-d128": (1, 8, 2048, 128),
@@ -392,7 +435,9 @@ def test_linear_paths_against_the_cpu_rule(benchmark):
     at the model's shapes, on this CPU; and which one :func:`cpu_bf16_reason` picks. Run it
     with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE`` (or ``AVX2``) to see the CPU kinds without bf16
     instructions: oneDNN then uses the kernels it would use there. The rule reads the CPU's
-    flags, so it still answers for this CPU."""
+    flags, so it still answers for this CPU. Beside them, the fp32 products through
+    ``Linear`` (oneDNN's where :func:`cpu_fp32_onednn_reason` says so) and through
+    ``nn.Linear`` (torch's, MKL)."""
     import torch.nn.functional as F
 
     torch.manual_seed(0)
@@ -400,6 +445,8 @@ def test_linear_paths_against_the_cpu_rule(benchmark):
     bf16 = torch.bfloat16
     native = _gemm_step(config, bf16, "torch")
     fp32_accumulate = _gemm_step(config, bf16, "fp32_accumulate")
+    fp32_hlat = _gemm_step(config, torch.float32, "hlat")
+    fp32_torch = _gemm_step(config, torch.float32, "torch")
     q, k, v = (
         torch.randn(BATCH, config.n_heads, SEQ, config.head_dim, dtype=bf16, requires_grad=True)
         for _ in range(3)
@@ -417,6 +464,8 @@ def test_linear_paths_against_the_cpu_rule(benchmark):
         ("attention_bf16", attention_bf16),
         ("attention_fp32", attention_fp32),
         ("linear_fp32_accumulate", fp32_accumulate),
+        ("linear_fp32_hlat", fp32_hlat),
+        ("linear_fp32_torch", fp32_torch),
     ]:
         fn()
         timings[name] = min(_timed(fn) for _ in range(ROUNDS))
@@ -432,5 +481,7 @@ def test_linear_paths_against_the_cpu_rule(benchmark):
             timings["linear_bf16"] / timings["linear_fp32_accumulate"], 2
         ),
         attention_bf16_vs_fp32=round(timings["attention_bf16"] / timings["attention_fp32"], 2),
+        fp32_rule=cpu_fp32_onednn_reason() or "torch's products",
+        fp32_torch_vs_hlat=round(timings["linear_fp32_torch"] / timings["linear_fp32_hlat"], 3),
     )
     print(f"\n{benchmark.extra_info}")

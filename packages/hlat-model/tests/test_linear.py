@@ -1,4 +1,4 @@
-"""Which bf16 path ``Linear`` and the attention core take on a CPU, and that the
+"""Which bf16 and fp32 paths ``Linear`` and the attention core take on a CPU, and that the
 fp32-accumulating path gives the numbers of a native bf16 kernel (bf16 operands, fp32
 accumulation, one rounding to bf16)."""
 
@@ -99,3 +99,90 @@ def test_attention_in_bf16_agrees_on_both_paths(native, monkeypatch):
         torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
     else:
         assert torch.equal(out, reference.to(torch.bfloat16))
+
+
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or not _cpu_vendor(), reason="reads the x86 vendor from /proc"
+)
+def test_the_fp32_rule_on_this_cpu_follows_the_vendor_and_flags_the_kernel_reports():
+    vendor = _cpu_vendor()
+    expected = vendor != "GenuineIntel" and "avx512f" in _cpu_flags()
+    assert (linear_module.cpu_fp32_onednn_reason() is not None) == expected
+    if expected:
+        assert vendor in linear_module.cpu_fp32_onednn_reason()
+
+
+@pytest.mark.parametrize(
+    ("machine", "vendor", "capability", "available", "onednn"),
+    [
+        ("x86_64", "AuthenticAMD", "AVX512", True, True),
+        ("x86_64", "GenuineIntel", "AVX512", True, False),
+        ("x86_64", "AuthenticAMD", "AVX2", True, False),
+        ("x86_64", "", "AVX512", True, False),
+        ("x86_64", "AuthenticAMD", "AVX512", False, False),
+        ("aarch64", "", "SVE256", True, False),
+    ],
+    ids=["amd-avx512", "intel-avx512", "amd-avx2", "unknown-vendor", "no-onednn", "arm"],
+)
+def test_fp32_products_go_through_onednn_only_on_non_intel_avx512_x86(
+    machine, vendor, capability, available, onednn
+):
+    reason = linear_module.fp32_onednn_rule(machine, vendor, capability, available)
+    assert (reason is not None) == onednn
+
+
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "torch"])
+def test_fp32_linear_takes_the_path_of_the_rule_and_matches_float64(onednn, monkeypatch):
+    """Both fp32 paths, whatever this CPU's rule says: oneDNN's product (forward and the
+    input's gradient) or torch's; each within fp32 rounding of float64, for a contiguous
+    and a transposed input, in a permuted-rows product too."""
+    reason = "forced in this test" if onednn else None
+    monkeypatch.setattr(linear_module, "_CPU_FP32_ONEDNN", reason)
+    torch.manual_seed(0)
+    layer = Linear(96, 80)
+    for x in (torch.randn(3, 7, 96), torch.randn(96, 5).t()):
+        x.requires_grad_(True)
+        out = layer(x)
+        assert type(out.grad_fn).__name__.startswith("_OneDnnLinear") == onednn
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        x64, w64, g64 = x.detach().double(), layer.weight.detach().double(), grad.double()
+        flat_g, flat_x = g64.reshape(-1, 80), x64.reshape(-1, 96)
+        expected = {
+            "out": (out, F.linear(x64, w64)),
+            "x.grad": (x.grad, g64 @ w64),
+            "weight.grad": (layer.weight.grad, flat_g.t() @ flat_x),
+        }
+        for name, (got, want) in expected.items():
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=name)
+        layer.weight.grad = None
+    rows = torch.randperm(80)
+    x = torch.randn(4, 96, requires_grad=True)
+    out = linear_module.linear_permuted_rows(x, layer.weight, rows)
+    out.sum().backward()
+    w64, x64 = layer.weight.detach().double(), x.detach().double()
+    tolerance = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), x64 @ w64[rows].t(), **tolerance)
+    torch.testing.assert_close(x.grad.double(), w64.sum(0).expand(4, 96), **tolerance)
+    torch.testing.assert_close(layer.weight.grad.double(), x64.sum(0).expand(80, 96), **tolerance)
+
+
+def test_cpu_autocast_keeps_torchs_product_where_the_fp32_rule_would_take_onednn(monkeypatch):
+    monkeypatch.setattr(linear_module, "_CPU_FP32_ONEDNN", "forced in this test")
+    layer, x = Linear(96, 80), torch.randn(3, 96)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, F.linear(x.to(torch.bfloat16), layer.weight.to(torch.bfloat16)))

@@ -1,11 +1,17 @@
-"""A bias-free ``nn.Linear`` that stays fast for bf16 on CPUs without native bf16 math.
+"""A bias-free ``nn.Linear`` that picks the fastest CPU product for its dtype.
 
-On x86 CPUs without AVX512-BF16/AMX, oneDNN emulates bf16 matrix products and runs them
-slower than fp32: 2.4x with AVX-512, 74x with AVX2 only (worst for the transposed layouts of
-backward). There we compute the product in fp32 from the bf16 operands and round the result
-to bf16: the same numbers a native bf16 GEMM produces (bf16 inputs, fp32 accumulation, bf16
-output), at fp32 speed, with only bf16 tensors saved for backward. Everywhere else (GPU,
-Neuron, DTensor shards, CPUs with native bf16, other dtypes) it is exactly ``nn.Linear``.
+- bf16: on x86 CPUs without AVX512-BF16/AMX, oneDNN emulates bf16 matrix products and runs
+  them slower than fp32: 2.4x with AVX-512, 74x with AVX2 only (worst for the transposed
+  layouts of backward). There we compute the product in fp32 from the bf16 operands and
+  round the result to bf16: the same numbers a native bf16 GEMM produces (bf16 inputs, fp32
+  accumulation, bf16 output), at fp32 speed, with only bf16 tensors saved for backward.
+- fp32: torch multiplies fp32 matrices with MKL, tuned for Intel CPUs. On other x86 CPUs
+  with AVX-512 (AMD Zen 4 and later), oneDNN's fp32 product runs faster, so there the
+  forward product and the input's gradient go through oneDNN (:func:`cpu_fp32_onednn_reason`):
+  fp32 operands, fp32 accumulation, fp32 results, as MKL's.
+
+Everywhere else (GPU, Neuron, DTensor shards, code being compiled, other CPUs and dtypes)
+it is exactly ``nn.Linear``.
 """
 
 from __future__ import annotations
@@ -57,6 +63,54 @@ def cpu_has_native_bf16() -> bool:
 _CPU_HAS_NATIVE_BF16 = cpu_bf16_reason() is not None
 
 
+def _cpu_vendor() -> str:
+    """The x86 vendor string (``GenuineIntel``, ``AuthenticAMD``) where Linux tells it, else
+    empty."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def fp32_onednn_rule(machine: str, vendor: str, capability: str, available: bool) -> str | None:
+    """Why fp32 products go through oneDNN on a CPU of this ``platform.machine()``, x86
+    ``vendor``, torch ``capability`` (``torch.backends.cpu.get_cpu_capability()``) and
+    oneDNN linear operator ``available``, or None for torch's own product (MKL).
+
+    Note: on a 2-core AMD EPYC (Zen 4, AVX-512), MKL's fp32 products at the shapes of a
+    width-512 model ran at 200-208 GFLOP/s, oneDNN's at 220-227 forward and for the input's
+    gradient; the weight's gradient reads both operands transposed, which oneDNN's linear
+    operator copies (176-209 GFLOP/s against MKL's 195-205), so it stays with MKL.
+    MKL is Intel's own, tuned for Intel CPUs; AVX2-only CPUs are not measured. Both keep
+    the rule off there.
+    """
+    if not available or machine.lower() not in ("x86_64", "amd64"):
+        return None
+    if vendor == "GenuineIntel" or not vendor or not capability.startswith("AVX512"):
+        return None
+    return f"this {vendor} CPU has AVX-512 and runs oneDNN's fp32 products faster than MKL's"
+
+
+def cpu_fp32_onednn_reason() -> str | None:
+    """:func:`fp32_onednn_rule` for this CPU, asked once at import."""
+    return _CPU_FP32_ONEDNN
+
+
+def _cpu_fp32_onednn() -> str | None:
+    available = torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_linear_pointwise"
+    )
+    capability = torch.backends.cpu.get_cpu_capability()
+    return fp32_onednn_rule(platform.machine(), _cpu_vendor(), capability, available)
+
+
+_CPU_FP32_ONEDNN = _cpu_fp32_onednn()
+
+
 def _fp32_accumulates(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`linear` takes the fp32-accumulating path for these operands."""
     return (
@@ -68,17 +122,44 @@ def _fp32_accumulates(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def _onednn_fp32(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`linear` multiplies these operands through oneDNN: fp32 plain CPU
+    tensors, outside code being compiled and CPU autocast (whose ``F.linear`` multiplies in
+    the autocast dtype), where :func:`cpu_fp32_onednn_reason` says so."""
+    return (
+        _CPU_FP32_ONEDNN is not None
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.device.type == "cpu"
+        and type(x) is torch.Tensor
+        and type(weight) in (nn.Parameter, torch.Tensor)
+        and not torch.compiler.is_compiling()
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` by oneDNN's linear operator (``weight`` may be a strided view)."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(flat, weight, None, "none", [], "")
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
 def _linear_grads(
     grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, needs: tuple[bool, ...]
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The gradients of ``linear(x, weight)`` for ``x`` and ``weight`` (None where
     ``needs`` says no), computed as that product was: in fp32 and rounded where it
-    accumulated in fp32, else in the operands' dtype as autograd's own backward does."""
+    accumulated in fp32, else in the operands' dtype as autograd's own backward does (the
+    input's through oneDNN where the forward product went there)."""
     g, w, flat_x = grad, weight, x.reshape(-1, x.shape[-1])
+    onednn = _onednn_fp32(x, weight)
     if _fp32_accumulates(x, weight):
         g, w, flat_x = grad.float(), weight.float(), flat_x.float()
     grad_x = grad_w = None
-    if needs[0]:
+    if needs[0] and onednn:
+        grad_x = _onednn_linear(g, w.t())
+    elif needs[0]:
         grad_x = (g @ w).to(x.dtype)
     if needs[1]:
         grad_w = (g.reshape(-1, g.shape[-1]).t() @ flat_x).to(weight.dtype)
@@ -93,6 +174,21 @@ class _Fp32AccumulateLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x, weight = ctx.saved_tensors
+        return _linear_grads(grad, x, weight, ctx.needs_input_grad)
+
+
+class _OneDnnLinear(torch.autograd.Function):
+    """fp32 ``linear`` through oneDNN (:func:`_onednn_fp32`); the weight's gradient by
+    torch's product."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return _onednn_linear(x, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         x, weight = ctx.saved_tensors
         return _linear_grads(grad, x, weight, ctx.needs_input_grad)
 
@@ -134,12 +230,15 @@ def linear_permuted_rows(x: torch.Tensor, weight: torch.Tensor, rows: torch.Tens
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` as :class:`Linear` computes it: through the fp32-accumulating path
-    for plain bf16 CPU tensors where this CPU has no native bf16 products, otherwise
+    for plain bf16 CPU tensors where this CPU has no native bf16 products, through oneDNN
+    for plain fp32 CPU tensors where :func:`cpu_fp32_onednn_reason` says so, otherwise
     ``F.linear``. ``weight`` may be a parameter or a tensor computed from one, which then
     gets its gradient through autograd (for a permutation of its rows,
     :func:`linear_permuted_rows` keeps less for backward)."""
     if _fp32_accumulates(x, weight):
         return _Fp32AccumulateLinear.apply(x, weight)
+    if _onednn_fp32(x, weight):
+        return _OneDnnLinear.apply(x, weight)
     return F.linear(x, weight)
 
 

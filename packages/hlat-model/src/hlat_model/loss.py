@@ -72,9 +72,15 @@ def _check_labels(inputs: torch.Tensor, labels: torch.Tensor, what: str) -> None
 def eager_plain(x: torch.Tensor) -> bool:
     """Whether ``x`` is a plain tensor computed op by op: not a tensor subclass (DTensor),
     not traced by ``torch.compile``, not on PyTorch/XLA's lazy device (trn1), whose
-    compilers fuse elementwise work themselves. hlat-model's hand-fused paths (this loss,
-    the RoPE head split) run only there."""
-    return type(x) is torch.Tensor and not torch.compiler.is_compiling() and x.device.type != "xla"
+    compilers fuse elementwise work themselves, and not under autocast, which casts
+    operators' inputs where the hand-fused functions do not. hlat-model's hand-fused paths
+    (this loss, the RoPE head split, RMSNorm, SwiGLU) run only there."""
+    return (
+        type(x) is torch.Tensor
+        and not torch.compiler.is_compiling()
+        and x.device.type != "xla"
+        and not torch.is_autocast_enabled(x.device.type)
+    )
 
 
 def _rows_per_chunk(logits: torch.Tensor) -> int:

@@ -26,3 +26,25 @@ def saved_for_backward():
             yield saved
 
     return record
+
+
+@pytest.fixture
+def traced_targets():
+    """A function giving the operators of the graph that ``torch.compile`` traces from
+    ``fn(*args)`` (dynamo's graph, before any backend compiles it)."""
+
+    def trace(fn, *args) -> list[str]:
+        targets: list[str] = []
+
+        def record(graph_module, example_inputs):
+            targets.extend(str(node.target) for node in graph_module.graph.nodes)
+            return graph_module.forward
+
+        torch._dynamo.reset()
+        try:
+            torch.compile(fn, backend=record, fullgraph=True, dynamic=False)(*args)
+        finally:
+            torch._dynamo.reset()
+        return targets
+
+    return trace

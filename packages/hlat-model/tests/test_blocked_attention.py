@@ -249,35 +249,18 @@ def test_backward_makes_no_gradient_for_the_kept_probabilities():
     assert kept not in [numel for _, numel in made], made
 
 
-def _traced_targets(fn, *args):
-    """The operators of the graph that ``torch.compile`` traces from ``fn(*args)`` (dynamo's
-    graph, before any backend compiles it)."""
-    targets: list[str] = []
-
-    def record(graph_module, example_inputs):
-        targets.extend(str(node.target) for node in graph_module.graph.nodes)
-        return graph_module.forward
-
-    torch._dynamo.reset()
-    try:
-        torch.compile(fn, backend=record, fullgraph=True, dynamic=False)(*args)
-    finally:
-        torch._dynamo.reset()
-    return targets
-
-
 def test_compiled_code_runs_plain_operators_only_where_the_probabilities_would_be_kept(
-    monkeypatch,
+    monkeypatch, traced_targets
 ):
     """Where the operator would keep its probabilities, code being compiled gets plain
     operators (which inductor fuses): two products per block; above
     :data:`KEEP_PROBABILITIES_BYTES` it gets the operator, whose backward recomputes them."""
     q, k, v, _ = _inputs(2, 4, 2, 300, 32, torch.bfloat16)
-    composed = _traced_targets(blocked_causal_attention, q, k, v)
+    composed = traced_targets(blocked_causal_attention, q, k, v)
     assert not any("hlat.blocked_causal_attention" in t for t in composed), composed
     assert sum("bmm" in t for t in composed) == 2 * len(attention_module._blocks(300))
     monkeypatch.setattr(attention_module, "KEEP_PROBABILITIES_BYTES", 0)
-    opaque = _traced_targets(blocked_causal_attention, q, k, v)
+    opaque = traced_targets(blocked_causal_attention, q, k, v)
     assert any("hlat.blocked_causal_attention" in t for t in opaque), opaque
     assert not any("bmm" in t for t in opaque), opaque
 

@@ -186,3 +186,14 @@ def test_cpu_autocast_keeps_torchs_product_where_the_fp32_rule_would_take_onednn
         out = layer(x)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, F.linear(x.to(torch.bfloat16), layer.weight.to(torch.bfloat16)))
+
+
+def test_code_being_compiled_keeps_torchs_product_where_the_fp32_rule_would_take_onednn(
+    monkeypatch, traced_targets
+):
+    """Compiled code multiplies with ``F.linear`` (inductor's lowering of oneDNN's linear
+    operator takes prepacked weights only): dynamo's graph holds no oneDNN call."""
+    monkeypatch.setattr(linear_module, "_CPU_FP32_ONEDNN", "forced in this test")
+    targets = traced_targets(Linear(96, 80), torch.randn(3, 96))
+    assert "<built-in function linear>" in targets, targets
+    assert not any("mkldnn" in t for t in targets), targets

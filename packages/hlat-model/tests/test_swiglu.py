@@ -1,7 +1,8 @@
 """The MLP's CPU path: the gate/up product computed with the weight's gate rows first and
 its up rows second, and ``_SwiGLUFunction`` on the two dense halves, against the
-composition on the interleaved product that DTensors, compiled code and other devices
-still take."""
+composition on the interleaved product that DTensors and other devices still take; and
+the two products with every other row of the weight that code being compiled on CPUs
+takes."""
 
 from __future__ import annotations
 
@@ -126,3 +127,67 @@ def test_backward_keeps_the_weight_not_a_permuted_copy(dtype):
     assert all(t.data_ptr() == weight.data_ptr() for t in weight_sized)
     out.sum().backward()
     assert weight.grad is not None and weight.grad.shape == weight.shape
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("checkpointing", ["none", "selective"])
+def test_compiled_on_cpus_gate_and_up_are_strided_products_that_keep_the_weight_itself(
+    checkpointing,
+):
+    """In code being compiled on CPUs, gate and up are two products with every other row
+    of the weight (two products in the traced forward, none of the composition's
+    interleaving), what backward keeps holds no copy of the weight or of its halves (only
+    views of it: a copy would be a second weight per layer until backward, of the
+    unsharded weight under FSDP), and inductor's output and gradients match the
+    interleaved composition's."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    ours, theirs = _pair(torch.float32, checkpointing)
+    weight = ours.gate_up_proj.weight
+    forward_products: list[int] = []
+    kept_copies: list[str] = []
+
+    def forward_compiler(graph_module, example_inputs):
+        nodes = list(graph_module.graph.nodes)
+        forward_products.append(sum(n.target == torch.ops.aten.mm.default for n in nodes))
+        kept = next(n for n in nodes if n.op == "output").args[0][1:]
+        for node in kept:
+            value = node.meta.get("val")
+            weight_sized = isinstance(value, torch.Tensor) and value.numel() in (
+                weight.numel(),
+                weight.numel() // 2,
+            )
+            base = node
+            while base.op == "call_function" and base.target.is_view:
+                base = base.args[0]
+            if weight_sized and base.op != "placeholder":
+                kept_copies.append(f"{node.target} of {base.target}")
+        return make_boxed_func(graph_module.forward)
+
+    backend = aot_autograd(
+        fw_compiler=forward_compiler,
+        bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    x = torch.randn(2, 24, 64)
+    torch._dynamo.reset()
+    try:
+        torch.compile(ours, backend=backend, fullgraph=True)(x.clone().requires_grad_())
+        assert forward_products == [3]  # gate, up, down
+        assert not kept_copies, kept_copies
+        torch._dynamo.reset()
+        compiled = torch.compile(ours, fullgraph=True)
+        ours.zero_grad(set_to_none=True)
+        ours_x, theirs_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out, ref = compiled(ours_x), _interleaved(theirs, theirs_x)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        ref.backward(grad)
+        torch.testing.assert_close(ours_x.grad, theirs_x.grad, rtol=1e-5, atol=1e-5)
+        for name, p in ours.named_parameters():
+            q = dict(theirs.named_parameters())[name]
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=name)
+    finally:
+        torch._dynamo.reset()

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hlat_model.attention import AttentionMask, attention, document_positions
 from hlat_model.config import LlamaConfig
-from hlat_model.linear import Linear, linear_permuted_rows
+from hlat_model.linear import Linear, linear, linear_permuted_rows
 from hlat_model.loss import cross_entropy_loss, eager_plain, fuses_head, linear_cross_entropy
 
 
@@ -198,6 +198,10 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate.contiguous()) * up.contiguous()
 
 
+def _silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
 class _SwiGLUFunction(torch.autograd.Function):
     """``silu(gate) * up`` for ``gate_up = [gate | up]``, the two halves of the last
     dimension, with the gradients of that composition written into one buffer.
@@ -302,6 +306,26 @@ class MLP(nn.Module):
             rows = rows.view(-1, 2).t().flatten()  # [0, 2, 4, ..., 1, 3, 5, ...]
             gate_up = linear_permuted_rows(x, weight, rows)
             return self.down_proj(_SwiGLUFunction.apply(gate_up, not self.selective))
+        if (
+            torch.compiler.is_compiling()
+            and x.device.type == "cpu"
+            and type(x) is torch.Tensor
+            and _plain_module(proj)
+        ):
+            # Note: in code being compiled on CPUs, gate and up are two products with the
+            # weight's every other row (strided views: backward keeps the weight itself, no
+            # copy of it), so inductor's SwiGLU kernels read dense operands; on the
+            # interleaved product its loads are scalar gathers. Compiled blocks of the
+            # benchmark's model (8 layers of width 512, 4 x 512 tokens) ran 1.3 % faster in
+            # bf16 on a 2-core AVX512-BF16 EPYC (median of 16 steps alternating in one
+            # process; fastest 1.6 %).
+            weight = proj.weight
+            gate, up = linear(x, weight[0::2]), linear(x, weight[1::2])
+            if self.selective:
+                hidden = checkpoint(_silu_times, gate, up, use_reentrant=False)
+            else:
+                hidden = _silu_times(gate, up)
+            return self.down_proj(hidden)
         gate_up = proj(x)
         if self.selective:
             hidden = checkpoint(_swiglu, gate_up, use_reentrant=False)

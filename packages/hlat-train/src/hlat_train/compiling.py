@@ -6,7 +6,9 @@ Measured, each block through ``torch.compile`` against the same model eager:
   the same rounds), two runs: bf16 1.07x and 1.06x eager, fp32 1.01x and 1.07x; the first step
   compiled for 3.7 s and 4.8 s with inductor's cache of earlier runs, 18.9 s and 10.7 s
   without it; with the loss compiled too (hlat-model 0.13, hlat-parallel 0.8), bf16 1.072x
-  and fp32 1.041x in one run;
+  and fp32 1.041x in one run; with hlat-model 0.14 (dense gate and up halves in compiled
+  blocks; oneDNN's fp32 products in the eager step on AMD CPUs), bf16 1.109x and fp32
+  1.009x in one run;
 - on one NVIDIA H200 (torch 2.11), hlat-train's ``test_bench_compile_accelerator.py`` (whole
   ``hlat-train`` runs of a 1.0B Llama, TinyLlama's shape, 4 x 2048 tokens per step, bf16-sr,
   eager and compiled in one session): 1.29x eager (64,825 against 50,386 tokens/s; 17.1

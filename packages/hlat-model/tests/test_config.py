@@ -81,3 +81,17 @@ def test_sequence_longer_than_max_seq_len_is_refused_before_compute():
     model = Llama(LlamaConfig.preset("tiny", n_layers=1, max_seq_len=16))
     with pytest.raises(ValueError, match="sequence length 17 exceeds max_seq_len 16"):
         model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_a_meta_model_runs_forward_and_backward_for_shapes_alone():
+    """On the meta device (shapes without memory: a 7B model here) forward and backward
+    run and give meta gradients of the parameters' shapes; autocast knows no meta device,
+    so asking it whether it is on there must not raise."""
+    with torch.device("meta"):
+        model = Llama(LlamaConfig.preset("hlat-7b"))
+        tokens = torch.randint(0, 32_000, (2, 65))
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+    loss.backward()
+    assert loss.device.type == "meta" and loss.shape == ()
+    weight = model.layers[0].mlp.gate_up_proj.weight
+    assert weight.grad is not None and weight.grad.shape == weight.shape

@@ -79,8 +79,17 @@ def eager_plain(x: torch.Tensor) -> bool:
         type(x) is torch.Tensor
         and not torch.compiler.is_compiling()
         and x.device.type != "xla"
-        and not torch.is_autocast_enabled(x.device.type)
+        and not _autocast_enabled(x.device.type)
     )
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    """``torch.is_autocast_enabled(device_type)``, False for device types autocast does not
+    know (``meta``, where it raises)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return False
 
 
 def _rows_per_chunk(logits: torch.Tensor) -> int:

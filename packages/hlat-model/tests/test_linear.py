@@ -16,15 +16,20 @@ from hlat_model.attention import AttentionMask, attention
 from hlat_model.linear import Linear, cpu_bf16_reason
 
 
-def _cpu_flags() -> set[str]:
+def _cpuinfo(field: str) -> str:
+    """The first ``field`` line of ``/proc/cpuinfo`` (empty where there is none)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(field):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return ""
+
+
+def _cpu_flags() -> set[str]:
+    return set(_cpuinfo("flags").split())
 
 
 @pytest.mark.skipif(
@@ -101,22 +106,12 @@ def test_attention_in_bf16_agrees_on_both_paths(native, monkeypatch):
         assert torch.equal(out, reference.to(torch.bfloat16))
 
 
-def _cpu_vendor() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 @pytest.mark.skipif(
-    platform.machine() != "x86_64" or not _cpu_vendor(), reason="reads the x86 vendor from /proc"
+    platform.machine() != "x86_64" or not _cpuinfo("vendor_id"),
+    reason="reads the x86 vendor from /proc",
 )
 def test_the_fp32_rule_on_this_cpu_follows_the_vendor_and_flags_the_kernel_reports():
-    vendor = _cpu_vendor()
+    vendor = _cpuinfo("vendor_id")
     expected = vendor != "GenuineIntel" and "avx512f" in _cpu_flags()
     assert (linear_module.cpu_fp32_onednn_reason() is not None) == expected
     if expected:

@@ -298,7 +298,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         proj = self.gate_up_proj
-        if eager_plain(x) and x.device.type == "cpu" and _plain_module(proj):
+        plain_cpu = x.device.type == "cpu" and type(x) is torch.Tensor and _plain_module(proj)
+        if plain_cpu and eager_plain(x):
             # Note: the product is computed with the weight's gate rows first and its up rows
             # second, so gate and up come out as dense halves instead of every other column.
             weight = proj.weight
@@ -306,12 +307,7 @@ class MLP(nn.Module):
             rows = rows.view(-1, 2).t().flatten()  # [0, 2, 4, ..., 1, 3, 5, ...]
             gate_up = linear_permuted_rows(x, weight, rows)
             return self.down_proj(_SwiGLUFunction.apply(gate_up, not self.selective))
-        if (
-            torch.compiler.is_compiling()
-            and x.device.type == "cpu"
-            and type(x) is torch.Tensor
-            and _plain_module(proj)
-        ):
+        if plain_cpu and torch.compiler.is_compiling():
             # Note: in code being compiled on CPUs, gate and up are two products with the
             # weight's every other row (strided views: backward keeps the weight itself, no
             # copy of it), so inductor's SwiGLU kernels read dense operands; on the

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from hlat_optim import AdamW
+from hlat_optim import AdamW, global_norm
 
 DEVICE = torch.device(os.environ.get("HLAT_BENCH_DEVICE", "cpu"))
 LAYERS = int(os.environ.get("HLAT_BENCH_LAYERS", "13"))
@@ -145,3 +145,48 @@ def test_adamw_step_host_time(benchmark, host_results, name):
 
     benchmark.pedantic(step, rounds=200, iterations=1, warmup_rounds=5)
     host_results[name] = benchmark.stats.stats.median * 1e3
+
+
+NORM_PEERS = {
+    "hlat global_norm": lambda ps: global_norm(ps),
+    "three passes (widened copy, squares, sum)": lambda ps: (
+        torch.stack([p.detach().float().square().sum() for p in ps]).sum().sqrt()
+    ),
+    "torch get_total_norm (foreach)": lambda ps: torch.nn.utils.get_total_norm(
+        [p.detach() for p in ps], foreach=DEVICE.type != "cpu" or None
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_global_norm_against_torch(benchmark, dtype):
+    """``global_norm`` of the same Llama's parameters against the three-pass composition it
+    replaced and torch's ``get_total_norm`` (what ``clip_grad_norm_`` computes), alternating
+    in the same rounds; each one's error against the float64 norm is reported too."""
+    params = make_params({"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+    exact = torch.cat([p.detach().double().flatten() for p in params]).norm().item()
+    times: dict[str, list[float]] = {name: [] for name in NORM_PEERS}
+
+    def timed(name: str) -> torch.Tensor:
+        started = time.perf_counter()
+        norm = NORM_PEERS[name](params)
+        _sync()
+        times[name].append(time.perf_counter() - started)
+        return norm
+
+    def setup() -> None:
+        for name in list(NORM_PEERS)[1:]:
+            timed(name)
+
+    for name in NORM_PEERS:  # warm-up
+        timed(name)
+    benchmark.pedantic(lambda: timed("hlat global_norm"), setup=setup, rounds=5, iterations=1)
+    ours = min(times["hlat global_norm"])
+    for name, fn in NORM_PEERS.items():
+        error = abs(fn(params).double().item() - exact) / exact
+        benchmark.extra_info[name] = {
+            "ms": round(min(times[name]) * 1e3, 2),
+            "vs_hlat": round(min(times[name]) / ours, 2),
+            "relative_error": f"{error:.1e}",
+        }
+    print(f"\n[global_norm {dtype}] {benchmark.extra_info}")

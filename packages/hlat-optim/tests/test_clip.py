@@ -107,3 +107,44 @@ def test_global_norm_of_the_parameters_themselves():
         p.data.normal_()
     exact = torch.cat([p.detach().double().flatten() for p in params]).norm()
     assert abs(global_norm(params).double() - exact) / exact < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_norm_of_millions_of_elements_in_rows_and_a_tail_is_the_float64_norm(dtype):
+    # whole rows of 1024 and a shorter tail, a tensor shorter than one row, one of exact rows
+    params = _params((3_000_001,), (5, 7), (4, 1024), (0,), seed=5, dtype=dtype)
+    exact = torch.cat([p.grad.double().flatten() for p in params]).norm()
+    norm = global_norm(params, [p.grad for p in params])
+    assert norm.dtype == torch.float32
+    assert abs(norm.double() - exact) / exact < 1e-6
+
+
+def test_norm_of_a_non_contiguous_tensor_and_of_a_non_finite_row():
+    params = _params((2048, 3))
+    grad = params[0].grad.t()  # non-contiguous
+    exact = grad.double().norm()
+    assert abs(global_norm([grad]).double() - exact) / exact < 1e-6
+    grad[1, 1500] = float("inf")
+    assert global_norm([grad]).isinf()
+    grad[0, 5] = float("nan")
+    assert global_norm([grad]).isnan()
+
+
+def test_infinite_max_norm_writes_no_gradient():
+    class Writes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.is_mutable:
+                self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    params = _params((50,), (3, 4))
+    with Writes() as writes:
+        clip_grad_norm_(params, max_norm=float("inf"))
+    assert writes.ops == []
+    with Writes() as writes:
+        clip_grad_norm_(params, max_norm=1e-3)
+    assert writes.ops.count(torch.ops.aten.mul_.Tensor) == 2

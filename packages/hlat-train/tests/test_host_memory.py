@@ -1,6 +1,7 @@
 """``train.host_malloc`` (``hlat_train.host_memory``): ``retain`` keeps freed host memory
-mapped, so repeated large blocks stop page-faulting; ``system`` (the default) leaves glibc's
-defaults; other values are refused before any work."""
+mapped, so repeated large blocks stop page-faulting; ``system`` leaves glibc's defaults;
+``auto`` (the default) retains in CPU runs on glibc; other values are refused before any
+work."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import textwrap
 import pytest
 from train_helpers import fit, tiny_config
 
-from hlat_train import ConfigError
-from hlat_train.host_memory import glibc_available, resolve_host_malloc
+from hlat_parallel.device import accelerator
+from hlat_train import ConfigError, Trainer
+from hlat_train.host_memory import auto_host_malloc, glibc_available, resolve_host_malloc
 from hlat_train.validation import validate
 
 needs_glibc = pytest.mark.skipif(not glibc_available(), reason="glibc's malloc only")
@@ -35,16 +37,16 @@ FAULTS = textwrap.dedent(
 
     faults()  # the first pass maps what any later one may reuse
     default = faults()
-    choice = resolve_host_malloc(sys.argv[1])
+    choice = resolve_host_malloc(*sys.argv[1:])
     faults()
     print(default, faults(), choice.describe())
     """
 )
 
 
-def _faults(asked: str) -> tuple[int, int, str]:
+def _faults(asked: str, device_type: str = "cpu") -> tuple[int, int, str]:
     done = subprocess.run(
-        [sys.executable, "-c", FAULTS, asked],
+        [sys.executable, "-c", FAULTS, asked, device_type],
         capture_output=True,
         text=True,
         check=True,
@@ -74,7 +76,7 @@ def test_system_leaves_glibcs_defaults():
 
 def test_other_values_are_refused_before_any_work(corpus, tmp_path):
     config = tiny_config(corpus, tmp_path, "--train.host_malloc=never")
-    refusal = "train.host_malloc must be 'system' or 'retain', got 'never'"
+    refusal = "train.host_malloc must be 'auto', 'system' or 'retain', got 'never'"
     with pytest.raises(ConfigError, match=re.escape(refusal)):
         validate(config, 1)
     with pytest.raises(ValueError, match="got 'never'"):
@@ -87,10 +89,56 @@ def test_retain_without_glibc_is_refused():
         resolve_host_malloc("retain")
 
 
+@needs_glibc
+def test_auto_retains_in_a_cpu_run():
+    default, retained, choice = _faults("auto", "cpu")
+    assert choice.startswith("host malloc retain: freed memory stays mapped ")
+    assert choice.endswith("; auto: a CPU run on glibc")
+    assert retained * 10 < default
+
+
+@needs_glibc
+def test_auto_keeps_glibcs_defaults_in_an_accelerator_run():
+    default, unchanged, choice = _faults("auto", "cuda")
+    assert choice == (
+        "host malloc system: the C library's defaults; "
+        "auto: the run computes on cuda, not on the host's memory"
+    )
+    assert unchanged > default * 0.9
+
+
+@pytest.mark.parametrize(
+    ("device_type", "glibc", "retain"),
+    [("cpu", True, True), ("cpu", False, False), ("cuda", True, False), ("xla", True, False)],
+)
+def test_auto_rule(device_type, glibc, retain):
+    chosen, reason = auto_host_malloc(device_type, glibc)
+    assert chosen is retain
+    assert reason == {
+        ("cpu", True): "a CPU run on glibc",
+        ("cpu", False): "the C library of this process is not glibc",
+    }.get((device_type, glibc), f"the run computes on {device_type}, not on the host's memory")
+
+
+def test_the_trainer_knows_its_device_type_before_any_device_is_set_up(corpus, tmp_path):
+    trainer = Trainer(tiny_config(corpus, tmp_path, "--train.device=auto"))
+    found = accelerator()
+    assert trainer._compute_device_type() == (found.type if found is not None else "cpu")
+    # what the run would compute on, read from the config alone (these devices need not exist)
+    for device, backend, expected in (
+        ("cpu", "torch", "cpu"),
+        ("cuda:1", "torch", "cuda"),
+        ("neuron", "torch", "neuron"),
+        ("auto", "neuron", "xla"),
+    ):
+        trainer.config.train.device, trainer.config.parallel.backend = device, backend
+        assert trainer._compute_device_type() == expected
+
+
 def test_a_run_logs_its_choice(corpus, tmp_path, capsys):
-    """The default keeps glibc's and says so (``retain`` changes the whole process, so the
-    tests above ask for it in fresh processes)."""
-    config = tiny_config(corpus, tmp_path, steps=2)
-    assert config.train.host_malloc == "system"
+    """A run logs its choice (``retain``, and so ``auto`` on a CPU, changes the whole process:
+    the tests above take them in fresh processes)."""
+    assert tiny_config(corpus, tmp_path).train.host_malloc == "auto"
+    config = tiny_config(corpus, tmp_path, "--train.host_malloc=system", steps=2)
     fit(config)
     assert "host malloc system: the C library's defaults" in capsys.readouterr().err

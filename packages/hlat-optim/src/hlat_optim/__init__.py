@@ -8,7 +8,7 @@ from hlat_optim.clip import NonFiniteGradNormError, clip_grad_norm_, global_norm
 from hlat_optim.rounding import stochastic_round, stochastic_round_
 from hlat_optim.schedule import CosineWithWarmup, cosine_with_warmup
 
-__version__ = "0.9.2"
+__version__ = "0.9.3"
 
 __all__ = [
     "AdamW",

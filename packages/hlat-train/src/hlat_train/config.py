@@ -371,11 +371,13 @@ class RunConfig:
     ``cuda``, ``neuron`` (Trainium trn2/trn3 through TorchNeuron) or any other device torch
     knows; each local process takes the device of its local rank. A device this torch lacks
     stops the run before any work, naming what to install."""
-    host_malloc: str = "system"
+    host_malloc: str = "auto"
     """What the C library's ``malloc`` does with freed host memory
     (:mod:`hlat_train.host_memory`). ``system``: the C library's defaults. ``retain``: keep
     it for reuse (glibc's mmap and trim thresholds raised for the whole process), so that a
-    CPU run does not page-fault its activations in again every step; glibc only."""
+    CPU run does not page-fault its activations in again every step; glibc only. ``auto``:
+    ``retain`` for runs computing on the CPU where the C library is glibc, else
+    ``system``."""
     init: str = "auto"
     """How weights are created. ``full``: every rank builds the whole model from ``seed``
     and keeps its shard, so every parallel layout starts from the same weights. ``sharded``:

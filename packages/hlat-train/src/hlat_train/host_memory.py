@@ -12,14 +12,21 @@ so later steps reuse pages already mapped. PyTorch's own CPU launcher
 tcmalloc configured never to return memory; this needs no other allocator, since glibc's
 ``mallopt`` sets both thresholds at run time.
 
+``auto`` (the default) is ``retain`` where the run computes on the CPU and the C library is
+glibc, and the C library's defaults elsewhere (an accelerator's step allocates device memory,
+not the host's).
+
 Note: on a 2-core AVX512-BF16 CPU, a bf16 forward + backward of the benchmarks' Llama
 shape (width 512, 8 layers, 4 x 512 tokens) page-faulted 32k-62k times per step with glibc's
 defaults and at most 2.2k times with ``retain``, and ran 1.02x faster (fastest step of five
-rounds; ``retain`` won four: ``benchmarks/test_bench_host_malloc.py``). Whole
-``hlat-train`` runs in four alternating pairs gave 0.91x to 1.24x, while runs with the
-defaults alone spread by 24 % on that machine, so it is not the default. The price is resident
-memory: the process keeps up to the trim threshold of free heap, and its largest step's
-blocks, mapped between steps.
+rounds; ``retain`` won four: ``benchmarks/test_bench_host_malloc.py``); whole ``hlat-train``
+runs in four alternating pairs gave 0.91x to 1.24x, while runs with the defaults alone spread
+by 24 % on that machine. On a 2-core Xeon with AMX, whose products take a smaller share of
+the step, the same benchmark gave 1.042x (22k-42k faults per step against 173-686;
+``retain`` won five rounds of five) and whole runs 1.011x to 1.088x (four pairs of four). So
+CPU runs retain by default. The price is resident memory: the process keeps up to the trim
+threshold of free heap, and its largest step's blocks, mapped between steps; ``system``
+gives it back.
 """
 
 from __future__ import annotations
@@ -39,23 +46,37 @@ to twice the mmap threshold)."""
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
 
-CHOICES = ("system", "retain")
+CHOICES = ("auto", "system", "retain")
 
 
 @dataclass(frozen=True)
 class HostMallocChoice:
-    """What ``train.host_malloc`` applied: ``retain`` or the C library's defaults."""
+    """What ``train.host_malloc`` applied: ``retain`` or the C library's defaults, and why
+    where ``auto`` chose."""
 
     retain: bool
+    auto_reason: str = ""
 
     def describe(self) -> str:
         """The log line of the choice."""
         if self.retain:
-            return (
+            line = (
                 "host malloc retain: freed memory stays mapped (glibc's mmap threshold "
                 f"{MMAP_THRESHOLD_BYTES >> 20} MiB, trim threshold {TRIM_THRESHOLD_BYTES >> 20} MiB)"
             )
-        return "host malloc system: the C library's defaults"
+        else:
+            line = "host malloc system: the C library's defaults"
+        return f"{line}; auto: {self.auto_reason}" if self.auto_reason else line
+
+
+def auto_host_malloc(device_type: str, glibc: bool) -> tuple[bool, str]:
+    """What ``auto`` picks for a run computing on ``device_type`` (``retain``: True), and
+    why."""
+    if device_type != "cpu":
+        return False, f"the run computes on {device_type}, not on the host's memory"
+    if not glibc:
+        return False, "the C library of this process is not glibc"
+    return True, "a CPU run on glibc"
 
 
 @functools.cache
@@ -91,14 +112,19 @@ def retain_freed_memory() -> None:
             raise RuntimeError(f"glibc's mallopt refused option {option} = {value}")
 
 
-def resolve_host_malloc(asked: str) -> HostMallocChoice:
-    """What ``train.host_malloc = asked`` means, applied: ``system`` leaves the C library's
-    defaults untouched; ``retain`` calls :func:`retain_freed_memory` (a ``ValueError``
-    naming the reason where it cannot: a C library other than glibc)."""
+def resolve_host_malloc(asked: str, device_type: str = "cpu") -> HostMallocChoice:
+    """What ``train.host_malloc = asked`` means for a run computing on ``device_type``,
+    applied: ``system`` leaves the C library's defaults untouched; ``retain`` calls
+    :func:`retain_freed_memory` (a ``ValueError`` naming the reason where it cannot: a C
+    library other than glibc); ``auto`` is :func:`auto_host_malloc`'s choice."""
     if asked not in CHOICES:
-        raise ValueError(f"train.host_malloc must be 'system' or 'retain', got {asked!r}")
+        raise ValueError(f"train.host_malloc must be 'auto', 'system' or 'retain', got {asked!r}")
+    reason = ""
+    if asked == "auto":
+        retain, reason = auto_host_malloc(device_type, glibc_available())
+        asked = "retain" if retain else "system"
     if asked == "system":
-        return HostMallocChoice(retain=False)
+        return HostMallocChoice(retain=False, auto_reason=reason)
     try:
         retain_freed_memory()
     except RuntimeError as error:
@@ -106,4 +132,4 @@ def resolve_host_malloc(asked: str) -> HostMallocChoice:
             f"train.host_malloc = 'retain' sets glibc's malloc thresholds, and here {error}; "
             "use 'system'"
         ) from None
-    return HostMallocChoice(retain=True)
+    return HostMallocChoice(retain=True, auto_reason=reason)

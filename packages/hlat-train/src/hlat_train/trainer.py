@@ -184,6 +184,19 @@ class Trainer:
 
     # --- setup -----------------------------------------------------------------------------
 
+    def _compute_device_type(self) -> str:
+        """The type of the device this run will compute on, known before any device is set
+        up (``train.host_malloc = "auto"`` needs it first): ``xla`` on the NxD backend."""
+        from hlat_parallel.device import accelerator
+
+        if self.config.parallel.backend == "neuron":
+            return "xla"
+        spec = self.config.train.device
+        if spec == "auto":
+            found = accelerator()
+            return found.type if found is not None else "cpu"
+        return spec.split(":")[0]
+
     def _setup(self) -> None:
         from hlat_ckpt import Checkpointer
         from hlat_data import Tokenizer
@@ -195,7 +208,7 @@ class Trainer:
         # Note: before the process group and the model, so a refused policy stops the run
         # before any work, and the first large blocks already follow it
         try:
-            host_malloc = resolve_host_malloc(c.train.host_malloc)
+            host_malloc = resolve_host_malloc(c.train.host_malloc, self._compute_device_type())
         except ValueError as error:
             raise ConfigError(str(error)) from None
         if c.parallel.backend == "neuron" and c.optim.precision == "auto":

@@ -121,7 +121,7 @@ def validate(
         raise ConfigError(f"spike.inject_nan_at: steps start at 1, got {bad_drill}")
     if run.host_malloc not in HOST_MALLOC_CHOICES:
         raise ConfigError(
-            f"train.host_malloc must be 'system' or 'retain', got {run.host_malloc!r}"
+            f"train.host_malloc must be 'auto', 'system' or 'retain', got {run.host_malloc!r}"
         )
     if run.init not in ("auto", "full", "sharded"):
         raise ConfigError(f"train.init must be 'auto', 'full' or 'sharded', got {run.init!r}")

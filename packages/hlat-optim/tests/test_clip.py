@@ -148,3 +148,26 @@ def test_infinite_max_norm_writes_no_gradient():
     with Writes() as writes:
         clip_grad_norm_(params, max_norm=1e-3)
     assert writes.ops.count(torch.ops.aten.mul_.Tensor) == 2
+
+
+def test_a_norm_takes_three_operators_for_whole_rows_or_less_than_a_row():
+    """As many as the widened copy, squares and sum it replaced: accelerators launch no more
+    kernels per tensor."""
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:  # views launch nothing
+                self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    from hlat_optim.clip import _square
+
+    for shape in ((1536, 512), (512,)):
+        t = torch.randn(shape, dtype=torch.bfloat16)
+        with Count() as count:
+            _square(t)
+        assert len(count.ops) == 3, count.ops

@@ -7,7 +7,9 @@ same thread count: one process with every core, or two processes (FSDP2 over glo
 thread each. Each setting runs both trainers as fresh processes, one after the other; a
 step's time is the wall time between two consecutive metric records of rank 0, so it holds
 the whole step: data, forward, backward, clipping, optimizer, metrics. hlat-train runs with
-its defaults (it also logs the parameter norm every step; torchtitan logs no such norm).
+its defaults (it also logs the parameter norm every step, where torchtitan logs no such
+norm; and from 0.18 its CPU runs keep freed host memory mapped, ``train.host_malloc =
+"auto"``, where torchtitan's use glibc's defaults).
 
 Precision, per setting:
 

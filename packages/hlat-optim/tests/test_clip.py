@@ -147,7 +147,18 @@ def test_infinite_max_norm_writes_no_gradient():
     assert writes.ops == []
     with Writes() as writes:
         clip_grad_norm_(params, max_norm=1e-3)
-    assert writes.ops.count(torch.ops.aten.mul_.Tensor) == 2
+    assert writes.ops == [torch.ops.aten._foreach_mul_.Tensor]
+
+
+def test_clipping_multiplies_each_dtype_once_with_the_numbers_of_one_multiply_per_gradient():
+    bf16 = _params((1000,), (37, 5), seed=1, dtype=torch.bfloat16)
+    fp32 = _params((300,), seed=2)
+    params = [bf16[0], fp32[0], bf16[1]]
+    expected = [p.grad.clone() for p in params]
+    norm = clip_grad_norm_(params, max_norm=0.5)
+    coef = (0.5 / (norm + 1e-6)).clamp(max=1.0)
+    for p, e in zip(params, expected, strict=True):
+        assert torch.equal(p.grad, e.mul_(coef.to(e.dtype)))
 
 
 def test_a_norm_takes_three_operators_for_whole_rows_or_less_than_a_row():

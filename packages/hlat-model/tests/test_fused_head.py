@@ -39,7 +39,7 @@ def chunking(request, monkeypatch):
 
 
 @pytest.mark.parametrize("ignore_index", [-100, 7])
-def test_value_and_gradients_are_those_through_the_logits(chunking, ignore_index):
+def test_value_and_gradients_are_those_through_the_logits(kernels, chunking, ignore_index):
     hidden = torch.randn(3, 10, 32, requires_grad=True)
     weight = (torch.randn(300, 32) / 4).requires_grad_()
     labels = torch.randint(0, 300, (3, 10))
@@ -95,7 +95,7 @@ def test_bf16_goes_through_the_logits_as_the_head_rounds_them():
     assert torch.equal(linear_cross_entropy(hidden, weight, labels), expected)
 
 
-def test_all_positions_ignored_gives_nan_as_f_cross_entropy_does():
+def test_all_positions_ignored_gives_nan_as_f_cross_entropy_does(kernels):
     hidden = torch.randn(1, 3, 8, requires_grad=True)
     weight = torch.randn(20, 8, requires_grad=True)
     labels = torch.full((1, 3), -100)

@@ -36,7 +36,7 @@ def chunking(request, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_value_and_gradient_are_those_of_f_cross_entropy(chunking, dtype):
+def test_value_and_gradient_are_those_of_f_cross_entropy(kernels, chunking, dtype):
     torch.manual_seed(0)
     logits = (torch.randn(3, 10, 1000) * 4).to(dtype)
     labels = torch.randint(0, 1000, (3, 10))
@@ -59,7 +59,7 @@ def test_value_and_gradient_are_those_of_f_cross_entropy(chunking, dtype):
     assert grad[0, :4].abs().max() == 0  # ignored positions get no gradient
 
 
-def test_scales_with_the_incoming_gradient_and_ignores_a_custom_index():
+def test_scales_with_the_incoming_gradient_and_ignores_a_custom_index(kernels):
     torch.manual_seed(1)
     logits = torch.randn(2, 6, 50, requires_grad=True)
     labels = torch.randint(0, 50, (2, 6))
@@ -83,7 +83,7 @@ def test_non_contiguous_logits_and_unchanged_inputs():
     torch.testing.assert_close(logits.grad, expected_grad, rtol=1e-5, atol=1e-8)
 
 
-def test_keeps_the_logits_and_one_number_per_row_for_backward(saved_for_backward):
+def test_keeps_the_logits_and_one_number_per_row_for_backward(kernels, saved_for_backward):
     """What autograd keeps: the bf16 logits and row-sized tensors, no fp32 copy of the
     logits (``F.cross_entropy`` on ``logits.float()`` keeps an fp32 log-softmax)."""
     logits = torch.randn(4, 64, 512, dtype=torch.bfloat16, requires_grad=True)
@@ -99,7 +99,7 @@ def test_keeps_the_logits_and_one_number_per_row_for_backward(saved_for_backward
     assert any(t.dtype == torch.float32 and t.numel() == logits.numel() for t in saved)
 
 
-def test_all_positions_ignored_gives_nan_as_f_cross_entropy_does():
+def test_all_positions_ignored_gives_nan_as_f_cross_entropy_does(kernels):
     logits = torch.randn(1, 3, 8)
     labels = torch.full((1, 3), -100)
     assert cross_entropy_loss(logits, labels).isnan()
@@ -114,10 +114,45 @@ def test_bad_labels_are_refused_before_any_work():
         cross_entropy_loss(logits, torch.zeros(2, 5))
 
 
-def test_no_grad_evaluation():
+def test_no_grad_evaluation(kernels):
     torch.manual_seed(3)
     logits = torch.randn(2, 5, 16)
     labels = torch.randint(0, 16, (2, 5))
     with torch.no_grad():
         value = cross_entropy_loss(logits, labels)
     torch.testing.assert_close(value, F.cross_entropy(logits.flatten(0, 1), labels.flatten()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_kernel_on_extreme_logits(dtype):
+    """The CPU kernel's loss terms and gradient against ``F.cross_entropy`` in float64, with
+    -inf logits (probability 0), logits far apart (exponentials that underflow) and an
+    ignored row (a target outside the vocabulary: no one-hot, picked 0)."""
+    from hlat_model import _native
+
+    lib = _native.load()
+    assert lib is not None, _native.unavailable_reason()
+    torch.manual_seed(4)
+    logits = (torch.randn(6, 300) * 4).to(dtype)
+    logits[0, :50] = float("-inf")
+    logits[1, 3] = 200.0
+    logits[2] *= 30
+    targets = torch.tensor([60, 3, 7, -1, 299, 0])
+    lse, picked = _native.cross_entropy_forward(lib, logits, targets)
+    wide = logits.double()
+    assert torch.equal(picked[3], torch.tensor(0.0))
+    torch.testing.assert_close(lse.double(), wide.logsumexp(-1), rtol=1e-6, atol=1e-6)
+    counted = targets >= 0
+    torch.testing.assert_close(picked[counted].double(), wide[counted, targets[counted]])
+    scale = torch.tensor([0.5, 1.0, 2.0, 0.0, 1.0, 0.25])
+    grad = _native.cross_entropy_backward(lib, logits, targets, lse, scale)
+    expected = torch.softmax(wide, -1)
+    expected[counted, targets[counted]] -= 1
+    expected *= scale.double()[:, None]
+    assert grad.dtype == dtype and grad[3].abs().max() == 0 and grad[0, :50].abs().max() == 0
+    unit = 2**-8 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(grad.double(), expected, rtol=unit, atol=unit * 1e-3)
+    if dtype == torch.float32:  # softmax - onehot in place, as the fused head uses it
+        in_place = logits.clone()
+        _native.cross_entropy_forward(lib, in_place, targets, softmax_grad=True)
+        torch.testing.assert_close(in_place * scale[:, None], grad, rtol=1e-6, atol=1e-9)

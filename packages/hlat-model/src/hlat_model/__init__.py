@@ -4,11 +4,12 @@
 >>> model = Llama(LlamaConfig.preset("tiny"))
 """
 
+from hlat_model._native import fused_cpu_kernels_reason
 from hlat_model.config import PRESETS, ConfigError, LlamaConfig
 from hlat_model.loss import cross_entropy_loss, linear_cross_entropy
 from hlat_model.model import Llama, block_inputs, flops_per_token
 
-__version__ = "0.14.1"
+__version__ = "0.15.0"
 
 __all__ = [
     "PRESETS",
@@ -18,5 +19,6 @@ __all__ = [
     "block_inputs",
     "cross_entropy_loss",
     "flops_per_token",
+    "fused_cpu_kernels_reason",
     "linear_cross_entropy",
 ]

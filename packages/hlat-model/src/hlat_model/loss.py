@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hlat_model import _native
 from hlat_model.linear import linear
 
 LOSS_CHUNK_BYTES = {"cpu": 8 * 2**20}
@@ -182,16 +183,26 @@ def _head_loss_in_chunks(
     if wants_grad:
         scale = valid / count  # d loss / d (lse - picked), per row; NaN when none counts
         minus_one = buffer.new_full((rows, 1), -1.0)
+    lib = _native.usable(buffer)
+    if lib is not None:  # ignored rows: a target outside the vocabulary (no one-hot)
+        native_targets = labels.where(valid, -1).to(torch.int64).contiguous()
     for start in range(0, n_rows, rows):
         end = min(start + rows, n_rows)
         chunk, x = buffer[: end - start], hidden[start:end]
         torch.mm(x, weight.t(), out=chunk)
-        torch.gather(chunk, 1, targets[start:end, None], out=picked[start:end, None])
-        row_max = torch.amax(chunk, dim=-1, keepdim=True)
-        torch.sum(chunk.sub_(row_max).exp_(), dim=-1, out=lse[start:end])
+        if lib is not None:
+            # the loss terms and, with gradients wanted, softmax - onehot in place: one pass
+            into = (lse[start:end], picked[start:end])
+            _native.cross_entropy_forward(lib, chunk, native_targets[start:end], wants_grad, into)
+        else:
+            torch.gather(chunk, 1, targets[start:end, None], out=picked[start:end, None])
+            row_max = torch.amax(chunk, dim=-1, keepdim=True)
+            torch.sum(chunk.sub_(row_max).exp_(), dim=-1, out=lse[start:end])
+            if wants_grad:
+                chunk.div_(lse[start:end, None])  # softmax
+                chunk.scatter_add_(1, targets[start:end, None], minus_one[: end - start])
+            lse[start:end].log_().add_(row_max[:, 0])
         if wants_grad:
-            chunk.div_(lse[start:end, None])  # softmax
-            chunk.scatter_add_(1, targets[start:end, None], minus_one[: end - start])
             # Note: the logits' gradient is this chunk scaled per row; the scale goes on the
             # rows of the (vocabulary-times narrower) input and hidden gradient instead.
             row_scale = scale[start:end, None]
@@ -201,7 +212,6 @@ def _head_loss_in_chunks(
                 torch.mm(chunk.t(), x * row_scale, out=gw)
             elif gw is not None:
                 gw.addmm_(chunk.t(), x * row_scale)
-        lse[start:end].log_().add_(row_max[:, 0])
     loss = (lse - picked).mul_(valid).sum() / count
     return loss, gh, gw
 
@@ -244,8 +254,16 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def forward(
         ctx: Any, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
     ) -> torch.Tensor:
-        n_rows, rows = logits.shape[0], _rows_per_chunk(logits)
+        ctx.native = lib = _native.usable(logits)
         valid = labels != ignore_index
+        if lib is not None:
+            # ignored rows get a target outside the vocabulary: picked 0, no one-hot
+            targets = labels.where(valid, -1).to(torch.int64).contiguous()
+            lse, picked = _native.cross_entropy_forward(lib, logits, targets)
+            count = valid.sum()
+            ctx.save_for_backward(logits, lse, targets, valid, count)
+            return (lse - picked).mul_(valid).sum() / count
+        n_rows, rows = logits.shape[0], _rows_per_chunk(logits)
         targets = labels.where(valid, 0)
         buffer = logits.new_empty((min(rows, n_rows), logits.shape[1]), dtype=torch.float32)
         lse = buffer.new_empty(n_rows)
@@ -265,8 +283,12 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         logits, lse, targets, valid, count = ctx.saved_tensors
-        n_rows, rows = logits.shape[0], _rows_per_chunk(logits)
         scale = (grad / count) * valid  # d loss / d (lse - picked), per row
+        if ctx.native is not None:
+            scale = scale.to(torch.float32).contiguous()
+            out = _native.cross_entropy_backward(ctx.native, logits, targets, lse, scale)
+            return out, None, None
+        n_rows, rows = logits.shape[0], _rows_per_chunk(logits)
         out = torch.empty_like(logits)
         buffer = logits.new_empty((min(rows, n_rows), logits.shape[1]), dtype=torch.float32)
         minus_one = buffer.new_full((buffer.shape[0], 1), -1.0)

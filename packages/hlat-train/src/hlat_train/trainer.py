@@ -200,7 +200,7 @@ class Trainer:
     def _setup(self) -> None:
         from hlat_ckpt import Checkpointer
         from hlat_data import Tokenizer
-        from hlat_model import Llama
+        from hlat_model import Llama, fused_cpu_kernels_reason
         from hlat_optim import cosine_with_warmup
         from hlat_parallel import init_parallel, parallelize, pins_memory, resolve_dp_shard
 
@@ -264,6 +264,10 @@ class Trainer:
         compiled = resolve_compile(c.model.compile, c, device, world_size=self.world_size)
         self._log(compiled.describe(c.model.compile))
         c.model.compile = self.compile_blocks = compiled.on
+        if device.type == "cpu":
+            why = fused_cpu_kernels_reason()
+            state = "on" if why is None else f"off, torch's operators instead ({why})"
+            self._log(f"fused CPU kernels (RMSNorm, SwiGLU, RoPE, loss): {state}")
         self._pin = pins_memory(device)
         self._control = None
         if self.world_size > 1:

@@ -1,0 +1,340 @@
+"""The fused CPU kernels of ``_fused_cpu.cpp`` (RMSNorm, SwiGLU, the RoPE head split and the
+cross entropy of rows of logits, forward and backward), built on first use and called
+through ctypes.
+
+The library is compiled once per machine type by the host C++ compiler (``$CXX``, else
+``c++``, ``g++`` or ``clang++``), as ``torch.compile`` compiles its CPU kernels at run time,
+into ``$HLAT_MODEL_CACHE_DIR`` (else ``$XDG_CACHE_HOME/hlat-model`` or
+``~/.cache/hlat-model``), keyed by the source, the flags, the compiler and the CPU's feature
+flags, so a home directory shared by a cluster of mixed machines never loads a library built
+for another CPU. ``$HLAT_MODEL_CXXFLAGS`` adds flags (e.g. ``-march=x86-64-v3`` for the
+oldest CPU of a mixed cluster). ``HLAT_MODEL_NATIVE=0`` turns the kernels off; where no
+compiler works, :func:`load` returns ``None`` and :func:`unavailable_reason` says why. Either
+way the model computes the same functions with torch's operators.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("_fused_cpu.cpp")
+_ABI = 3
+# -fno-trapping-math lets the compiler vectorise floor(); no -ffast-math: NaN and inf keep
+# their meaning.
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
+_X86_FLAGS = ["-mprefer-vector-width=512"]  # full-width AVX-512 where the CPU has it
+# with OpenMP (rows split over torch's threads), then without
+_VARIANTS: tuple[list[str], ...] = (["-fopenmp"], [])
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "hlat_rms_norm_forward": [_INT, _P, _P, _P, _P, _I64, _I64, ctypes.c_float, _INT],
+    "hlat_rms_norm_backward": [_INT, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT, _INT],
+    "hlat_swiglu_forward": [_INT, _P, _P, _I64, _I64, _INT],
+    "hlat_swiglu_backward": [_INT, _P, _P, _P, _I64, _I64, _INT],
+    "hlat_rope_heads": [_INT, _P, _P, _P, _P, _P, _P, _P, _INT, _INT],
+    "hlat_xent_forward": [_INT, _P, _I64, _I64, _P, _P, _P, _INT, _INT],
+    "hlat_xent_backward": [_INT, _P, _I64, _I64, _P, _P, _P, _P, _INT],
+}
+
+_PARTS = 64
+"""Row parts whose weight-gradient sums RMSNorm's backward adds up: a fixed number, so that
+its result is the same for any thread count."""
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept."""
+    if os.environ.get("HLAT_MODEL_CACHE_DIR"):
+        return Path(os.environ["HLAT_MODEL_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hlat-model"
+
+
+def _machine_key(compiler: str, flags: list[str]) -> str:
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=False
+    ).stdout
+    features = platform.machine()
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        features = next(
+            (line for line in text.splitlines() if line.startswith(("flags", "Features"))),
+            features,
+        )
+    except OSError:
+        pass
+    digest = hashlib.sha256()
+    for part in (_SOURCE.read_text(), " ".join(flags), version, features):
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()[:20]
+
+
+def _compile(compiler: str, flags: list[str]) -> Path:
+    target = cache_dir() / f"fused_cpu_{_machine_key(compiler, flags)}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built under a unique name, then renamed: ranks starting together may all build it.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *flags, "-shared", "-fPIC", str(_SOURCE), "-o", partial],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} exited {done.returncode}: {done.stderr[-2000:]}")
+        os.replace(partial, target)
+    finally:
+        Path(partial).unlink(missing_ok=True)
+    return target
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    # torch is imported first, so the OpenMP runtime the library links resolves to the one
+    # torch loaded: one thread pool.
+    lib = ctypes.CDLL(str(path))
+    if lib.hlat_model_abi() != _ABI:
+        raise RuntimeError(f"{path} has other entry points than this hlat-model's")
+    for name, argtypes in _SIGNATURES.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = None
+    return lib
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernels' library, built on first call; ``None`` where it cannot be (see
+    :func:`unavailable_reason`)."""
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]  # type: ignore[return-value]
+        lib, reason = None, None
+        compiler = next(
+            (c for c in (os.environ.get("CXX"), "c++", "g++", "clang++") if c and shutil.which(c)),
+            None,
+        )
+        if os.environ.get("HLAT_MODEL_NATIVE", "1") == "0":
+            reason = "turned off by HLAT_MODEL_NATIVE=0"
+        elif compiler is None:
+            reason = "no C++ compiler found (set CXX)"
+        else:
+            base = _FLAGS + (_X86_FLAGS if platform.machine() in ("x86_64", "AMD64") else [])
+            base += shlex.split(os.environ.get("HLAT_MODEL_CXXFLAGS", ""))
+            errors = []
+            for extra in _VARIANTS:
+                try:
+                    lib = _open(_compile(compiler, base + extra))
+                    break
+                except (OSError, RuntimeError) as exc:
+                    errors.append(f"{type(exc).__name__}: {exc}")
+            reason = None if lib is not None else "; ".join(errors)
+        _state.update(lib=lib, reason=reason)
+        return lib
+
+
+def fused_cpu_kernels_reason() -> str | None:
+    """``None`` where the fused CPU kernels run (building them on first call), else why
+    not: the model then computes the same functions with torch's operators."""
+    return None if load() is not None else unavailable_reason()
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`load` returned ``None`` (after it was called), else ``None``."""
+    return _state.get("reason")  # type: ignore[return-value]
+
+
+def reset() -> None:
+    """Forget the loaded library, so that the next :func:`load` looks again."""
+    with _lock:
+        _state.clear()
+
+
+def usable(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The library, if these tensors can go to its kernels: plain contiguous CPU tensors,
+    all fp32 or all bf16, computed op by op (not traced by ``torch.compile``)."""
+    first = tensors[0]
+    if first.dtype not in (torch.float32, torch.bfloat16) or torch.compiler.is_compiling():
+        return None
+    for t in tensors:
+        if (
+            t.device.type != "cpu"
+            or t.dtype != first.dtype
+            or not t.is_contiguous()
+            or type(t) not in (torch.Tensor, torch.nn.Parameter)
+        ):
+            return None
+    return load()
+
+
+def _bf16(t: torch.Tensor) -> int:
+    return int(t.dtype == torch.bfloat16)
+
+
+def rms_norm_forward(
+    lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``round(round(x * rstd) * weight)``, fp32 ``rstd`` of each row [rows])."""
+    dim = x.shape[-1]
+    rows = x.numel() // dim if dim else 0
+    out = torch.empty_like(x)
+    rstd = torch.empty(rows, dtype=torch.float32)
+    lib.hlat_rms_norm_forward(
+        _bf16(x), x.data_ptr(), weight.data_ptr(), out.data_ptr(), rstd.data_ptr(),
+        rows, dim, eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return out, rstd
+
+
+def rms_norm_backward(
+    lib: ctypes.CDLL, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`rms_norm_forward`'s output for ``x`` and ``weight``."""
+    dim = x.shape[-1]
+    rows = rstd.numel()
+    threads = torch.get_num_threads()
+    parts = max(1, min(_PARTS, rows))
+    grad_x, grad_w = torch.empty_like(x), torch.empty_like(weight)
+    scratch = torch.empty(parts, dim, dtype=torch.float32)
+    lib.hlat_rms_norm_backward(
+        _bf16(x), grad.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr(),
+        grad_x.data_ptr(), grad_w.data_ptr(), scratch.data_ptr(), rows, dim, parts, threads,
+    )  # fmt: skip
+    return grad_x, grad_w
+
+
+def swiglu_forward(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up = [gate | up]`` (the halves of the last dimension)."""
+    width = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], width)
+    lib.hlat_swiglu_forward(
+        _bf16(gate_up), gate_up.data_ptr(), out.data_ptr(), out.numel() // max(width, 1),
+        width, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def swiglu_backward(lib: ctypes.CDLL, grad: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """The gradient of :func:`swiglu_forward`'s output for ``gate_up``."""
+    width = gate_up.shape[-1] // 2
+    out = torch.empty_like(gate_up)
+    lib.hlat_swiglu_backward(
+        _bf16(gate_up), grad.data_ptr(), gate_up.data_ptr(), out.data_ptr(),
+        grad.numel() // max(width, 1), width, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def rope_tables_usable(cos: torch.Tensor, sin: torch.Tensor, batch: int, seq: int) -> bool:
+    """Whether ``cos`` and ``sin`` are tables the RoPE kernel reads: fp32 CPU tensors of one
+    layout, [batch or 1, seq, 1, head_dim / 2] with rows of unit stride."""
+    return (
+        cos.dtype == sin.dtype == torch.float32
+        and cos.device.type == sin.device.type == "cpu"
+        and type(cos) is type(sin) is torch.Tensor
+        and cos.shape == sin.shape
+        and cos.stride() == sin.stride()
+        and cos.dim() == 4
+        and cos.shape[0] in (1, batch)
+        and cos.shape[1] == seq
+        and cos.shape[2] == 1
+        and cos.stride(-1) == 1
+    )
+
+
+def _heads_table(shape: torch.Size, cos: torch.Tensor) -> ctypes.Array:
+    batch, seq, groups, per_group, head_dim = shape
+    cos_batch = cos.stride(0) if cos.shape[0] > 1 else 0
+    values = (batch, seq, groups, per_group - 2, head_dim, cos_batch, cos.stride(1))
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+def rope_heads_forward(
+    lib: ctypes.CDLL, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v ([B, heads, S, D], contiguous) out of ``qkv`` [B, S, G, P, D], RoPE
+    applied to q and k (``hlat_model.model.apply_rope``'s half-split pairs)."""
+    batch, seq, groups, per_group, head_dim = qkv.shape
+    q = qkv.new_empty(batch, groups * (per_group - 2), seq, head_dim)
+    k, v = (qkv.new_empty(batch, groups, seq, head_dim) for _ in range(2))
+    lib.hlat_rope_heads(
+        _bf16(qkv), _heads_table(qkv.shape, cos), qkv.data_ptr(), q.data_ptr(), k.data_ptr(),
+        v.data_ptr(), cos.data_ptr(), sin.data_ptr(), 0, torch.get_num_threads(),
+    )  # fmt: skip
+    return q, k, v
+
+
+def rope_heads_backward(
+    lib: ctypes.CDLL,
+    shape: torch.Size,
+    grads: tuple[torch.Tensor | None, ...],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """The gradient of :func:`rope_heads_forward` for ``qkv`` (of ``shape``) from those of
+    q, k and v (None: zero)."""
+    sample = next(g for g in grads if g is not None)
+    dq, dk, dv = (None if g is None else g.contiguous() for g in grads)
+    out = sample.new_empty(shape)
+    lib.hlat_rope_heads(
+        _bf16(out), _heads_table(shape, cos), out.data_ptr(),
+        *(0 if g is None else g.data_ptr() for g in (dq, dk, dv)),
+        cos.data_ptr(), sin.data_ptr(), 1, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def cross_entropy_forward(
+    lib: ctypes.CDLL,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    softmax_grad: bool = False,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-sum-exp, the target's logit) of each row of ``logits`` [rows, vocab], fp32
+    (written into ``out``, two contiguous fp32 vectors, where given); ``targets`` are
+    contiguous int64 column indices (one outside ``[0, vocab)``: picked 0). With
+    ``softmax_grad`` (fp32 logits) each row is overwritten with its softmax minus the
+    target's one-hot."""
+    rows, vocab = logits.shape
+    if softmax_grad and logits.dtype != torch.float32:
+        raise ValueError(f"softmax_grad overwrites fp32 logits only, got {logits.dtype}")
+    lse, picked = out or tuple(torch.empty(rows, dtype=torch.float32) for _ in range(2))
+    lib.hlat_xent_forward(
+        _bf16(logits), logits.data_ptr(), rows, vocab, targets.data_ptr(), lse.data_ptr(),
+        picked.data_ptr(), int(softmax_grad), torch.get_num_threads(),
+    )  # fmt: skip
+    return lse, picked
+
+
+def cross_entropy_backward(
+    lib: ctypes.CDLL,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    scale: torch.Tensor,
+) -> torch.Tensor:
+    """``(softmax(logits) - onehot(targets)) * scale[:, None]`` in the logits' dtype, from
+    the rows' log-sum-exp ``lse`` (fp32, as :func:`cross_entropy_forward` gives)."""
+    rows, vocab = logits.shape
+    grad = torch.empty_like(logits)
+    lib.hlat_xent_backward(
+        _bf16(logits), logits.data_ptr(), rows, vocab, targets.data_ptr(), lse.data_ptr(),
+        scale.data_ptr(), grad.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return grad

@@ -1,0 +1,107 @@
+"""Building and loading the fused CPU kernels: the cache, builds for other CPU levels, and
+a model that still trains where they cannot be built."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from hlat_model import Llama, LlamaConfig, _native, fused_cpu_kernels_reason
+from hlat_model.model import RMSNorm, _HeadsWithRope, _SwiGLUFunction, rope_cos_sin
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """An empty cache directory and no library loaded yet (restored afterwards)."""
+    monkeypatch.setenv("HLAT_MODEL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("HLAT_MODEL_NATIVE", raising=False)
+    monkeypatch.delenv("HLAT_MODEL_CXXFLAGS", raising=False)
+    _native.reset()
+    yield tmp_path / "cache"
+    _native.reset()
+
+
+def _outputs(dtype: torch.dtype) -> list[torch.Tensor]:
+    """Every kernel's output and gradients on fixed inputs (the kernels that are loaded)."""
+    torch.manual_seed(0)
+    x = (torch.randn(6, 40, 72) * 2).to(dtype).requires_grad_()
+    norm = RMSNorm(72).to(dtype)
+    torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    out = norm(x)
+    out.backward(torch.randn_like(out))
+    gate_up = (torch.randn(6, 40, 2 * 50) * 3).to(dtype).requires_grad_()
+    h = _SwiGLUFunction.apply(gate_up, True)
+    h.backward(torch.randn_like(h))
+    qkv = torch.randn(2, 12, 2, 4, 16).to(dtype).requires_grad_()
+    cos, sin = rope_cos_sin(torch.arange(12)[None], 16, 10000.0)
+    q, k, v = _HeadsWithRope.apply(qkv, cos, sin)
+    torch.autograd.backward(
+        (q, k, v), (torch.randn_like(q), torch.randn_like(k), torch.randn_like(v))
+    )
+    return [out, x.grad, norm.weight.grad, h, gate_up.grad, q, k, v, qkv.grad]
+
+
+def test_built_once_per_machine_type_and_reused(fresh):
+    assert _native.load() is not None, _native.unavailable_reason()
+    built = sorted(fresh.glob("fused_cpu_*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    _native.reset()
+    assert _native.load() is not None
+    assert sorted(fresh.glob("fused_cpu_*.so")) == built
+    assert built[0].stat().st_mtime_ns == stamp  # loaded, not built again
+    assert fused_cpu_kernels_reason() is None
+
+
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set levels"
+)
+@pytest.mark.parametrize("level", ["x86-64-v3", "x86-64"])  # AVX2 + FMA; SSE2 only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_build_for_an_older_cpu_gives_the_same_numbers(fresh, monkeypatch, level, dtype):
+    """A library built for AVX2-only CPUs (8-lane vectors) or for any x86-64 CPU, as a
+    mixed cluster would build it (``HLAT_MODEL_CXXFLAGS``), against this CPU's own build:
+    the same numbers up to fused multiply-adds (one rounding of the dtype)."""
+    assert _native.load() is not None, _native.unavailable_reason()
+    native = _outputs(dtype)
+    monkeypatch.setenv("HLAT_MODEL_CXXFLAGS", f"-march={level}")
+    _native.reset()
+    assert _native.load() is not None, _native.unavailable_reason()
+    assert len(list(fresh.glob("fused_cpu_*.so"))) == 2  # another key, another library
+    older = _outputs(dtype)
+    unit = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    for a, b in zip(older, native, strict=True):
+        torch.testing.assert_close(a, b, rtol=unit, atol=unit * b.abs().max().item())
+
+
+def _trains(config: LlamaConfig) -> None:
+    torch.manual_seed(0)
+    model = Llama(config)
+    tokens = torch.randint(0, config.vocab_size, (2, 17))
+    loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+    loss.backward()
+    assert loss.isfinite() and all(p.grad is not None for p in model.parameters())
+
+
+def test_without_a_compiler_the_model_runs_on_torch_operators(fresh, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("CXX", raising=False)
+    assert _native.load() is None
+    assert fused_cpu_kernels_reason() == "no C++ compiler found (set CXX)"
+    _trains(LlamaConfig.preset("tiny"))
+
+
+def test_a_failed_build_says_why_and_the_model_still_runs(fresh, monkeypatch):
+    monkeypatch.setenv("HLAT_MODEL_CXXFLAGS", "-fno-such-flag-anywhere")
+    assert _native.load() is None
+    why = fused_cpu_kernels_reason()
+    assert why is not None and "no-such-flag-anywhere" in why
+    assert not list(fresh.glob("*.so"))  # no half-built library left behind
+    _trains(LlamaConfig.preset("tiny"))
+
+
+def test_turned_off_by_the_environment(fresh, monkeypatch):
+    monkeypatch.setenv("HLAT_MODEL_NATIVE", "0")
+    assert fused_cpu_kernels_reason() == "turned off by HLAT_MODEL_NATIVE=0"

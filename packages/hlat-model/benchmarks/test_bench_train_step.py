@@ -264,6 +264,8 @@ def test_fp32_step_onednn_against_torch_products(benchmark, monkeypatch):
 
 ATTENTION_SHAPES = {
     "model": (BATCH, CONFIG["n_heads"], SEQ, CONFIG["dim"] // CONFIG["n_heads"]),
+    "s1024": (2, 8, 1024, 64),
+    "s2048": (1, 8, 2048, 64),
     "s2048-d128": (1, 8, 2048, 128),
 }
 
@@ -273,8 +275,9 @@ ATTENTION_SHAPES = {
 def test_attention_kernels(benchmark, dtype, shape):
     """Causal attention forward + backward: :func:`blocked_causal_attention` (what
     ``attention="auto"`` runs on CPUs) against torch's ``scaled_dot_product_attention``
-    (its CPU flash kernel) in the same rounds, at the model's shape and at a longer
-    sequence with 7B-sized heads."""
+    (its CPU flash kernel) in the same rounds, at the model's shape, at 1,024 and 2,048
+    tokens, and at 2,048 tokens with 7B-sized heads: what ``auto``'s CPU rule
+    (:func:`hlat_model.attention.cpu_attention_rule`) is chosen from."""
     import torch.nn.functional as F
 
     from hlat_model.attention import blocked_causal_attention

@@ -6,7 +6,13 @@ import torch.nn.functional as F
 
 from hlat_model import Llama, LlamaConfig, cross_entropy_loss
 from hlat_model import attention as attention_module
-from hlat_model.attention import AttentionMask, blocked_causal_attention, query_block
+from hlat_model.attention import (
+    SDPA_FROM_TOKENS_WITH_AMX,
+    AttentionMask,
+    blocked_causal_attention,
+    cpu_attention_rule,
+    query_block,
+)
 
 
 def _inputs(batch, heads, kv_heads, seq_len, head_dim, dtype, seed=0):
@@ -201,6 +207,34 @@ def test_auto_runs_the_blocked_kernel_on_cpus_only(backend, device, documents, k
     doc_lens = torch.tensor([[10, 6]]) if documents else None
     mask = AttentionMask.build(doc_lens, 16, backend, torch.device(device))
     assert (mask.kernel, mask.backend) == (kernel, form)
+
+
+@pytest.mark.parametrize(
+    "amx, seq_len, documents, backend",
+    [
+        (True, 2048, False, "sdpa"),
+        (True, 8192, False, "sdpa"),
+        (True, 2047, False, "blocked"),
+        (True, 4096, True, "blocked"),  # packed documents: the masked flash kernel unmeasured
+        (True, None, False, "blocked"),
+        (False, 4096, False, "blocked"),
+    ],
+)
+def test_the_cpu_rule_takes_the_flash_kernel_for_long_sequences_with_amx(
+    amx, seq_len, documents, backend
+):
+    assert cpu_attention_rule(amx, seq_len, documents) == backend
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_auto_on_cpus_follows_the_cpu_rule(amx, monkeypatch):
+    """The mask a forward builds asks the rule with this CPU's answer (here each answer in
+    turn): a long plain-causal sequence runs SDPA with AMX, the blocked kernel without."""
+    monkeypatch.setattr(attention_module, "_cpu_has_amx", lambda: amx)
+    long = AttentionMask.build(None, SDPA_FROM_TOKENS_WITH_AMX, "auto", torch.device("cpu"))
+    short = AttentionMask.build(None, 512, "auto", torch.device("cpu"))
+    assert (long.kernel, long.backend) == ("sdpa" if amx else "blocked", "causal")
+    assert (short.kernel, short.backend) == ("blocked", "causal")
 
 
 @pytest.mark.parametrize("documents", [False, True])

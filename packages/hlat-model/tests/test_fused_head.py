@@ -196,3 +196,12 @@ def test_the_model_refuses_labels_that_do_not_fit_before_running():
     with pytest.raises(TypeError, match=r"integer token ids .* got torch.float32"):
         model(ids, labels=ids.float())
     assert calls == []
+
+
+def test_a_label_outside_the_vocabulary_is_refused(kernels):
+    hidden = torch.randn(2, 4, 16, requires_grad=True)
+    weight = torch.randn(10, 16, requires_grad=True)
+    labels = torch.tensor([[1, 2, 3, 12], [0, 1, -100, 3]])
+    error = ValueError if kernels == "native" else (RuntimeError, IndexError)
+    with pytest.raises(error, match="12"):
+        linear_cross_entropy(hidden, weight, labels)

@@ -156,3 +156,13 @@ def test_the_fused_kernel_on_extreme_logits(dtype):
         in_place = logits.clone()
         _native.cross_entropy_forward(lib, in_place, targets, softmax_grad=True)
         torch.testing.assert_close(in_place * scale[:, None], grad, rtol=1e-6, atol=1e-9)
+
+
+def test_a_label_outside_the_vocabulary_is_refused(kernels):
+    """Not taken for an ignored row: the fused kernel's path says which label, torch's
+    operators refuse it as an index out of bounds."""
+    logits = torch.randn(2, 4, 10, requires_grad=True)
+    labels = torch.tensor([[1, 2, 3, 12], [0, 1, -100, 3]])
+    error = ValueError if kernels == "native" else (RuntimeError, IndexError)
+    with pytest.raises(error, match="12"):
+        cross_entropy_loss(logits, labels)

@@ -87,10 +87,12 @@ def test_which_tables_the_kernel_reads():
     from hlat_model import _native
 
     cos, sin = rope_cos_sin(torch.arange(12).expand(2, 12), 16, 10000.0)
-    assert _native.rope_tables_usable(cos, sin, batch=2, seq=12)
-    assert _native.rope_tables_usable(cos[:1], sin[:1], batch=2, seq=12)
-    assert not _native.rope_tables_usable(cos, sin, batch=3, seq=12)
-    assert not _native.rope_tables_usable(cos.double(), sin.double(), batch=2, seq=12)
-    assert not _native.rope_tables_usable(cos, sin[..., :4], batch=2, seq=12)
+    qkv = torch.Size([2, 12, 2, 3, 16])
+    assert _native.rope_tables_usable(cos, sin, qkv)
+    assert _native.rope_tables_usable(cos[:1], sin[:1], qkv)
+    assert not _native.rope_tables_usable(cos, sin, torch.Size([3, 12, 2, 3, 16]))  # batch
+    assert not _native.rope_tables_usable(cos, sin, torch.Size([2, 12, 2, 3, 32]))  # width
+    assert not _native.rope_tables_usable(cos.double(), sin.double(), qkv)
+    assert not _native.rope_tables_usable(cos, sin[..., :4], qkv)
     strided = torch.randn(2, 12, 1, 16)[..., ::2]
-    assert not _native.rope_tables_usable(strided, strided, batch=2, seq=12)
+    assert not _native.rope_tables_usable(strided, strided, qkv)

@@ -229,3 +229,10 @@ def test_compiled_on_cpus_gate_and_up_are_strided_products_that_keep_the_weight_
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=name)
     finally:
         torch._dynamo.reset()
+
+
+def test_an_odd_width_takes_torchs_operators():
+    """``gate_up`` of odd width has no two equal halves: the kernel stands aside."""
+    gate_up = torch.randn(3, 9, requires_grad=True)
+    with pytest.raises(RuntimeError):  # silu(gate) * up of halves 5 and 4 wide
+        _SwiGLUFunction.apply(gate_up, True)

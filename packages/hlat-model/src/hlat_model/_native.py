@@ -240,16 +240,20 @@ def swiglu_backward(lib: ctypes.CDLL, grad: torch.Tensor, gate_up: torch.Tensor)
     return out
 
 
-def rope_tables_usable(cos: torch.Tensor, sin: torch.Tensor, batch: int, seq: int) -> bool:
-    """Whether ``cos`` and ``sin`` are tables the RoPE kernel reads: fp32 CPU tensors of one
-    layout, [batch or 1, seq, 1, head_dim / 2] with rows of unit stride."""
+def rope_tables_usable(cos: torch.Tensor, sin: torch.Tensor, qkv_shape: torch.Size) -> bool:
+    """Whether ``cos`` and ``sin`` are tables the RoPE kernel reads for a fused ``qkv`` of
+    ``qkv_shape`` ([B, S, G, P, D], D even): fp32 CPU tensors of one layout, [B or 1, S, 1,
+    D / 2] with rows of unit stride."""
+    batch, seq, head_dim = qkv_shape[0], qkv_shape[1], qkv_shape[-1]
     return (
-        cos.dtype == sin.dtype == torch.float32
+        cos.dim() == 4
+        and head_dim % 2 == 0
+        and cos.shape[-1] * 2 == head_dim
+        and cos.dtype == sin.dtype == torch.float32
         and cos.device.type == sin.device.type == "cpu"
         and type(cos) is type(sin) is torch.Tensor
         and cos.shape == sin.shape
         and cos.stride() == sin.stride()
-        and cos.dim() == 4
         and cos.shape[0] in (1, batch)
         and cos.shape[1] == seq
         and cos.shape[2] == 1

@@ -70,6 +70,19 @@ def _check_labels(inputs: torch.Tensor, labels: torch.Tensor, what: str) -> None
         raise TypeError(f"labels must be integer token ids, got {labels.dtype}")
 
 
+def _native_targets(labels: torch.Tensor, valid: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int64 targets for the fused CPU kernel: the labels, ``-1`` where ignored (outside the
+    vocabulary: no one-hot). A counted label outside ``[0, vocab)`` is refused here, as the
+    operators' gather refuses it (the kernel would take it for an ignored row)."""
+    outside = valid & ((labels < 0) | (labels >= vocab))
+    if bool(outside.any()):
+        bad = int(labels[outside][0])
+        raise ValueError(
+            f"label {bad} is outside the vocabulary [0, {vocab}) and is not the ignore_index"
+        )
+    return labels.where(valid, -1).to(torch.int64).contiguous()
+
+
 def eager_plain(x: torch.Tensor) -> bool:
     """Whether ``x`` is a plain tensor computed op by op: not a tensor subclass (DTensor),
     not traced by ``torch.compile``, not on PyTorch/XLA's lazy device (trn1), whose
@@ -184,8 +197,8 @@ def _head_loss_in_chunks(
         scale = valid / count  # d loss / d (lse - picked), per row; NaN when none counts
         minus_one = buffer.new_full((rows, 1), -1.0)
     lib = _native.usable(buffer)
-    if lib is not None:  # ignored rows: a target outside the vocabulary (no one-hot)
-        native_targets = labels.where(valid, -1).to(torch.int64).contiguous()
+    if lib is not None:
+        native_targets = _native_targets(labels, valid, vocab)
     for start in range(0, n_rows, rows):
         end = min(start + rows, n_rows)
         chunk, x = buffer[: end - start], hidden[start:end]
@@ -257,8 +270,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         ctx.native = lib = _native.usable(logits)
         valid = labels != ignore_index
         if lib is not None:
-            # ignored rows get a target outside the vocabulary: picked 0, no one-hot
-            targets = labels.where(valid, -1).to(torch.int64).contiguous()
+            targets = _native_targets(labels, valid, logits.shape[1])
             lse, picked = _native.cross_entropy_forward(lib, logits, targets)
             count = valid.sum()
             ctx.save_for_backward(logits, lse, targets, valid, count)

@@ -187,7 +187,7 @@ class _HeadsWithRope(torch.autograd.Function):
         ctx.qkv_shape = qkv.shape
         ctx.set_materialize_grads(False)  # an unused output's gradient comes as None
         lib = _native.usable(qkv)
-        if lib is not None and not _native.rope_tables_usable(cos, sin, batch, seq_len):
+        if lib is not None and not _native.rope_tables_usable(cos, sin, qkv.shape):
             lib = None
         ctx.native = lib
         if lib is not None:
@@ -262,7 +262,7 @@ class _SwiGLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, gate_up: torch.Tensor, keep_silu: bool) -> torch.Tensor:
-        lib = _native.usable(gate_up)
+        lib = _native.usable(gate_up) if gate_up.shape[-1] % 2 == 0 else None
         ctx.native = lib
         if lib is not None:
             ctx.save_for_backward(gate_up)

@@ -67,17 +67,17 @@ class _RMSNormFunction(torch.autograd.Function):
     scale per row; backward recomputes the normalised ``x`` from them. Forward gives the
     composition's numbers up to the order of the sum of squares; the gradients skip the
     composition's rounding of ``grad * weight`` to bf16, and are at least as close to
-    float64 as its (tested). Measured on a 2-core Intel Xeon with AMX, the 17 norms of an
-    8-layer width-512 Llama at 4 x 512 tokens, forward and backward: 0.55 ms per norm
-    against 3.0 ms with the operators below in bf16, 0.52 against 2.0 ms in fp32
+    float64 as its (tested). Measured on a 2-core Intel Xeon with AMX, one norm of 4 x 512
+    tokens of width 512, forward and backward (the input's gradient accumulated): 1.19 ms
+    against 3.86 ms with the operators below in bf16, 1.16 against 2.44 ms in fp32
     (``benchmarks/test_bench_train_step.py::test_fused_cpu_kernels``).
 
     **Torch's operators** (elsewhere): the composition's forward values, in four passes over
     ``x`` forward and about six backward. Keeps ``x``, the rounded normalised ``x`` and one
     fp32 scale per row for backward, where the composition kept an fp32 copy of ``x``
-    besides the rounded one. In fp32 (``x`` and ``weight``) the
-    normalised ``x`` is not rounded, so backward reads it instead of ``x``, which it does not
-    keep, and takes the mean it needs as one product with the weight.
+    besides the rounded one. In fp32 (``x`` and ``weight``) the normalised ``x`` is not
+    rounded, so backward reads it instead of ``x``, which it does not keep, and takes the
+    mean it needs as one product with the weight.
 
     Note: measured on a 2-core AVX512-BF16 EPYC, forward and backward of the 17 norms of an
     8-layer width-512 Llama at 4 x 512 bf16 tokens took 29-36 ms against 54-59 ms composed;

@@ -29,17 +29,56 @@ def emulated(device: torch.device) -> None:
 CPU = torch.device("cpu")
 
 
-def test_auto_compiles_long_bf16_runs_on_cpus_with_native_bf16():
-    choice = resolve_compile("auto", _config(), CPU, bf16_reason=native)
+def kernels_off() -> str:
+    return "turned off by HLAT_MODEL_NATIVE=0"
+
+
+def kernels_on() -> None:
+    return None
+
+
+def test_auto_compiles_long_bf16_runs_on_cpus_with_native_bf16_without_the_fused_kernels():
+    choice = resolve_compile(
+        "auto", _config(), CPU, bf16_reason=native, cpu_kernels_reason=kernels_off
+    )
     assert choice.on
     assert choice.describe("auto") == (
         f"compile auto -> on (bf16 for {AUTO_MIN_STEPS} steps (this CPU has AVX512-BF16): "
-        "compiled blocks measured 1.06x-1.07x eager)"
+        "compiled blocks measured 1.06x-1.07x eager without the fused CPU kernels)"
     )
     for precision in ("bf16", "mixed", "bf16-kahan"):  # every mode that computes in bf16
         assert resolve_compile(
-            "auto", _config(f"--optim.precision={precision}"), CPU, bf16_reason=native
+            "auto",
+            _config(f"--optim.precision={precision}"),
+            CPU,
+            bf16_reason=native,
+            cpu_kernels_reason=kernels_off,
         ).on
+
+
+def test_auto_stays_eager_on_cpus_where_the_fused_kernels_run():
+    choice = resolve_compile(
+        "auto", _config(), CPU, bf16_reason=native, cpu_kernels_reason=kernels_on
+    )
+    assert not choice.on
+    assert "fused CPU kernels: compiled blocks measured 0.95x eager" in choice.reason
+    # a GPU is not asked
+    gpu = resolve_compile(
+        "auto", _config(), torch.device("cuda"), bf16_reason=native, cpu_kernels_reason=kernels_on
+    )
+    assert gpu.on
+
+
+def test_auto_asks_hlat_model_whether_its_kernels_run(monkeypatch):
+    """By default the rule asks hlat-model itself (here with the kernels turned off)."""
+    from hlat_model import _native
+
+    monkeypatch.setenv("HLAT_MODEL_NATIVE", "0")
+    _native.reset()
+    try:
+        assert resolve_compile("auto", _config(), CPU, bf16_reason=native).on
+    finally:
+        _native.reset()
 
 
 @pytest.mark.parametrize(
@@ -115,8 +154,10 @@ def test_auto_stays_eager_where_a_compiled_tp_block_with_sdpa_would_fail():
     config = _config(*tp)
     sdpa = _config(*tp, "--model.attention=sdpa")
     # the blocked kernel compiles under TP and selective checkpointing; SDPA may not
-    assert resolve_compile("auto", config, CPU, bf16_reason=native).on
-    choice = resolve_compile("auto", sdpa, CPU, bf16_reason=native)
+    assert resolve_compile(
+        "auto", config, CPU, bf16_reason=native, cpu_kernels_reason=kernels_off
+    ).on
+    choice = resolve_compile("auto", sdpa, CPU, bf16_reason=native, cpu_kernels_reason=kernels_off)
     assert choice.on is not compiled_tp_checkpoints_fail()
 
 

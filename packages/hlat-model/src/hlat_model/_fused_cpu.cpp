@@ -20,30 +20,28 @@ using u32 = uint32_t;
 
 constexpr int kLanes = 16;
 
-inline float f_of(u32 b) {
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-inline u32 b_of(float f) {
-  u32 b;
-  std::memcpy(&b, &f, 4);
-  return b;
+// The same bits as another type of the same size (std::bit_cast before C++20).
+template <typename To, typename From>
+inline To same_bits(From v) {
+  static_assert(sizeof(To) == sizeof(From), "same size");
+  To out;
+  std::memcpy(&out, &v, sizeof(out));
+  return out;
 }
 
 inline u16 to_bf16(float f) {
-  const u32 b = b_of(f);
+  const u32 b = same_bits<u32>(f);
   const u32 rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
   return (b & 0x7FFFFFFFu) > 0x7F800000u ? u16(0x7FC0) : u16(rounded);
 }
 
 inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const u16* p, int64_t i) { return f_of(u32(p[i]) << 16); }
+inline float load(const u16* p, int64_t i) { return same_bits<float>(u32(p[i]) << 16); }
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(u16* p, int64_t i, float v) { p[i] = to_bf16(v); }
 // v rounded to T's precision (the value a T tensor would hold), as fp32.
 inline float rounded(const float*, float v) { return v; }
-inline float rounded(const u16*, float v) { return f_of(u32(to_bf16(v)) << 16); }
+inline float rounded(const u16*, float v) { return same_bits<float>(u32(to_bf16(v)) << 16); }
 
 // ---------------------------------------------------------------------------------------
 // RMSNorm: out = round(round(x * rstd) * w), rstd = 1 / sqrt(mean(x^2) + eps) per row.
@@ -149,7 +147,7 @@ inline float exp_fast(float x) {
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  float e = (p * r * r + r + 1.0f) * f_of(u32(int32_t(n) + 127) << 23);
+  float e = (p * r * r + r + 1.0f) * same_bits<float>(u32(int32_t(n) + 127) << 23);
   e = x < -87.4f ? 0.0f : e;
   e = x > 88.72f ? INFINITY : e;
   return e;
@@ -348,7 +346,7 @@ void xent_backward(const T* logits, int64_t rows, int64_t vocab, const int64_t* 
 extern "C" {
 
 // Version of the entry points' signatures; the loader checks it.
-int hlat_model_abi(void) { return 3; }
+int hlat_model_abi(void) { return 4; }
 
 // `bf16`: 1 when every tensor argument is bf16 (held as uint16), 0 when fp32; rstd and part
 // are fp32. Rows are contiguous, `dim` (or 2 * `width`) elements each.
@@ -429,6 +427,17 @@ void hlat_xent_forward(int bf16, void* logits, int64_t rows, int64_t vocab,
     xent_forward(static_cast<float*>(logits), rows, vocab, targets, lse, picked,
                  softmax_grad != 0, threads);
   }
+}
+
+// 1 + the index of the first label that is neither `ignore` nor in [0, vocab), else 0: read
+// on the host, where the labels live, without a tensor operation.
+int64_t hlat_xent_first_bad(const int64_t* labels, int64_t rows, int64_t vocab,
+                            int64_t ignore) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = labels[r];
+    if (t != ignore && (t < 0 || t >= vocab)) return r + 1;
+  }
+  return 0;
 }
 
 void hlat_xent_backward(int bf16, const void* logits, int64_t rows, int64_t vocab,

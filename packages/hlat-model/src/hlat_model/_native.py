@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).with_name("_fused_cpu.cpp")
-_ABI = 3
+_ABI = 4
 # -fno-trapping-math lets the compiler vectorise floor(); no -ffast-math: NaN and inf keep
 # their meaning.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
@@ -46,7 +46,9 @@ _SIGNATURES = {
     "hlat_rope_heads": [_INT, _P, _P, _P, _P, _P, _P, _P, _INT, _INT],
     "hlat_xent_forward": [_INT, _P, _I64, _I64, _P, _P, _P, _INT, _INT],
     "hlat_xent_backward": [_INT, _P, _I64, _I64, _P, _P, _P, _P, _INT],
+    "hlat_xent_first_bad": [_P, _I64, _I64, _I64],
 }
+_RETURNS = {"hlat_xent_first_bad": ctypes.c_int64}
 
 _PARTS = 64
 """Row parts whose weight-gradient sums RMSNorm's backward adds up: a fixed number, so that
@@ -114,7 +116,7 @@ def _open(path: Path) -> ctypes.CDLL:
         raise RuntimeError(f"{path} has other entry points than this hlat-model's")
     for name, argtypes in _SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
-        getattr(lib, name).restype = None
+        getattr(lib, name).restype = _RETURNS.get(name)
     return lib
 
 
@@ -342,3 +344,17 @@ def cross_entropy_backward(
         scale.data_ptr(), grad.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return grad
+
+
+def check_labels(lib: ctypes.CDLL, labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Refuse a label that is neither ``ignore_index`` nor in ``[0, vocab)`` (the kernels
+    would take it for an ignored row), before any work; ``labels`` are contiguous int64 CPU
+    labels. Read by the library on the host: no tensor operation, so nothing here counts as
+    a read of the device."""
+    bad = lib.hlat_xent_first_bad(labels.data_ptr(), labels.numel(), vocab, ignore_index)
+    if bad:
+        label = int(labels.reshape(-1)[bad - 1])
+        raise ValueError(
+            f"label {label} at position {bad - 1} is outside the vocabulary [0, {vocab}) "
+            f"and is not the ignore_index ({ignore_index})"
+        )

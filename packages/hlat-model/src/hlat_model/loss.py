@@ -70,17 +70,15 @@ def _check_labels(inputs: torch.Tensor, labels: torch.Tensor, what: str) -> None
         raise TypeError(f"labels must be integer token ids, got {labels.dtype}")
 
 
-def _native_targets(labels: torch.Tensor, valid: torch.Tensor, vocab: int) -> torch.Tensor:
+def _native_targets(
+    lib: Any, labels: torch.Tensor, valid: torch.Tensor, vocab: int, ignore_index: int
+) -> torch.Tensor:
     """int64 targets for the fused CPU kernel: the labels, ``-1`` where ignored (outside the
-    vocabulary: no one-hot). A counted label outside ``[0, vocab)`` is refused here, as the
+    vocabulary: no one-hot). A counted label outside ``[0, vocab)`` is refused first, as the
     operators' gather refuses it (the kernel would take it for an ignored row)."""
-    outside = valid & ((labels < 0) | (labels >= vocab))
-    if bool(outside.any()):
-        bad = int(labels[outside][0])
-        raise ValueError(
-            f"label {bad} is outside the vocabulary [0, {vocab}) and is not the ignore_index"
-        )
-    return labels.where(valid, -1).to(torch.int64).contiguous()
+    wide = labels.to(torch.int64).contiguous()
+    _native.check_labels(lib, wide, vocab, ignore_index)
+    return wide.where(valid, -1)
 
 
 def eager_plain(x: torch.Tensor) -> bool:
@@ -198,7 +196,7 @@ def _head_loss_in_chunks(
         minus_one = buffer.new_full((rows, 1), -1.0)
     lib = _native.usable(buffer)
     if lib is not None:
-        native_targets = _native_targets(labels, valid, vocab)
+        native_targets = _native_targets(lib, labels, valid, vocab, ignore_index)
     for start in range(0, n_rows, rows):
         end = min(start + rows, n_rows)
         chunk, x = buffer[: end - start], hidden[start:end]
@@ -270,7 +268,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         ctx.native = lib = _native.usable(logits)
         valid = labels != ignore_index
         if lib is not None:
-            targets = _native_targets(labels, valid, logits.shape[1])
+            targets = _native_targets(lib, labels, valid, logits.shape[1], ignore_index)
             lse, picked = _native.cross_entropy_forward(lib, logits, targets)
             count = valid.sum()
             ctx.save_for_backward(logits, lse, targets, valid, count)

@@ -123,6 +123,8 @@ def _open(path: Path) -> ctypes.CDLL:
 def load() -> ctypes.CDLL | None:
     """The kernels' library, built on first call; ``None`` where it cannot be (see
     :func:`unavailable_reason`)."""
+    if "lib" in _state:  # every call after the first: no lock on the hot path
+        return _state["lib"]  # type: ignore[return-value]
     with _lock:
         if "lib" in _state:
             return _state["lib"]  # type: ignore[return-value]

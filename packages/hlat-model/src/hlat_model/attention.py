@@ -18,7 +18,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hlat_model.linear import cpu_has_native_bf16
+from hlat_model.linear import cpu_has_amx, cpu_has_native_bf16
+
+_cpu_has_amx = functools.cache(cpu_has_amx)
+"""hlat_model.linear.cpu_has_amx, asked once."""
 
 
 def document_ids(doc_lens: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -117,11 +120,6 @@ def cpu_attention_rule(amx: bool, seq_len: int | None, documents: bool) -> str:
     ``blocked`` (packed documents too: their masked flash kernel has not been measured)."""
     long = seq_len is not None and seq_len >= SDPA_FROM_TOKENS_WITH_AMX
     return "sdpa" if amx and long and not documents else "blocked"
-
-
-@functools.cache
-def _cpu_has_amx() -> bool:
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def attention(

@@ -39,10 +39,9 @@ def cpu_bf16_reason() -> str | None:
     """
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64", "i386", "i686"):
-        cpu = torch.cpu
-        if getattr(cpu, "_is_amx_tile_supported", lambda: False)():
+        if cpu_has_amx():
             return "this CPU has AMX tiles"
-        if getattr(cpu, "_is_avx512_bf16_supported", lambda: False)():
+        if getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
             return "this CPU has AVX512-BF16"
         return None
     try:
@@ -51,6 +50,11 @@ def cpu_bf16_reason() -> str | None:
     except (AttributeError, RuntimeError):
         pass
     return None
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (torch's own check; False where torch lacks it)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def cpu_has_native_bf16() -> bool:

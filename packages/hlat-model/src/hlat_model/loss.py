@@ -184,7 +184,6 @@ def _head_loss_in_chunks(
     n_rows, vocab = hidden.shape[0], weight.shape[0]
     rows = max(1, min(n_rows, FUSED_HEAD_ROWS[hidden.device.type]))
     valid = labels != ignore_index
-    targets = labels.where(valid, 0)
     count = valid.sum()
     buffer = hidden.new_empty((rows, vocab))
     lse, picked = hidden.new_empty(n_rows), hidden.new_empty(n_rows)
@@ -193,10 +192,12 @@ def _head_loss_in_chunks(
     gw = torch.empty_like(weight, memory_format=torch.contiguous_format) if grad_weight else None
     if wants_grad:
         scale = valid / count  # d loss / d (lse - picked), per row; NaN when none counts
-        minus_one = buffer.new_full((rows, 1), -1.0)
     lib = _native.usable(buffer)
     if lib is not None:
-        native_targets = _native_targets(lib, labels, valid, vocab, ignore_index)
+        targets = _native_targets(lib, labels, valid, vocab, ignore_index)
+    else:
+        targets = labels.where(valid, 0)
+        minus_one = buffer.new_full((rows, 1), -1.0)
     for start in range(0, n_rows, rows):
         end = min(start + rows, n_rows)
         chunk, x = buffer[: end - start], hidden[start:end]
@@ -204,7 +205,7 @@ def _head_loss_in_chunks(
         if lib is not None:
             # the loss terms and, with gradients wanted, softmax - onehot in place: one pass
             into = (lse[start:end], picked[start:end])
-            _native.cross_entropy_forward(lib, chunk, native_targets[start:end], wants_grad, into)
+            _native.cross_entropy_forward(lib, chunk, targets[start:end], wants_grad, into)
         else:
             torch.gather(chunk, 1, targets[start:end, None], out=picked[start:end, None])
             row_max = torch.amax(chunk, dim=-1, keepdim=True)

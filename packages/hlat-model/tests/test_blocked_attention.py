@@ -81,7 +81,7 @@ CASES = {
 
 @pytest.mark.parametrize("keep", [True, False], ids=["kept", "recomputed"])
 @pytest.mark.parametrize("case", CASES)
-def test_fp32_outputs_and_gradients_equal_sdpa(case, keep, monkeypatch):
+def test_fp32_outputs_and_gradients_equal_sdpa(case, keep, monkeypatch, kernels):
     if not keep:
         monkeypatch.setattr(attention_module, "KEEP_PROBABILITIES_BYTES", 0)
     batch, heads, kv_heads, seq_len, head_dim, documents = CASES[case]
@@ -111,7 +111,7 @@ def _eager(allowed):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bf16_error_is_that_of_eager_attention(case):
+def test_bf16_error_is_that_of_eager_attention(case, kernels):
     """Scores rounded to bf16 before the softmax, as in Hugging Face's eager attention:
     against float64, the output and the three gradients are within 1.25x of the eager
     path's norm-wise error on the same inputs (:func:`_normwise_errors`)."""
@@ -130,7 +130,9 @@ def test_bf16_error_is_that_of_eager_attention(case):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_recomputed_probabilities_give_the_gradients_of_kept_ones_bit_for_bit(dtype, monkeypatch):
+def test_recomputed_probabilities_give_the_gradients_of_kept_ones_bit_for_bit(
+    dtype, monkeypatch, kernels
+):
     q, k, v, grad = _inputs(2, 4, 4, 300, 32, dtype)
     kept = _run(blocked_causal_attention, q, k, v, grad)
     monkeypatch.setattr(attention_module, "KEEP_PROBABILITIES_BYTES", 0)
@@ -149,6 +151,50 @@ def _saved_bytes(fn, *args):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn(*args)
     return sum(saved)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("first", [0, 100, -1], ids=["diagonal", "below", "unmasked"])
+def test_the_fused_softmax_kernels_match_float64(dtype, first):
+    """The fused CPU softmax of a block of causal scores and its backward: each row covers
+    the keys up to its query's position (whatever the others hold: here NaN), the rest come
+    out 0; within fp32 rounding of the float64 result, rounded once to the dtype."""
+    from hlat_model import _native
+
+    lib = _native.load()
+    assert lib is not None, _native.unavailable_reason()
+    blocks, rows, width = 3, 37, 150  # widths and rows that are not multiples of 16
+    scores = (torch.randn(blocks, rows, width) * 4).to(dtype)
+    positions = torch.arange(rows)[:, None] + max(first, 0)
+    seen = torch.arange(width) <= positions if first >= 0 else torch.ones(rows, width).bool()
+    wide = scores.double().masked_fill(~seen, float("-inf")).softmax(-1)
+    probs = _native.attention_softmax(lib, scores.masked_fill(~seen, float("nan")), first)
+    ulp = 2**-23 if dtype == torch.float32 else 2**-8
+    assert (probs.double() - wide).abs().max() <= 4 * ulp * wide.abs().max()
+    assert (probs[~seen.expand_as(probs)] == 0).all()
+
+    dprobs = torch.randn(blocks, rows, width).to(dtype)
+    p, d = probs.double(), dprobs.double()
+    expected = p * (d - (d * p).sum(-1, keepdim=True))
+    garbage = dprobs.masked_fill(~seen, float("nan"))
+    ours = _native.attention_softmax_backward(lib, garbage, probs, first).double()
+    assert (ours - expected).abs().max() <= 8 * ulp * expected.abs().max()
+    assert (ours[~seen.expand_as(ours)] == 0).all()
+
+
+def test_the_fused_add_sums_bf16_into_a_slice_of_an_fp32_tensor():
+    from hlat_model import _native
+
+    lib = _native.load()
+    assert lib is not None, _native.unavailable_reason()
+    acc = torch.randn(4, 50, 8)
+    x = torch.randn(4, 30, 8).to(torch.bfloat16)
+    expected = acc.clone()
+    expected[:, :30] += x.float()
+    _native.add_bf16_into_fp32(lib, acc[:, :30], x)
+    assert torch.equal(acc, expected)
+    with pytest.raises(ValueError, match="dense batches"):
+        _native.add_bf16_into_fp32(lib, acc[:, :30], x[:, :20])
 
 
 def test_bf16_softmax_and_its_backward_compute_in_fp32_and_round_once():

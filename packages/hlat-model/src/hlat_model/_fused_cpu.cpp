@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -341,12 +342,93 @@ void xent_backward(const T* logits, int64_t rows, int64_t vocab, const int64_t* 
   }
 }
 
+
+// ---------------------------------------------------------------------------------------
+// Attention: the softmax of blocks of scores and its backward, in place, for blocked causal
+// attention. A block is `rows` queries against `width` keys; with `first` >= 0 it is causal,
+// query r of a block (position first + r) seeing keys up to its own position, the rest of
+// its row written 0; with `first` < 0 every key counts (the caller masked the scores).
+
+inline int64_t seen_keys(int64_t r, int64_t rows, int64_t width, int64_t first) {
+  if (first < 0) return width;
+  const int64_t seen = first + r % rows + 1;
+  return seen < width ? seen : width;
+}
+
+template <typename T>
+void attn_softmax(T* scores, int64_t blocks, int64_t rows, int64_t width, int64_t first,
+                  int threads) {
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    // each row's exponentials, computed once, then scaled into the row
+    std::vector<float> exps(static_cast<size_t>(width));
+    float* __restrict e = exps.data();
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < blocks * rows; ++r) {
+      T* __restrict x = scores + r * width;
+      const int64_t seen = seen_keys(r, rows, width, first);
+      const float m = row_max(x, seen);
+      float lanes[kLanes] = {};
+      int64_t j = 0;
+      for (; j + kLanes <= seen; j += kLanes) {
+        for (int l = 0; l < kLanes; ++l) {
+          const float v = exp_fast(load(x, j + l) - m);
+          e[j + l] = v;
+          lanes[l] += v;
+        }
+      }
+      float s = 0.f;
+      for (int l = 0; l < kLanes; ++l) s += lanes[l];
+      for (; j < seen; ++j) {
+        e[j] = exp_fast(load(x, j) - m);
+        s += e[j];
+      }
+      const float inv = 1.f / s;
+      for (j = 0; j < seen; ++j) store(x, j, e[j] * inv);
+      for (j = seen; j < width; ++j) store(x, j, 0.f);
+    }
+  }
+}
+
+// grad = probs * (grad - sum(grad * probs)) per row, overwriting grad.
+template <typename T>
+void attn_softmax_backward(T* grad, const T* probs, int64_t blocks, int64_t rows,
+                           int64_t width, int64_t first, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t r = 0; r < blocks * rows; ++r) {
+    T* __restrict g = grad + r * width;
+    const T* __restrict p = probs + r * width;
+    const int64_t seen = seen_keys(r, rows, width, first);
+    float lanes[kLanes] = {};
+    int64_t j = 0;
+    for (; j + kLanes <= seen; j += kLanes) {
+      for (int l = 0; l < kLanes; ++l) lanes[l] += load(g, j + l) * load(p, j + l);
+    }
+    float dot = 0.f;
+    for (int l = 0; l < kLanes; ++l) dot += lanes[l];
+    for (; j < seen; ++j) dot += load(g, j) * load(p, j);
+    for (j = 0; j < seen; ++j) store(g, j, load(p, j) * (load(g, j) - dot));
+    for (j = seen; j < width; ++j) store(g, j, 0.f);
+  }
+}
+
+// acc[b * stride + i] += x[b * n + i] for i < n: bf16 products summed into fp32.
+void add_into(float* acc, int64_t stride, const u16* x, int64_t batches, int64_t n,
+              int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t b = 0; b < batches; ++b) {
+    float* __restrict a = acc + b * stride;
+    const u16* __restrict v = x + b * n;
+    for (int64_t i = 0; i < n; ++i) a[i] += load(v, i);
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
 // Version of the entry points' signatures; the loader checks it.
-int hlat_model_abi(void) { return 4; }
+int hlat_model_abi(void) { return 5; }
 
 // `bf16`: 1 when every tensor argument is bf16 (held as uint16), 0 when fp32; rstd and part
 // are fp32. Rows are contiguous, `dim` (or 2 * `width`) elements each.
@@ -450,6 +532,33 @@ void hlat_xent_backward(int bf16, const void* logits, int64_t rows, int64_t voca
     xent_backward(static_cast<const float*>(logits), rows, vocab, targets, lse, scale,
                   static_cast<float*>(grad), threads);
   }
+}
+
+// Softmax of `blocks` x `rows` rows of `width` scores, in place (see attn_softmax).
+void hlat_attn_softmax(int bf16, void* scores, int64_t blocks, int64_t rows, int64_t width,
+                       int64_t first, int threads) {
+  if (bf16) {
+    attn_softmax(static_cast<u16*>(scores), blocks, rows, width, first, threads);
+  } else {
+    attn_softmax(static_cast<float*>(scores), blocks, rows, width, first, threads);
+  }
+}
+
+void hlat_attn_softmax_backward(int bf16, void* grad, const void* probs, int64_t blocks,
+                                int64_t rows, int64_t width, int64_t first, int threads) {
+  if (bf16) {
+    attn_softmax_backward(static_cast<u16*>(grad), static_cast<const u16*>(probs), blocks,
+                          rows, width, first, threads);
+  } else {
+    attn_softmax_backward(static_cast<float*>(grad), static_cast<const float*>(probs), blocks,
+                          rows, width, first, threads);
+  }
+}
+
+// fp32 `acc` (batches of `n` elements, `stride` apart) += bf16 `x` (batches of n, dense).
+void hlat_add_bf16_into_fp32(float* acc, int64_t stride, const void* x, int64_t batches,
+                             int64_t n, int threads) {
+  add_into(acc, stride, static_cast<const u16*>(x), batches, n, threads);
 }
 
 }  // extern "C"

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).with_name("_fused_cpu.cpp")
-_ABI = 4
+_ABI = 5
 # -fno-trapping-math lets the compiler vectorise floor(); no -ffast-math: NaN and inf keep
 # their meaning.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
@@ -47,6 +47,9 @@ _SIGNATURES = {
     "hlat_xent_forward": [_INT, _P, _I64, _I64, _P, _P, _P, _INT, _INT],
     "hlat_xent_backward": [_INT, _P, _I64, _I64, _P, _P, _P, _P, _INT],
     "hlat_xent_first_bad": [_P, _I64, _I64, _I64],
+    "hlat_attn_softmax": [_INT, _P, _I64, _I64, _I64, _I64, _INT],
+    "hlat_attn_softmax_backward": [_INT, _P, _P, _I64, _I64, _I64, _I64, _INT],
+    "hlat_add_bf16_into_fp32": [_P, _I64, _P, _I64, _I64, _INT],
 }
 _RETURNS = {"hlat_xent_first_bad": ctypes.c_int64}
 
@@ -360,3 +363,43 @@ def check_labels(lib: ctypes.CDLL, labels: torch.Tensor, vocab: int, ignore_inde
             f"label {label} at position {bad - 1} is outside the vocabulary [0, {vocab}) "
             f"and is not the ignore_index ({ignore_index})"
         )
+
+
+def attention_softmax(lib: ctypes.CDLL, scores: torch.Tensor, first: int) -> torch.Tensor:
+    """Softmax over the last dimension of ``scores`` [blocks, rows, width] (contiguous),
+    in place and returned, computed in fp32 and rounded once. With ``first >= 0`` the rows
+    are causal queries at positions ``first, first + 1, ...`` against keys ``0 ..
+    width - 1``: each row's softmax covers the keys up to its position, the rest are 0
+    (whatever the scores held there); ``first < 0``: every key."""
+    blocks, rows, width = scores.shape
+    lib.hlat_attn_softmax(
+        _bf16(scores), scores.data_ptr(), blocks, rows, width, first, torch.get_num_threads()
+    )
+    return scores
+
+
+def attention_softmax_backward(
+    lib: ctypes.CDLL, grad: torch.Tensor, probs: torch.Tensor, first: int
+) -> torch.Tensor:
+    """The gradient of :func:`attention_softmax` for its scores, ``probs * (grad -
+    sum(grad * probs))`` per row, written over ``grad`` (contiguous, as ``probs``) and
+    returned; ``first`` as there (keys a row does not see get 0)."""
+    blocks, rows, width = grad.shape
+    lib.hlat_attn_softmax_backward(
+        _bf16(grad), grad.data_ptr(), probs.data_ptr(), blocks, rows, width, first,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return grad
+
+
+def add_bf16_into_fp32(lib: ctypes.CDLL, acc: torch.Tensor, x: torch.Tensor) -> None:
+    """``acc += x`` for fp32 ``acc`` [batches, n...] whose batches are dense but may lie
+    apart (a slice of a longer tensor) and bf16 ``x`` of the same shape, contiguous, in one
+    pass (no fp32 copy of ``x``)."""
+    batches = acc.shape[0]
+    n = acc[0].numel()
+    if acc[0].is_contiguous() is False or not x.is_contiguous() or x.shape != acc.shape:
+        raise ValueError("add_bf16_into_fp32 takes dense batches of the same shape")
+    lib.hlat_add_bf16_into_fp32(
+        acc.data_ptr(), acc.stride(0), x.data_ptr(), batches, n, torch.get_num_threads()
+    )

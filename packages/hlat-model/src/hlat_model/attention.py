@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hlat_model import _native
 from hlat_model.linear import cpu_has_amx, cpu_has_native_bf16
 
 _cpu_has_amx = functools.cache(cpu_has_amx)
@@ -280,14 +281,23 @@ def _probabilities(
     heads: int,
     causal: torch.Tensor | None,
     out: torch.Tensor | None = None,
+    lib: Any = None,
 ) -> torch.Tensor:
     """Softmax of the scores of queries ``start:end`` against keys ``:end``, computed in
     fp32 and rounded once to q's dtype (written into ``out`` when given); q is [B*H, S, D],
     ``k_t`` the keys transposed, [B*H, D, S] (its slices are rows, which the product copies
     fast; slices of the untransposed keys copied 3x slower). ``masked`` is the negated
     ``allowed`` mask (True where masked), or None for plain causal, which adds
-    :func:`_causal_bias` ``causal`` in the product."""
+    :func:`_causal_bias` ``causal`` in the product, or with the fused CPU kernels (``lib``)
+    masks inside their softmax."""
     rows = end - start
+    if masked is None and lib is not None:
+        # Note: the scaled scores straight into the kept buffer, then the kernel's softmax in
+        # place, which skips each row's masked keys: no mask pass, no second buffer.
+        scores = out if out is not None else q.new_empty(q.shape[0], rows, end)
+        zero = q.new_zeros(()).expand(scores.shape)
+        torch.baddbmm(zero, q[:, start:end], k_t[:, :, :end], beta=0, alpha=scale, out=scores)
+        return _native.attention_softmax(lib, scores, start)
     if masked is None:
         assert causal is not None
         # Note: the mask as an addend of the product (0 or -inf) rather than a fill of the
@@ -373,12 +383,13 @@ def _blocked_forward(
     sizes = _kept_sizes(qf.shape[0], seq_len, q.element_size())
     kept = q.new_empty(sum(sizes))
     into = _per_block(kept, qf.shape[0], seq_len)
-    causal = _causal_bias(q, allowed)
+    lib = _native.usable(qf, k_t, vf)
+    causal = None if lib is not None else _causal_bias(q, allowed)
     # Note: the output is laid out [B, S, H, D] (returned as a [B, H, S, D] view), so the
     # output projection reads it without a copy; each block is written in place.
     out = q.new_empty(batch, seq_len, heads, head_dim)
     for n, (start, end) in enumerate(_blocks(seq_len)):
-        probs = _probabilities(qf, k_t, start, end, scale, masked, heads, causal, into[n])
+        probs = _probabilities(qf, k_t, start, end, scale, masked, heads, causal, into[n], lib)
         rows = torch.bmm(probs, vf[:, :end])
         out[:, start:end].copy_(rows.view(batch, heads, end - start, head_dim).transpose(1, 2))
     return out.transpose(1, 2), kept
@@ -411,8 +422,10 @@ def _blocked_backward(
     scale = head_dim**-0.5
     kept_blocks = _per_block(kept, qf.shape[0], seq_len)
     k_t = None if kept.numel() else kf.transpose(1, 2).contiguous()
-    causal = None if kept.numel() else _causal_bias(q, allowed)
     v_t = vf.transpose(1, 2).contiguous()
+    lib = _native.usable(qf, kf, v_t, kept)
+    causal = None if kept.numel() or lib is not None else _causal_bias(q, allowed)
+    add_bf16 = lib is not None and q.dtype == torch.bfloat16
     # Note: key and value gradients sum over query blocks in fp32, as flash kernels do.
     dk = torch.zeros(kf.shape, dtype=torch.float32, device=kf.device)
     dv = torch.zeros_like(dk)
@@ -420,10 +433,10 @@ def _blocked_backward(
     for (start, end), probs in zip(_blocks(seq_len), kept_blocks, strict=True):
         if probs is None:
             assert k_t is not None
-            probs = _probabilities(qf, k_t, start, end, scale, masked, heads, causal)
+            probs = _probabilities(qf, k_t, start, end, scale, masked, heads, causal, None, lib)
         # one copy of the block's rows, which both products below read
         rows = grad[:, :, start:end].reshape(batch * heads, end - start, head_dim)
-        dv[:, :end].add_(torch.bmm(probs.transpose(1, 2), rows))
+        _accumulate(dv[:, :end], torch.bmm(probs.transpose(1, 2), rows), lib if add_bf16 else None)
         # the scale goes into the product: d scores = scale * softmax'(d probs)
         dprobs = torch.baddbmm(
             rows.new_zeros(()).expand(rows.shape[0], end - start, end),
@@ -432,12 +445,26 @@ def _blocked_backward(
             beta=0,
             alpha=scale,
         )
-        # Note: torch's CPU kernel computes in fp32 for bf16 operands and rounds once.
-        dscores = torch.ops.aten._softmax_backward_data(dprobs, probs, -1, probs.dtype)
+        if lib is not None:  # in place, skipping the keys each causal row does not see
+            first = start if masked is None else -1
+            dscores = _native.attention_softmax_backward(lib, dprobs, probs, first)
+        else:
+            # Note: torch's CPU kernel computes in fp32 for bf16 operands and rounds once.
+            dscores = torch.ops.aten._softmax_backward_data(dprobs, probs, -1, probs.dtype)
         dqs.append(torch.bmm(dscores, kf[:, :end]))
-        dk[:, :end].add_(torch.bmm(dscores.transpose(1, 2), qf[:, start:end]))
+        dk_block = torch.bmm(dscores.transpose(1, 2), qf[:, start:end])
+        _accumulate(dk[:, :end], dk_block, lib if add_bf16 else None)
     dq = torch.cat(dqs, dim=1).view(q.shape)
     return dq, dk.to(kf.dtype).view(q.shape), dv.to(vf.dtype).view(q.shape)
+
+
+def _accumulate(acc: torch.Tensor, x: torch.Tensor, lib: Any) -> None:
+    """``acc += x`` into an fp32 sum; with the fused CPU kernels (``lib``) a bf16 ``x`` is
+    added in one pass, where ``add_`` first makes an fp32 copy of it."""
+    if lib is None:
+        acc.add_(x)
+    else:
+        _native.add_bf16_into_fp32(lib, acc, x)
 
 
 @_blocked_backward.register_fake

@@ -1,6 +1,6 @@
-// Fused CPU kernels of hlat_model: RMSNorm, SwiGLU, the RoPE head split and the cross entropy
-// of rows of logits, forward and backward, each one pass over its rows where torch's eager
-// operators make one pass per operation.
+// Fused CPU kernels of hlat_model: RMSNorm, SwiGLU, the RoPE head split, the cross entropy
+// of rows of logits and blocked attention's softmax, forward and backward, each one pass over
+// its rows where torch's eager operators make one pass per operation.
 //
 // Built on first use by hlat_model._native (the host compiler, -O3 -march=native) and called
 // through ctypes on the raw data of contiguous fp32 or bf16 tensors. All arithmetic is fp32;

@@ -1,6 +1,6 @@
-"""The fused CPU kernels of ``_fused_cpu.cpp`` (RMSNorm, SwiGLU, the RoPE head split and the
-cross entropy of rows of logits, forward and backward), built on first use and called
-through ctypes.
+"""The fused CPU kernels of ``_fused_cpu.cpp`` (RMSNorm, SwiGLU, the RoPE head split, the
+cross entropy of rows of logits and the blocked attention's softmax, forward and backward),
+built on first use and called through ctypes.
 
 The library is compiled once per machine type by the host C++ compiler (``$CXX``, else
 ``c++``, ``g++`` or ``clang++``), as ``torch.compile`` compiles its CPU kernels at run time,

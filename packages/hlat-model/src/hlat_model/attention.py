@@ -216,7 +216,11 @@ def blocked_causal_attention(
     keeps fp32 probabilities for its softmax's backward (norm-wise, tested).
     Backward keeps the probabilities when they fit :data:`KEEP_PROBABILITIES_BYTES`, else
     recomputes them. Where they fit, code being compiled runs the same blocks as plain
-    operators that inductor fuses (:func:`_composed`).
+    operators that inductor fuses (:func:`_composed`), but bf16 where the fused CPU kernels
+    run (:func:`_fused_kernels_build`), which calls the operator. With those kernels
+    (``hlat_model._native``, plain CPU tensors) the operator's softmax and the softmax's
+    backward are theirs, in place, skipping the keys a causal row does not see, and bf16
+    key and value gradients are added into their fp32 sums in one pass.
 
     Note: on CPUs torch's flash kernel runs its products in small tiles; with these larger
     products forward + backward ran 1.61x faster in bf16 and 1.51x in fp32 at 4 x 8 heads x

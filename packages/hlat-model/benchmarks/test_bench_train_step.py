@@ -308,26 +308,32 @@ def test_attention_kernels(benchmark, dtype, shape):
     print(f"\n[{dtype} {shape} attention] {benchmark.extra_info}")
 
 
-BLOCK_SIZES = {"model": (32, 64, 128), "s2048-d128": (64, 128, 256, 512)}
+BLOCK_SIZES = {
+    "model": (64, 128, 256),
+    "s1024": (128, 256, 512),
+    "s2048-d128": (64, 128, 256, 512),
+}
 
 
-@pytest.mark.parametrize("shape", BLOCK_SIZES)
-def test_query_block_sizes(benchmark, shape, monkeypatch):
-    """bf16 blocked attention, forward + backward, with blocks of each size in
-    ``BLOCK_SIZES`` in the same rounds: what :func:`query_block` is chosen from (the
-    benchmark's own figure is the size it picks)."""
+@pytest.mark.parametrize(
+    "shape, dtype", [(shape, "bf16") for shape in BLOCK_SIZES] + [("model", "fp32")]
+)
+def test_query_block_sizes(benchmark, shape, dtype, monkeypatch):
+    """Blocked attention, forward + backward, with blocks of each size in ``BLOCK_SIZES``
+    in the same rounds: what :func:`query_block` is chosen from (the benchmark's own figure
+    is the size it picks)."""
     from hlat_model import attention as attention_module
 
     torch.manual_seed(0)
     q, k, v = (
-        torch.randn(*ATTENTION_SHAPES[shape], dtype=torch.bfloat16, requires_grad=True)
+        torch.randn(*ATTENTION_SHAPES[shape], dtype=DTYPES[dtype], requires_grad=True)
         for _ in range(3)
     )
     grad = torch.randn_like(q)
-    chosen = attention_module.query_block(q.shape[2])
+    chosen = attention_module.query_block(q.shape[2], q.dtype)
 
     def run(block: int) -> None:
-        monkeypatch.setattr(attention_module, "query_block", lambda seq_len: block)
+        monkeypatch.setattr(attention_module, "query_block", lambda seq_len, dtype=None: block)
         attention_module.blocked_causal_attention(q, k, v).backward(grad)
 
     times: dict[int, list[float]] = {block: [] for block in BLOCK_SIZES[shape]}
@@ -342,7 +348,7 @@ def test_query_block_sizes(benchmark, shape, monkeypatch):
     benchmark.extra_info.update(
         chosen=chosen, **{f"block_{b}_ms": round(min(t) * 1e3, 1) for b, t in times.items()}
     )
-    print(f"\n[{shape} query blocks] {benchmark.extra_info}")
+    print(f"\n[{shape} {dtype} query blocks] {benchmark.extra_info}")
 
 
 LOSS_SHAPES = {"model": (BATCH * SEQ, CONFIG["vocab_size"]), "llama2-vocab": (2048, 32000)}

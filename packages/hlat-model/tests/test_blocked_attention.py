@@ -221,7 +221,7 @@ def test_over_the_memory_bound_backward_keeps_only_the_inputs(dtype, monkeypatch
     q, k, v, _ = _inputs(2, 4, 4, 512, 32, dtype)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     inputs = sum(t.numel() * t.element_size() for t in (q, k, v))
-    probabilities = 2 * 4 * 512 * (512 + query_block(512)) // 2 * q.element_size()
+    probabilities = 2 * 4 * 512 * (512 + query_block(512, q.dtype)) // 2 * q.element_size()
     assert _saved_bytes(blocked_causal_attention, q, k, v) == inputs + probabilities
     monkeypatch.setattr(attention_module, "KEEP_PROBABILITIES_BYTES", probabilities - 1)
     assert _saved_bytes(blocked_causal_attention, q, k, v) == inputs
@@ -232,9 +232,31 @@ def test_over_the_memory_bound_backward_keeps_only_the_inputs(dtype, monkeypatch
     [(16, 128), (512, 128), (1024, 128), (1100, 128), (2048, 128), (4096, 256), (8192, 512)],
 )
 def test_query_blocks_are_multiples_of_64_a_sixteenth_of_the_sequence_and_128_or_more(
-    seq_len, block
+    seq_len, block, monkeypatch
 ):
     assert query_block(seq_len) == block
+    assert query_block(seq_len, torch.float32) == block
+    monkeypatch.setattr(attention_module, "_cpu_has_amx", lambda: True)
+    assert query_block(seq_len, torch.float32) == block
+    assert query_block(seq_len, torch.bfloat16) == 2 * block  # bf16 with AMX tiles
+    monkeypatch.setattr(attention_module, "_cpu_has_amx", lambda: False)
+    assert query_block(seq_len, torch.bfloat16) == block
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_bf16_blocks_with_amx_give_the_numbers_of_the_smaller_blocks(amx, monkeypatch):
+    """Blocks of 256 (bf16 with AMX) against blocks of 128: the same attention, up to the
+    order of the products' sums (norm-wise within 1 % of each other in bf16)."""
+    q, k, v, grad = _inputs(2, 4, 2, 600, 32, torch.bfloat16)
+    monkeypatch.setattr(attention_module, "_cpu_has_amx", lambda: amx)
+    assert attention_module._blocks(600, query_block(600, torch.bfloat16))[0][1] == (
+        256 if amx else 128
+    )
+    ours = _run(blocked_causal_attention, q, k, v, grad)
+    monkeypatch.setattr(attention_module, "_cpu_has_amx", lambda: not amx)
+    other = _run(blocked_causal_attention, q, k, v, grad)
+    for name, error in zip(("out", "dq", "dk", "dv"), _normwise_errors(ours, other), strict=True):
+        assert error < 0.01, (name, error)
 
 
 @pytest.mark.parametrize(
@@ -314,7 +336,10 @@ def test_backward_makes_no_gradient_for_the_kept_probabilities():
     q, k, v, _ = _inputs(2, 4, 4, 256, 32, torch.float32)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = blocked_causal_attention(q, k, v)
-    kept = sum(2 * 4 * (end - start) * end for start, end in attention_module._blocks(256))
+    kept = sum(
+        2 * 4 * (end - start) * end
+        for start, end in attention_module._blocks(256, query_block(256, torch.bfloat16))
+    )
     made: list[tuple[str, int]] = []
 
     class Ops(TorchDispatchMode):
@@ -344,7 +369,9 @@ def test_compiled_code_runs_plain_operators_only_where_the_probabilities_would_b
         assert operator and not any("bmm" in t for t in traced), traced
     else:
         assert not operator, traced
-        assert sum("bmm" in t for t in traced) == 2 * len(attention_module._blocks(300))
+        assert sum("bmm" in t for t in traced) == 2 * len(
+            attention_module._blocks(300, query_block(300, dtype))
+        )
     monkeypatch.setattr(attention_module, "KEEP_PROBABILITIES_BYTES", 0)
     opaque = traced_targets(blocked_causal_attention, q, k, v)
     assert any("hlat.blocked_causal_attention" in t for t in opaque), opaque

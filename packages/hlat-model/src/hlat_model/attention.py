@@ -180,10 +180,10 @@ and v), as with flash kernels. Either way one block's scores ([B*H, block, S] at
 exist at a time."""
 
 
-def query_block(seq_len: int) -> int:
+def query_block(seq_len: int, dtype: torch.dtype | None = None) -> int:
     """Queries per block of :func:`blocked_causal_attention`: a multiple of 64, a
     sixteenth of the sequence, and at least 128 (a diagonal block computes its masked half
-    too).
+    too); twice that for bf16 on CPUs with AMX tiles (``dtype`` the inputs').
 
     Note: smaller blocks compute less of the masked half but make more, smaller products,
     each copying the key prefix it reads (a product copies a sliced operand), and more
@@ -193,9 +193,22 @@ def query_block(seq_len: int) -> int:
     ms with 128 and 58.1 ms with 32; at 1 x 8 x 2048 x 128, 127.3 ms with 128, 120.6 ms
     with 256 and 133.6 ms with 512. The kernel of hlat-model 0.11 (fp32 probabilities) ran
     44 ms with 64 against 46 ms with 128 on one such machine, 36.3 ms against 32.2 ms on
-    another.
+    another. On a 2-core Intel Xeon with AMX, whose bf16 products run about three times as
+    fast, bf16 took 15.0 and 14.5 ms with blocks of 256 against 15.5 and 14.7 with 128 at
+    4 x 8 x 512 x 64 (two runs), 20.8 and 22.7 against 24.0 and 25.0 at 2 x 8 x 1,024 x 64,
+    and 60.8 and 52.9 against 72.1 and 65.4 at 1 x 8 x 2,048 x 128; fp32 took 21.4 ms with
+    128 against 22.7 with 64 and 25.9 with 256 at 4 x 8 x 512 x 64, so it keeps 128.
     """
-    return max(128, -(-seq_len // 16 // 64) * 64)
+    block = max(128, -(-seq_len // 16 // 64) * 64)
+    if dtype == torch.bfloat16 and _amx_cpu():
+        block *= 2
+    return block
+
+
+@torch.compiler.assume_constant_result
+def _amx_cpu() -> bool:
+    """:func:`cpu_has_amx` (through ``_cpu_has_amx``), a constant for ``torch.compile``."""
+    return _cpu_has_amx()
 
 
 def blocked_causal_attention(
@@ -233,13 +246,16 @@ def blocked_causal_attention(
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     rows, seq_len = q.shape[0] * q.shape[1], q.shape[2]
+    # Note: the block is an argument of the operator, so a compiled graph (and inductor's
+    # cache of it) holds the size its kept probabilities were laid out with.
+    block = query_block(seq_len, q.dtype)
     if (
         torch.compiler.is_compiling()
-        and _kept_sizes(rows, seq_len, q.element_size())
+        and _kept_sizes(rows, seq_len, block, q.dtype)
         and not (q.dtype == torch.bfloat16 and _fused_kernels_build())
     ):
-        return _composed(q, k, v, allowed)
-    return torch.ops.hlat.blocked_causal_attention(q, k, v, allowed)[0]
+        return _composed(q, k, v, allowed, block)
+    return torch.ops.hlat.blocked_causal_attention(q, k, v, allowed, block)[0]
 
 
 @torch.compiler.assume_constant_result
@@ -258,7 +274,11 @@ def _fused_kernels_build() -> bool:
 
 
 def _composed(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    block: int,
 ) -> torch.Tensor:
     """:func:`blocked_causal_attention` as plain differentiable operators, for code being
     compiled: the same blocks and products, the same precision (scores rounded to the
@@ -280,7 +300,7 @@ def _composed(
     batch, heads, seq_len, head_dim = q.shape
     qf, kf, vf = (t.reshape(batch * heads, seq_len, head_dim) for t in (q, k, v))
     rows = []
-    for start, end in _blocks(seq_len):
+    for start, end in _blocks(seq_len, block):
         scores = torch.bmm(qf[:, start:end], kf[:, :end].transpose(1, 2))
         query = torch.arange(start, end, device=q.device)[:, None]
         keep = torch.arange(end, device=q.device) <= query
@@ -345,7 +365,7 @@ def _probabilities(
     return torch.ops.aten._softmax.out(scores, -1, False, out=out)
 
 
-def _causal_bias(q: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor | None:
+def _causal_bias(q: torch.Tensor, allowed: torch.Tensor | None, block: int) -> torch.Tensor | None:
     """For plain causal attention (``allowed`` None), the causal mask of every query block
     as one [block, S + block] tensor of q's dtype: zeros, then a block whose entries above
     the diagonal are -inf. Block ``start:end`` adds its columns
@@ -353,33 +373,33 @@ def _causal_bias(q: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor 
     if allowed is not None:
         return None
     seq_len = q.shape[2]
-    block = min(query_block(seq_len), seq_len)
+    block = min(block, seq_len)
     bias = q.new_zeros(block, seq_len + block)
     above = torch.ones(block, block, dtype=torch.bool, device=q.device).triu(1)
     bias[:, seq_len:].masked_fill_(above, float("-inf"))
     return bias
 
 
-def _blocks(seq_len: int) -> list[tuple[int, int]]:
-    block = query_block(seq_len)
+def _blocks(seq_len: int, block: int) -> list[tuple[int, int]]:
     return [(start, min(start + block, seq_len)) for start in range(0, seq_len, block)]
 
 
-def _kept_sizes(rows: int, seq_len: int, itemsize: int) -> list[int]:
-    """Elements of each block's kept probabilities for ``rows`` = B*H, of ``itemsize``
-    bytes each, or none when they exceed :data:`KEEP_PROBABILITIES_BYTES` (backward
-    recomputes them)."""
-    sizes = [rows * (end - start) * end for start, end in _blocks(seq_len)]
-    return sizes if itemsize * sum(sizes) <= KEEP_PROBABILITIES_BYTES else []
+def _kept_sizes(rows: int, seq_len: int, block: int, dtype: torch.dtype) -> list[int]:
+    """Elements of each block's kept probabilities for ``rows`` = B*H, of ``dtype``, or
+    none when they exceed :data:`KEEP_PROBABILITIES_BYTES` (backward recomputes them)."""
+    sizes = [rows * (end - start) * end for start, end in _blocks(seq_len, block)]
+    return sizes if dtype.itemsize * sum(sizes) <= KEEP_PROBABILITIES_BYTES else []
 
 
-def _per_block(kept: torch.Tensor, rows: int, seq_len: int) -> list[torch.Tensor | None]:
+def _per_block(
+    kept: torch.Tensor, rows: int, seq_len: int, block: int
+) -> list[torch.Tensor | None]:
     """Each block's [B*H, block, end] view of the flat kept probabilities (None for every
     block when they were not kept)."""
-    blocks = _blocks(seq_len)
+    blocks = _blocks(seq_len, block)
     if kept.numel() == 0:
         return [None] * len(blocks)
-    pieces = kept.split(_kept_sizes(rows, seq_len, kept.element_size()))
+    pieces = kept.split(_kept_sizes(rows, seq_len, block, kept.dtype))
     return [p.view(rows, end - start, end) for p, (start, end) in zip(pieces, blocks, strict=True)]
 
 
@@ -391,27 +411,32 @@ def _per_block(kept: torch.Tensor, rows: int, seq_len: int) -> list[torch.Tensor
 @torch.library.custom_op(
     "hlat::blocked_causal_attention",
     mutates_args=(),
-    schema="(Tensor q, Tensor k, Tensor v, Tensor? allowed) -> (Tensor, Tensor)",
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? allowed, int block) -> (Tensor, Tensor)",
 )
 def _blocked_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    block: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the output, the kept probabilities of all blocks flat, in q's dtype: empty when
-    recomputed); q, k and v have the same number of heads."""
+    recomputed) for query blocks of ``block`` rows; q, k and v have the same number of
+    heads."""
     batch, heads, seq_len, head_dim = q.shape
     qf, kf, vf = (t.reshape(batch * heads, seq_len, head_dim) for t in (q, k, v))
     k_t = kf.transpose(1, 2).contiguous()
     masked = None if allowed is None else ~allowed
     scale = head_dim**-0.5
-    sizes = _kept_sizes(qf.shape[0], seq_len, q.element_size())
+    sizes = _kept_sizes(qf.shape[0], seq_len, block, q.dtype)
     kept = q.new_empty(sum(sizes))
-    into = _per_block(kept, qf.shape[0], seq_len)
+    into = _per_block(kept, qf.shape[0], seq_len, block)
     lib = _native.usable(qf, k_t, vf)
-    causal = None if lib is not None else _causal_bias(q, allowed)
+    causal = None if lib is not None else _causal_bias(q, allowed, block)
     # Note: the output is laid out [B, S, H, D] (returned as a [B, H, S, D] view), so the
     # output projection reads it without a copy; each block is written in place.
     out = q.new_empty(batch, seq_len, heads, head_dim)
-    for n, (start, end) in enumerate(_blocks(seq_len)):
+    for n, (start, end) in enumerate(_blocks(seq_len, block)):
         probs = _probabilities(qf, k_t, start, end, scale, masked, heads, causal, into[n], lib)
         rows = torch.bmm(probs, vf[:, :end])
         out[:, start:end].copy_(rows.view(batch, heads, end - start, head_dim).transpose(1, 2))
@@ -419,16 +444,16 @@ def _blocked_forward(
 
 
 @_blocked_forward.register_fake
-def _(q, k, v, allowed):
+def _(q, k, v, allowed, block):
     batch, heads, seq_len, head_dim = q.shape
-    kept = q.new_empty(sum(_kept_sizes(batch * heads, seq_len, q.element_size())))
+    kept = q.new_empty(sum(_kept_sizes(batch * heads, seq_len, block, q.dtype)))
     return q.new_empty(batch, seq_len, heads, head_dim).transpose(1, 2), kept
 
 
 @torch.library.custom_op(
     "hlat::blocked_causal_attention_backward",
     mutates_args=(),
-    schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? allowed, Tensor kept)"
+    schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? allowed, Tensor kept, int block)"
     " -> (Tensor, Tensor, Tensor)",
 )
 def _blocked_backward(
@@ -438,22 +463,23 @@ def _blocked_backward(
     v: torch.Tensor,
     allowed: torch.Tensor | None,
     kept: torch.Tensor,
+    block: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     batch, heads, seq_len, head_dim = q.shape
     qf, kf, vf = (t.reshape(batch * heads, seq_len, head_dim) for t in (q, k, v))
     masked = None if allowed is None else ~allowed
     scale = head_dim**-0.5
-    kept_blocks = _per_block(kept, qf.shape[0], seq_len)
+    kept_blocks = _per_block(kept, qf.shape[0], seq_len, block)
     k_t = None if kept.numel() else kf.transpose(1, 2).contiguous()
     v_t = vf.transpose(1, 2).contiguous()
     lib = _native.usable(qf, kf, v_t, kept)
-    causal = None if kept.numel() or lib is not None else _causal_bias(q, allowed)
+    causal = None if kept.numel() or lib is not None else _causal_bias(q, allowed, block)
     add_bf16 = lib is not None and q.dtype == torch.bfloat16
     # Note: key and value gradients sum over query blocks in fp32, as flash kernels do.
     dk = torch.zeros(kf.shape, dtype=torch.float32, device=kf.device)
     dv = torch.zeros_like(dk)
     dqs = []
-    for (start, end), probs in zip(_blocks(seq_len), kept_blocks, strict=True):
+    for (start, end), probs in zip(_blocks(seq_len, block), kept_blocks, strict=True):
         if probs is None:
             assert k_t is not None
             probs = _probabilities(qf, k_t, start, end, scale, masked, heads, causal, None, lib)
@@ -491,12 +517,12 @@ def _accumulate(acc: torch.Tensor, x: torch.Tensor, lib: Any) -> None:
 
 
 @_blocked_backward.register_fake
-def _(grad, q, k, v, allowed, kept):
+def _(grad, q, k, v, allowed, kept, block):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _save_for_backward(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    q, k, v, allowed = inputs
+    q, k, v, allowed, ctx.block = inputs
     ctx.save_for_backward(q, k, v, allowed, output[1])
     # no zero-filled gradient for the kept probabilities (as large as they are)
     ctx.mark_non_differentiable(output[1])
@@ -505,8 +531,10 @@ def _save_for_backward(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 
 def _attention_backward(ctx: Any, grad: torch.Tensor, _kept_grad: Any) -> tuple[Any, ...]:
     q, k, v, allowed, kept = ctx.saved_tensors
-    dq, dk, dv = torch.ops.hlat.blocked_causal_attention_backward(grad, q, k, v, allowed, kept)
-    return dq, dk, dv, None
+    dq, dk, dv = torch.ops.hlat.blocked_causal_attention_backward(
+        grad, q, k, v, allowed, kept, ctx.block
+    )
+    return dq, dk, dv, None, None
 
 
 torch.library.register_autograd(

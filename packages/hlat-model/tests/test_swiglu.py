@@ -170,9 +170,10 @@ def test_backward_keeps_the_weight_not_a_permuted_copy(dtype):
 @pytest.mark.compile
 @pytest.mark.parametrize("checkpointing", ["none", "selective"])
 def test_compiled_on_cpus_gate_and_up_are_strided_products_that_keep_the_weight_itself(
-    checkpointing,
+    checkpointing, monkeypatch
 ):
-    """In code being compiled on CPUs, gate and up are two products with every other row
+    """In code being compiled on CPUs without the fused kernels (with them, compiled code
+    calls their SwiGLU operator: ``test_compiled_ops.py``), gate and up are two products with every other row
     of the weight (two products in the traced forward, none of the composition's
     interleaving), what backward keeps holds no copy of the weight or of its halves (only
     views of it: a copy would be a second weight per layer until backward, of the
@@ -181,6 +182,10 @@ def test_compiled_on_cpus_gate_and_up_are_strided_products_that_keep_the_weight_
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
+    from hlat_model import _native
+
+    monkeypatch.setenv("HLAT_MODEL_NATIVE", "0")
+    _native.reset()
     ours, theirs = _pair(torch.float32, checkpointing)
     weight = ours.gate_up_proj.weight
     forward_products: list[int] = []
@@ -229,6 +234,7 @@ def test_compiled_on_cpus_gate_and_up_are_strided_products_that_keep_the_weight_
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=name)
     finally:
         torch._dynamo.reset()
+        _native.reset()
 
 
 def test_an_odd_width_takes_torchs_operators():

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hlat_model import _native
+from hlat_model._compiled_ops import compiled_cpu_kernels
 from hlat_model.attention import AttentionMask, attention, document_positions
 from hlat_model.config import LlamaConfig
 from hlat_model.linear import Linear, linear, linear_permuted_rows
@@ -51,6 +52,8 @@ class RMSNorm(nn.Module):
         plain = eager_plain(x) and type(self.weight) in (nn.Parameter, torch.Tensor)
         if plain and x.device.type == "cpu":
             return _RMSNormFunction.apply(x, self.weight, self.eps)
+        if compiled_cpu_kernels(x, self.weight):
+            return torch.ops.hlat.rms_norm(x, self.weight, self.eps)[0]
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
@@ -330,6 +333,8 @@ class Attention(nn.Module):
         qkv = qkv.reshape(batch, seq_len, -1, self.q_per_kv + 2, self.head_dim)
         if eager_plain(qkv):
             q, k, v = _HeadsWithRope.apply(qkv, cos, sin)
+        elif compiled_cpu_kernels(qkv) and _native.rope_tables_usable(cos, sin, qkv.shape):
+            q, k, v = torch.ops.hlat.rope_heads(qkv, cos, sin)
         else:
             # Note: compiled blocks keep the plain ops, which inductor (or XLA) fuses itself.
             q = qkv[:, :, :, : self.q_per_kv].flatten(2, 3)
@@ -362,6 +367,12 @@ class MLP(nn.Module):
             rows = rows.view(-1, 2).t().flatten()  # [0, 2, 4, ..., 1, 3, 5, ...]
             gate_up = linear_permuted_rows(x, weight, rows)
             return self.down_proj(_SwiGLUFunction.apply(gate_up, not self.selective))
+        if plain_cpu and proj.weight.shape[0] % 4 == 0 and compiled_cpu_kernels(x, proj.weight):
+            # compiled code on CPUs with the fused kernels: their SwiGLU as an operator
+            weight = proj.weight
+            rows = torch.arange(weight.shape[0], device=weight.device).view(-1, 2).t().flatten()
+            gate_up = linear_permuted_rows(x, weight, rows)
+            return self.down_proj(torch.ops.hlat.swiglu(gate_up))
         if plain_cpu and torch.compiler.is_compiling():
             # Note: in code being compiled on CPUs, gate and up are two products with the
             # weight's every other row (strided views: backward keeps the weight itself, no

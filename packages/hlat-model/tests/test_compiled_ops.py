@@ -28,7 +28,8 @@ def test_the_operators_pass_torchs_operator_checks(dtype):
     weight = torch.randn(32).to(dtype).requires_grad_()
     torch.library.opcheck(torch.ops.hlat.rms_norm.default, (x, weight, 1e-5))
     gate_up = torch.randn(2, 7, 48).to(dtype).requires_grad_()
-    torch.library.opcheck(torch.ops.hlat.swiglu.default, (gate_up,))
+    for interleaved in (False, True):
+        torch.library.opcheck(torch.ops.hlat.swiglu.default, (gate_up, interleaved))
     qkv = torch.randn(2, 7, 2, 4, 16).to(dtype).requires_grad_()  # 2 groups of 2 q heads
     cos, sin = (t[None, :, None, :] for t in (torch.randn(7, 8), torch.randn(7, 8)))
     torch.library.opcheck(torch.ops.hlat.rope_heads.default, (qkv, cos, sin))

@@ -61,6 +61,26 @@ def test_function_against_autograd_and_float64(kernels, dtype, keep_silu, width)
         torch.testing.assert_close(a.double(), e, rtol=2 * unit, atol=2 * unit * e.abs().max())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_interleaved_gate_and_up_give_the_numbers_of_the_halves(kernels, dtype):
+    """``interleaved``: gate and up alternate in ``gate_up`` (the fused product's own row
+    order, which the MLP feeds the fused kernel): the same output as on the halves, and the
+    same gradient in the input's layout, bit for bit."""
+    width = 50
+    halves = (torch.randn(3, 20, 2 * width) * 3).to(dtype).requires_grad_()
+    mixed = halves.detach().unflatten(-1, (2, width)).transpose(-1, -2).flatten(-2)
+    mixed.requires_grad_()
+    grad = torch.randn(3, 20, width).to(dtype)
+    ours = _SwiGLUFunction.apply(mixed, True, True)
+    theirs = _SwiGLUFunction.apply(halves, True)
+    assert torch.equal(ours, theirs)
+    ours.backward(grad)
+    theirs.backward(grad)
+    assert torch.equal(
+        mixed.grad.unflatten(-1, (width, 2)).transpose(-1, -2).flatten(-2), halves.grad
+    )
+
+
 def test_non_finite_inputs_propagate(kernels):
     gate_up = torch.zeros(2, 8)
     gate_up[0, 1], gate_up[1, 2], gate_up[1, 6] = float("nan"), 1.0, float("inf")
@@ -146,10 +166,11 @@ def test_a_hooked_projection_is_still_called():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_backward_keeps_the_weight_not_a_permuted_copy(dtype):
+def test_backward_keeps_the_weight_not_a_permuted_copy(dtype, kernels):
     """What the gate/up product keeps for backward is the parameter itself: a permuted
     copy kept until backward would be a second weight per layer (of the unsharded weight
-    under FSDP)."""
+    under FSDP). With the fused kernels the product is the plain one (the kernel reads
+    gate and up interleaved), without them a product with permuted rows."""
     mlp, _ = _pair(dtype)
     weight = mlp.gate_up_proj.weight
     saved: list[torch.Tensor] = []
@@ -159,7 +180,7 @@ def test_backward_keeps_the_weight_not_a_permuted_copy(dtype):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = mlp(torch.randn(2, 5, 64).to(dtype))
+        out = mlp(torch.randn(2, 5, 64).to(dtype).requires_grad_())
     weight_sized = [t for t in saved if t.numel() == weight.numel()]
     assert weight_sized, "the product keeps its weight for backward"
     assert all(t.data_ptr() == weight.data_ptr() for t in weight_sized)

@@ -104,36 +104,37 @@ torch.library.register_autograd("hlat::rms_norm", _rms_norm_grad, setup_context=
 
 
 # ---------------------------------------------------------------------------------------
-# SwiGLU of gate_up = [gate | up]
+# SwiGLU of gate_up: [gate | up], or gate and up interleaved (the fused product's rows)
 
 
 @torch.library.custom_op("hlat::swiglu", mutates_args=())
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    return _native.swiglu_forward(_library(), gate_up.contiguous())
+def swiglu(gate_up: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    return _native.swiglu_forward(_library(), gate_up.contiguous(), interleaved)
 
 
 @swiglu.register_fake
-def _(gate_up):
+def _(gate_up, interleaved):
     return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
 @torch.library.custom_op("hlat::swiglu_backward", mutates_args=())
-def swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-    return _native.swiglu_backward(_library(), grad.contiguous(), gate_up.contiguous())
+def swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    return _native.swiglu_backward(_library(), grad.contiguous(), gate_up.contiguous(), interleaved)
 
 
 @swiglu_backward.register_fake
-def _(grad, gate_up):
+def _(grad, gate_up, interleaved):
     return gate_up.new_empty(gate_up.shape)
 
 
 def _swiglu_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     ctx.save_for_backward(inputs[0])
+    ctx.interleaved = inputs[1]
 
 
-def _swiglu_grad(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+def _swiglu_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
     (gate_up,) = ctx.saved_tensors
-    return torch.ops.hlat.swiglu_backward(grad, gate_up)
+    return torch.ops.hlat.swiglu_backward(grad, gate_up, ctx.interleaved), None
 
 
 torch.library.register_autograd("hlat::swiglu", _swiglu_grad, setup_context=_swiglu_setup)

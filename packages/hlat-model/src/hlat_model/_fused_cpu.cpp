@@ -156,35 +156,44 @@ inline float exp_fast(float x) {
 
 inline float sigmoid(float v) { return 1.0f / (1.0f + exp_fast(-v)); }
 
-template <typename T>
+// Where gate and up of output column j lie in a row of gate_up: the two halves (gate j, up
+// width + j), or interleaved (gate 2j, up 2j + 1: the fused product's own row order).
+template <bool kInterleaved>
+inline int64_t gate_at(int64_t j) {
+  return kInterleaved ? 2 * j : j;
+}
+template <bool kInterleaved>
+inline int64_t up_at(int64_t j, int64_t width) {
+  return kInterleaved ? 2 * j + 1 : width + j;
+}
+
+template <bool kInterleaved, typename T>
 void swiglu_forward(const T* gate_up, T* out, int64_t rows, int64_t width, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t r = 0; r < rows; ++r) {
-    const T* __restrict gate = gate_up + r * 2 * width;
-    const T* __restrict up = gate + width;
+    const T* __restrict row = gate_up + r * 2 * width;
     T* __restrict o = out + r * width;
     for (int64_t j = 0; j < width; ++j) {
-      const float g = load(gate, j);
-      store(o, j, g * sigmoid(g) * load(up, j));
+      const float g = load(row, gate_at<kInterleaved>(j));
+      store(o, j, g * sigmoid(g) * load(row, up_at<kInterleaved>(j, width)));
     }
   }
 }
 
 // d up = d * silu(g); d gate = d * up * s * (1 + g * (1 - s)), s = sigmoid(g).
-template <typename T>
+template <bool kInterleaved, typename T>
 void swiglu_backward(const T* grad, const T* gate_up, T* grad_gate_up, int64_t rows,
                      int64_t width, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t r = 0; r < rows; ++r) {
-    const T* __restrict gate = gate_up + r * 2 * width;
-    const T* __restrict up = gate + width;
+    const T* __restrict row = gate_up + r * 2 * width;
     const T* __restrict d = grad + r * width;
-    T* __restrict d_gate = grad_gate_up + r * 2 * width;
-    T* __restrict d_up = d_gate + width;
+    T* __restrict out = grad_gate_up + r * 2 * width;
     for (int64_t j = 0; j < width; ++j) {
-      const float g = load(gate, j), dv = load(d, j), s = sigmoid(g);
-      store(d_up, j, dv * (g * s));
-      store(d_gate, j, dv * load(up, j) * (s * (1.0f + g * (1.0f - s))));
+      const int64_t gi = gate_at<kInterleaved>(j), ui = up_at<kInterleaved>(j, width);
+      const float g = load(row, gi), dv = load(d, j), s = sigmoid(g);
+      store(out, ui, dv * (g * s));
+      store(out, gi, dv * load(row, ui) * (s * (1.0f + g * (1.0f - s))));
     }
   }
 }
@@ -428,7 +437,7 @@ void add_into(float* acc, int64_t stride, const u16* x, int64_t batches, int64_t
 extern "C" {
 
 // Version of the entry points' signatures; the loader checks it.
-int hlat_model_abi(void) { return 5; }
+int hlat_model_abi(void) { return 6; }
 
 // `bf16`: 1 when every tensor argument is bf16 (held as uint16), 0 when fp32; rstd and part
 // are fp32. Rows are contiguous, `dim` (or 2 * `width`) elements each.
@@ -460,25 +469,38 @@ void hlat_rms_norm_backward(int bf16, const void* g, const void* x, const void* 
   }
 }
 
+// `interleaved`: 1 when gate and up alternate in each row of gate_up, 0 for its two halves.
 void hlat_swiglu_forward(int bf16, const void* gate_up, void* out, int64_t rows,
-                         int64_t width, int threads) {
-  if (bf16) {
-    swiglu_forward(static_cast<const u16*>(gate_up), static_cast<u16*>(out), rows, width,
-                   threads);
+                         int64_t width, int interleaved, int threads) {
+  if (bf16 && interleaved) {
+    swiglu_forward<true>(static_cast<const u16*>(gate_up), static_cast<u16*>(out), rows,
+                         width, threads);
+  } else if (bf16) {
+    swiglu_forward<false>(static_cast<const u16*>(gate_up), static_cast<u16*>(out), rows,
+                          width, threads);
+  } else if (interleaved) {
+    swiglu_forward<true>(static_cast<const float*>(gate_up), static_cast<float*>(out), rows,
+                         width, threads);
   } else {
-    swiglu_forward(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, width,
-                   threads);
+    swiglu_forward<false>(static_cast<const float*>(gate_up), static_cast<float*>(out), rows,
+                          width, threads);
   }
 }
 
 void hlat_swiglu_backward(int bf16, const void* grad, const void* gate_up, void* grad_gate_up,
-                          int64_t rows, int64_t width, int threads) {
-  if (bf16) {
-    swiglu_backward(static_cast<const u16*>(grad), static_cast<const u16*>(gate_up),
-                    static_cast<u16*>(grad_gate_up), rows, width, threads);
+                          int64_t rows, int64_t width, int interleaved, int threads) {
+  if (bf16 && interleaved) {
+    swiglu_backward<true>(static_cast<const u16*>(grad), static_cast<const u16*>(gate_up),
+                          static_cast<u16*>(grad_gate_up), rows, width, threads);
+  } else if (bf16) {
+    swiglu_backward<false>(static_cast<const u16*>(grad), static_cast<const u16*>(gate_up),
+                           static_cast<u16*>(grad_gate_up), rows, width, threads);
+  } else if (interleaved) {
+    swiglu_backward<true>(static_cast<const float*>(grad), static_cast<const float*>(gate_up),
+                          static_cast<float*>(grad_gate_up), rows, width, threads);
   } else {
-    swiglu_backward(static_cast<const float*>(grad), static_cast<const float*>(gate_up),
-                    static_cast<float*>(grad_gate_up), rows, width, threads);
+    swiglu_backward<false>(static_cast<const float*>(grad), static_cast<const float*>(gate_up),
+                           static_cast<float*>(grad_gate_up), rows, width, threads);
   }
 }
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).with_name("_fused_cpu.cpp")
-_ABI = 5
+_ABI = 6
 # -fno-trapping-math lets the compiler vectorise floor(); no -ffast-math: NaN and inf keep
 # their meaning.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
@@ -41,8 +41,8 @@ _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "hlat_rms_norm_forward": [_INT, _P, _P, _P, _P, _I64, _I64, ctypes.c_float, _INT],
     "hlat_rms_norm_backward": [_INT, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT, _INT],
-    "hlat_swiglu_forward": [_INT, _P, _P, _I64, _I64, _INT],
-    "hlat_swiglu_backward": [_INT, _P, _P, _P, _I64, _I64, _INT],
+    "hlat_swiglu_forward": [_INT, _P, _P, _I64, _I64, _INT, _INT],
+    "hlat_swiglu_backward": [_INT, _P, _P, _P, _I64, _I64, _INT, _INT],
     "hlat_rope_heads": [_INT, _P, _P, _P, _P, _P, _P, _P, _INT, _INT],
     "hlat_xent_forward": [_INT, _P, _I64, _I64, _P, _P, _P, _INT, _INT],
     "hlat_xent_backward": [_INT, _P, _I64, _I64, _P, _P, _P, _P, _INT],
@@ -225,24 +225,29 @@ def rms_norm_backward(
     return grad_x, grad_w
 
 
-def swiglu_forward(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of ``gate_up = [gate | up]`` (the halves of the last dimension)."""
+def swiglu_forward(
+    lib: ctypes.CDLL, gate_up: torch.Tensor, interleaved: bool = False
+) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up = [gate | up]`` (the halves of the last dimension),
+    or with ``interleaved`` of gate and up alternating (``[gate_0, up_0, gate_1, ...]``)."""
     width = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], width)
     lib.hlat_swiglu_forward(
         _bf16(gate_up), gate_up.data_ptr(), out.data_ptr(), out.numel() // max(width, 1),
-        width, torch.get_num_threads(),
+        width, int(interleaved), torch.get_num_threads(),
     )  # fmt: skip
     return out
 
 
-def swiglu_backward(lib: ctypes.CDLL, grad: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-    """The gradient of :func:`swiglu_forward`'s output for ``gate_up``."""
+def swiglu_backward(
+    lib: ctypes.CDLL, grad: torch.Tensor, gate_up: torch.Tensor, interleaved: bool = False
+) -> torch.Tensor:
+    """The gradient of :func:`swiglu_forward`'s output for ``gate_up`` (its layout)."""
     width = gate_up.shape[-1] // 2
     out = torch.empty_like(gate_up)
     lib.hlat_swiglu_backward(
         _bf16(gate_up), grad.data_ptr(), gate_up.data_ptr(), out.data_ptr(),
-        grad.numel() // max(width, 1), width, torch.get_num_threads(),
+        grad.numel() // max(width, 1), width, int(interleaved), torch.get_num_threads(),
     )  # fmt: skip
     return out
 

@@ -264,12 +264,16 @@ class _SwiGLUFunction(torch.autograd.Function):
     checkpointing)."""
 
     @staticmethod
-    def forward(ctx: Any, gate_up: torch.Tensor, keep_silu: bool) -> torch.Tensor:
+    def forward(
+        ctx: Any, gate_up: torch.Tensor, keep_silu: bool, interleaved: bool = False
+    ) -> torch.Tensor:
         lib = _native.usable(gate_up) if gate_up.shape[-1] % 2 == 0 else None
-        ctx.native = lib
+        ctx.native, ctx.interleaved = lib, interleaved
         if lib is not None:
             ctx.save_for_backward(gate_up)
-            return _native.swiglu_forward(lib, gate_up)
+            return _native.swiglu_forward(lib, gate_up, interleaved)
+        if interleaved:  # the halves' layout for the operators below (a copy)
+            gate_up = gate_up.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
         gate, up = gate_up.chunk(2, dim=-1)
         activated = F.silu(gate)
         ctx.keep_silu = keep_silu
@@ -277,10 +281,13 @@ class _SwiGLUFunction(torch.autograd.Function):
         return activated * up
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         if ctx.native is not None:
             (gate_up,) = ctx.saved_tensors
-            return _native.swiglu_backward(ctx.native, grad.contiguous(), gate_up), None
+            grad_gate_up = _native.swiglu_backward(
+                ctx.native, grad.contiguous(), gate_up, ctx.interleaved
+            )
+            return grad_gate_up, None, None
         gate_up, activated = ctx.saved_tensors
         gate, up = gate_up.chunk(2, dim=-1)
         if not ctx.keep_silu:
@@ -291,7 +298,9 @@ class _SwiGLUFunction(torch.autograd.Function):
         torch.mul(grad, up, out=grad_gate)
         # Note: output and input are the same memory, which elementwise kernels allow.
         torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
-        return grad_gate_up, None
+        if ctx.interleaved:  # back to the input's layout
+            grad_gate_up = grad_gate_up.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
+        return grad_gate_up, None, None
 
 
 def _plain_module(module: nn.Module) -> bool:
@@ -359,6 +368,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         proj = self.gate_up_proj
         plain_cpu = x.device.type == "cpu" and type(x) is torch.Tensor and _plain_module(proj)
+        if plain_cpu and eager_plain(x) and _native.usable(x, proj.weight) is not None:
+            # the fused kernel reads gate and up where the product leaves them (interleaved):
+            # no permutation of the weight's rows, forward or backward
+            gate_up = linear(x, proj.weight)
+            return self.down_proj(_SwiGLUFunction.apply(gate_up, not self.selective, True))
         if plain_cpu and eager_plain(x):
             # Note: the product is computed with the weight's gate rows first and its up rows
             # second, so gate and up come out as dense halves instead of every other column.
@@ -367,12 +381,11 @@ class MLP(nn.Module):
             rows = rows.view(-1, 2).t().flatten()  # [0, 2, 4, ..., 1, 3, 5, ...]
             gate_up = linear_permuted_rows(x, weight, rows)
             return self.down_proj(_SwiGLUFunction.apply(gate_up, not self.selective))
-        if plain_cpu and proj.weight.shape[0] % 4 == 0 and compiled_cpu_kernels(x, proj.weight):
-            # compiled code on CPUs with the fused kernels: their SwiGLU as an operator
-            weight = proj.weight
-            rows = torch.arange(weight.shape[0], device=weight.device).view(-1, 2).t().flatten()
-            gate_up = linear_permuted_rows(x, weight, rows)
-            return self.down_proj(torch.ops.hlat.swiglu(gate_up))
+        if plain_cpu and compiled_cpu_kernels(x, proj.weight):
+            # compiled code on CPUs with the fused kernels: their SwiGLU as an operator, on
+            # the product's interleaved gate and up
+            gate_up = linear(x, proj.weight)
+            return self.down_proj(torch.ops.hlat.swiglu(gate_up, True))
         if plain_cpu and torch.compiler.is_compiling():
             # Note: in code being compiled on CPUs, gate and up are two products with the
             # weight's every other row (strided views: backward keeps the weight itself, no

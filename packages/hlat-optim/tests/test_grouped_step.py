@@ -276,6 +276,48 @@ def test_a_step_with_skip_false_equals_a_plain_step(impl, mode):
     _assert_same(*runs)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_clip_coefficient_gives_the_step_after_clipping_in_place_bit_for_bit(impl, mode):
+    """``step(clip_coef=c)`` against ``clip_grad_norm_`` (the gradients multiplied in place
+    by the same coefficient, in their own dtype) then ``step()``, on every path, over steps
+    that clip (coefficients under 1, rounded to bf16 for bf16 gradients) and one that does
+    not (1); the compiled path's later steps run its steady form."""
+    from hlat_optim import clip_coefficient, clip_grad_norm_, global_norm
+
+    runs = []
+    for fused in (False, True):
+        params, groups = _model()
+        opt = _optimizer(groups, impl, mode)
+        for step, max_norm in enumerate((0.3, 1.7, 1e6, 0.05)):
+            _gradients(params, step)
+            if fused:
+                before = [p.grad.clone() for p in params]
+                coef = clip_coefficient(global_norm(params, [p.grad for p in params]), max_norm)
+                opt.step(clip_coef=coef)
+                if impl == "native":  # the kernel reads the gradients, leaving them as they were
+                    assert all(torch.equal(p.grad, b) for p, b in zip(params, before, strict=True))
+            else:
+                clip_grad_norm_(params, max_norm)
+                opt.step()
+        runs.append(_snapshot(opt, params))
+    _assert_same(*runs)
+
+
+def test_clip_coef_must_be_a_0d_float_tensor_and_on_the_cpu_for_cpu_parameters():
+    params, groups = _model()
+    opt = _optimizer(groups, "native", "bf16-sr")
+    _gradients(params, 0)
+    with pytest.raises(TypeError, match=r"clip_coef must be a 0-d floating-point tensor, got a"):
+        opt.step(clip_coef=torch.tensor([0.5]))
+    with pytest.raises(TypeError, match=r"got float"):
+        opt.step(clip_coef=0.5)
+    assert not opt.state
+    with pytest.raises(ValueError, match=r"clip_coef is on meta but parameter 0 is on the CPU"):
+        opt.step(clip_coef=torch.tensor(0.5, device="meta"))
+    assert all(not state for state in opt.state.values())
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_grouped_resume_from_state_dict_is_bit_identical_to_an_uninterrupted_run(mode):
     params, groups = _model()

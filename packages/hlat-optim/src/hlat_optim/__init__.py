@@ -4,17 +4,18 @@
 """
 
 from hlat_optim.adamw import AdamW, adamw_update
-from hlat_optim.clip import NonFiniteGradNormError, clip_grad_norm_, global_norm
+from hlat_optim.clip import NonFiniteGradNormError, clip_coefficient, clip_grad_norm_, global_norm
 from hlat_optim.rounding import stochastic_round, stochastic_round_
 from hlat_optim.schedule import CosineWithWarmup, cosine_with_warmup
 
-__version__ = "0.9.3"
+__version__ = "0.10.0"
 
 __all__ = [
     "AdamW",
     "CosineWithWarmup",
     "NonFiniteGradNormError",
     "adamw_update",
+    "clip_coefficient",
     "clip_grad_norm_",
     "cosine_with_warmup",
     "global_norm",

@@ -97,7 +97,13 @@ inline u32 round_nearest(float x) {
 
 struct Hyper {
   float decay, step_size, omb1, beta2, omb2, eps, inv_bc2_sqrt;
+  // The gradients' multiplier (a clipping coefficient, rounded to bf16 for bf16 gradients)
+  // where `scaled`: each gradient is multiplied by it and rounded to its own dtype first, as
+  // an in-place multiply of the gradient tensor would leave it.
+  float grad_scale;
+  bool scaled;
 };
+constexpr size_t kHyperFloats = 7;  // per tensor in the caller's table
 
 // kMaster: fp32 master weights; kKahan: a bf16 Kahan compensation (bf16 parameters only).
 template <typename P, typename S, bool kMaster, bool kSR, bool kKahan>
@@ -191,10 +197,21 @@ inline float weight1(const Arrays<P, G, S>& a, int64_t k) {
 // What rounding the updated weight to the parameter lost, rounded to bf16.
 inline u32 kahan_rest(float w, u32 wr) { return round_nearest(w - f_of(wr)); }
 
+// g times the gradients' multiplier, rounded to the gradient's dtype G.
+template <typename G>
+HLAT_INLINE float scale1(float g, float s) {
+  if constexpr (std::is_same_v<G, u16>) {
+    return f_of(round_nearest(g * s));
+  } else {
+    return g * s;
+  }
+}
+
 // Element k alone (the tail of a tensor).
 template <typename P, typename G, typename S, bool kMaster, bool kSR, bool kKahan>
 void update_one(const Arrays<P, G, S>& a, const Hyper& h, u32 key, u32 offset, int64_t k) {
   float g = load1(a.grad, k), m = load1(a.exp_avg, k), v = load1(a.exp_avg_sq, k);
+  if (h.scaled) g = scale1<G>(g, h.grad_scale);
   float w = weight1<P, G, S, kMaster, kKahan>(a, k);
   adam(h, g, m, v, w);
   u32 wr = 0, mr = 0, vr = 0;
@@ -348,6 +365,15 @@ HLAT_INLINE void update_group(const Arrays<P, G, S>& a, const Hyper& h, u32 key,
   constexpr bool Pairs = kPairs<S>;
   vf g[2], m[2], v[2], w[2];
   vload<Pairs>(a.grad, e, g);
+  if (h.scaled) {
+    for (int k = 0; k < 2; ++k) {
+      if constexpr (std::is_same_v<G, u16>) {
+        g[k] = (vf)vround_nearest(g[k] * h.grad_scale);
+      } else {
+        g[k] = g[k] * h.grad_scale;
+      }
+    }
+  }
   vload<Pairs>(a.exp_avg, e, m);
   vload<Pairs>(a.exp_avg_sq, e, v);
   if constexpr (kMaster) {
@@ -416,14 +442,25 @@ void update_range(const Arrays<P, G, S> a, const Hyper h, u32 key, u32 offset,
 }
 
 // All arrays fp32: a plain loop over elements (nothing to round).
-void update_fp32(float* __restrict p, const float* __restrict g, float* __restrict m,
-                 float* __restrict v, const Hyper& h, int64_t begin, int64_t end) {
+template <bool kScaled>
+void update_fp32_loop(float* __restrict p, const float* __restrict g, float* __restrict m,
+                      float* __restrict v, const Hyper& h, int64_t begin, int64_t end) {
+  const float s = h.grad_scale;
   for (int64_t k = begin; k < end; ++k) {
     float mk = m[k], vk = v[k], w = p[k];
-    adam(h, g[k], mk, vk, w);
+    adam(h, kScaled ? g[k] * s : g[k], mk, vk, w);
     m[k] = mk;
     v[k] = vk;
     p[k] = w;
+  }
+}
+
+void update_fp32(float* __restrict p, const float* __restrict g, float* __restrict m,
+                 float* __restrict v, const Hyper& h, int64_t begin, int64_t end) {
+  if (h.scaled) {
+    update_fp32_loop<true>(p, g, m, v, h, begin, end);
+  } else {
+    update_fp32_loop<false>(p, g, m, v, h, begin, end);
   }
 }
 
@@ -492,17 +529,18 @@ constexpr int64_t kChunk = 1 << 15;  // elements per task: a multiple of every g
 extern "C" {
 
 // Version of the entry point's signature; the loader checks it.
-int hlat_adamw_abi(void) { return 4; }
+int hlat_adamw_abi(void) { return 5; }
 
 // One AdamW update, in place, of `count` contiguous tensors. `table` has 10 int64 values per
 // tensor: the addresses of param, grad, exp_avg, exp_avg_sq, master (fp32, or 0) and comp
 // (bf16 Kahan compensation, or 0), the element count n, flags (1: param is bf16, 2: grad is
 // bf16, 4: states are bf16, 8: stochastic rounding), the rounding key and the index offset.
 // `hypers` has adamw_update's 7 floats per tensor. `skip` is the data of a torch.bool tensor,
-// or null: when it holds true, nothing is updated. Returns 0, or 1 + the index of the first
-// row with an unsupported combination (then nothing is updated).
+// or null: when it holds true, nothing is updated. `grad_scale` is the data of a 0-d fp32
+// tensor, or null: every gradient is read multiplied by it (see Hyper). Returns 0, or 1 + the
+// index of the first row with an unsupported combination (then nothing is updated).
 int64_t hlat_adamw_step(int64_t count, const int64_t* table, const float* hypers,
-                        int threads, const uint8_t* skip) {
+                        int threads, const uint8_t* skip, const float* grad_scale) {
   std::vector<Task> tasks;
   for (int64_t i = 0; i < count; ++i) {
     Row r;
@@ -516,6 +554,8 @@ int64_t hlat_adamw_step(int64_t count, const int64_t* table, const float* hypers
   // Read here, after the rows are checked, so that a bad row is reported on skipped steps too;
   // the flag is read from the tensor's memory, so the caller never reads it on the host.
   if (skip != nullptr && *skip != 0) return 0;
+  const float scale = grad_scale != nullptr ? *grad_scale : 1.0f;
+  const float scale_bf16 = f_of(round_nearest(scale));
   const int64_t ntasks = static_cast<int64_t>(tasks.size());
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && ntasks > 1)
   for (int64_t t = 0; t < ntasks; ++t) {
@@ -523,7 +563,9 @@ int64_t hlat_adamw_step(int64_t count, const int64_t* table, const float* hypers
     Row r;
     std::memcpy(&r, table + 10 * task.row, sizeof(r));
     Hyper h;
-    std::memcpy(&h, hypers + 7 * task.row, sizeof(h));
+    std::memcpy(&h, hypers + kHyperFloats * task.row, kHyperFloats * sizeof(float));
+    h.scaled = grad_scale != nullptr;
+    h.grad_scale = (r.flags & kGradBf16Flag) ? scale_bf16 : scale;
     run(r, h, task.begin, task.end);
   }
   return 0;

@@ -30,7 +30,7 @@ from pathlib import Path
 __all__ = ["cache_dir", "load", "unavailable_reason"]
 
 _SOURCE = Path(__file__).with_name("_adamw_cpu.cpp")
-_ABI = 4
+_ABI = 5
 # -ffp-contract=off: no FMA contraction, so every result is the reference's bit for bit.
 _FLAGS = [
     "-O3",
@@ -137,6 +137,7 @@ def _bind(path: Path) -> ctypes.CDLL:
         ctypes.c_void_p,  # hyperparameters: 7 float32 per tensor
         ctypes.c_int,  # threads
         ctypes.c_void_p,  # skip flag: one torch.bool, or null
+        ctypes.c_void_p,  # the gradients' multiplier: one float32, or null
     ]
     return lib
 

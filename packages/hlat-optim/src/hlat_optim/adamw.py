@@ -726,7 +726,11 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(  # type: ignore[override]
-        self, closure: Callable[[], float] | None = None, *, skip: torch.Tensor | None = None
+        self,
+        closure: Callable[[], float] | None = None,
+        *,
+        skip: torch.Tensor | None = None,
+        clip_coef: torch.Tensor | None = None,
     ) -> float | None:
         """One optimizer step over every parameter that has a gradient.
 
@@ -745,6 +749,15 @@ class AdamW(torch.optim.Optimizer):
         and rounding keys count attempted steps: after skipped steps the moments' bias
         correction counts steps they did not see, a difference that vanishes as
         ``beta**step`` does.
+
+        ``clip_coef``: a 0-d float tensor on the parameters' device (or on the CPU), the
+        multiplier of every gradient, as :func:`hlat_optim.clip_coefficient` gives it: the
+        update is that of the gradients multiplied by it in their own dtype (the coefficient
+        rounded to it), bit for bit what :func:`hlat_optim.clip_grad_norm_`'s in-place
+        multiply followed by a step gives, without a pass over the gradients of its own on
+        the CPU kernel. What ``.grad`` holds afterwards depends on the path: the CPU kernel
+        reads the gradients and leaves them as they were, the other paths multiply them in
+        place first. Never read on the host.
         """
         loss = None
         if closure is not None:
@@ -761,9 +774,30 @@ class AdamW(torch.optim.Optimizer):
             raise TypeError(
                 f"hlat_optim.AdamW.step: skip must be a 0-d torch.bool tensor, got {got}"
             )
+        if clip_coef is not None and not (
+            torch.is_tensor(clip_coef) and clip_coef.is_floating_point() and clip_coef.dim() == 0
+        ):
+            got = (
+                f"a {clip_coef.dtype} tensor of shape {tuple(clip_coef.shape)}"
+                if torch.is_tensor(clip_coef)
+                else type(clip_coef).__name__
+            )
+            raise TypeError(
+                f"hlat_optim.AdamW.step: clip_coef must be a 0-d floating-point tensor, got {got}"
+            )
+        if clip_coef is not None and self._steady is not None:
+            # the compiled flat path reads gradients as they are: multiplied in place first
+            params = [p for group in self.param_groups for p in group["params"]]
+            _scale_in_place([_local(p.grad) for p in params if p.grad is not None], clip_coef)
+            clip_coef = None
         if self._steady is not None and self._steady.step(self, skip):
             return loss
         self._steady = None
+        self._run_step(skip, clip_coef)
+        return loss
+
+    def _run_step(self, skip: torch.Tensor | None, clip_coef: torch.Tensor | None) -> None:
+        """:meth:`step` past its checks and the steady path."""
         todo: list[tuple[dict[str, Any], torch.Tensor, int]] = []
         index = -1
         for group in self.param_groups:
@@ -776,11 +810,13 @@ class AdamW(torch.optim.Optimizer):
                         f"hlat_optim.AdamW: parameter {index} has a sparse gradient, which is "
                         "not supported"
                     )
-                if skip is not None and skip.device.type != "cpu" and p.device.type == "cpu":
-                    raise ValueError(
-                        f"hlat_optim.AdamW.step: skip is on {skip.device} but parameter {index} "
-                        "is on the CPU, where the update reads it; pass skip on the CPU"
-                    )
+                for name, flag in (("skip", skip), ("clip_coef", clip_coef)):
+                    if flag is not None and flag.device.type != "cpu" and p.device.type == "cpu":
+                        raise ValueError(
+                            f"hlat_optim.AdamW.step: {name} is on {flag.device} but parameter "
+                            f"{index} is on the CPU, where the update reads it; pass {name} on "
+                            "the CPU"
+                        )
                 todo.append((group, p, index))
         # Everything that can fail is checked before any state changes.
         prepared = []
@@ -797,13 +833,14 @@ class AdamW(torch.optim.Optimizer):
                 native = why is None
             prepared.append((group, p, state, index, local, offset, salt, native))
         if not prepared:
-            return loss
+            return
         counters = [state["step"] for _, _, state, *_ in prepared]
         torch._foreach_add_(counters, 1.0)  # one call for all parameters' step counts
         # Note: one read of all counts; tolist() on a CPU tensor reads its memory directly,
         # where .item() per parameter would be a dispatched scalar read each.
         steps = torch.stack(counters).tolist()
         batch = _NativeBatch()
+        in_place: list[torch.Tensor] = []  # gradients the other paths read, multiplied first
         groups: dict[tuple[Any, ...], _Group] = {}
         flats: dict[tuple[Any, ...], _FlatBatch] = {}
         hypers: dict[tuple[int, int], list[float]] = {}
@@ -819,6 +856,8 @@ class AdamW(torch.optim.Optimizer):
                 batch.add(local, hyper, key, offset, self.stochastic_rounding, index)
                 continue
             param, grad, exp_avg, _, master, compensation = local
+            if clip_coef is not None:
+                in_place.append(grad)
             assert param is not None and grad is not None and exp_avg is not None
             signature = (
                 param.device,
@@ -840,7 +879,11 @@ class AdamW(torch.optim.Optimizer):
             if where not in flats:
                 flats[where] = _FlatBatch(param.device, hyper, group["seed"], step)
             flats[where].add(p, param, grad, index, offset, salt)
-        batch.run(skip)
+        native_coef = None
+        if clip_coef is not None and batch.rows:
+            native_coef = clip_coef.to(torch.float32)  # a no-op for a CPU fp32 coefficient
+        batch.run(skip, native_coef)
+        _scale_in_place(in_place, clip_coef)
         on_device: dict[torch.device, torch.Tensor] = {}
 
         def flag_on(device: torch.device) -> torch.Tensor | None:
@@ -858,7 +901,6 @@ class AdamW(torch.optim.Optimizer):
             # Note: every parameter went through the compiled flat path; the next steps
             # reuse what this one worked out while nothing it depends on changes.
             self._steady = _Steady(self, list(flats.values()))
-        return loss
 
     def _locals(
         self, p: torch.Tensor, state: dict[str, Any], index: int
@@ -1197,6 +1239,20 @@ class _Steady:
 
 
 _GRAD = operator.attrgetter("grad")
+
+
+def _scale_in_place(grads: list[torch.Tensor], coef: torch.Tensor | None) -> None:
+    """Multiply gradients in place by ``coef`` in their own dtype, one call per device and
+    dtype (as :func:`hlat_optim.clip_grad_norm_` does)."""
+    if coef is None:
+        return
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in grads:
+        by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, dtype), group in by_kind.items():
+        torch._foreach_mul_(group, coef.to(device, dtype))
+
+
 _DTYPE = operator.attrgetter("dtype")
 _LAYOUT = operator.attrgetter("layout")
 
@@ -1373,8 +1429,9 @@ class _NativeBatch:
         self.indices.append(index)
         self.keep.append(local)
 
-    def run(self, skip: torch.Tensor | None) -> None:
-        """One kernel call; ``skip`` (a CPU bool tensor or None) is read by the kernel."""
+    def run(self, skip: torch.Tensor | None, clip_coef: torch.Tensor | None = None) -> None:
+        """One kernel call; ``skip`` (a CPU bool tensor or None) and ``clip_coef`` (a CPU
+        float32 tensor or None) are read by the kernel."""
         if not self.rows:
             return
         lib = _native.load()
@@ -1387,6 +1444,7 @@ class _NativeBatch:
             hypers.data_ptr(),
             torch.get_num_threads(),
             skip.data_ptr() if skip is not None else None,
+            clip_coef.data_ptr() if clip_coef is not None else None,
         )
         if rc != 0:
             raise RuntimeError(

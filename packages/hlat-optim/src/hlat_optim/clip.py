@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from hlat_optim.rounding import _is_dtensor, _local
 
-__all__ = ["NonFiniteGradNormError", "clip_grad_norm_", "global_norm"]
+__all__ = ["NonFiniteGradNormError", "clip_coefficient", "clip_grad_norm_", "global_norm"]
 
 
 class NonFiniteGradNormError(RuntimeError):
@@ -141,6 +141,21 @@ def global_norm(
 
 
 @torch.no_grad()
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The multiplier that :func:`clip_grad_norm_` applies to every gradient, from their
+    global norm (:func:`global_norm`): ``min(1, max_norm / (norm + 1e-6))``, and 1 where the
+    norm is not finite (the caller skips that update). A 0-d tensor on the norm's device,
+    computed there without a host read.
+
+    ``hlat_optim.AdamW.step(clip_coef=...)`` takes it: the step then gives what clipping the
+    gradients in place and stepping gives, bit for bit, and on the CPU kernel without the
+    pass over the gradients that the in-place multiply makes."""
+    if not max_norm > 0:
+        raise ValueError(f"clip_coefficient: max_norm must be > 0, got {max_norm}")
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    return torch.where(norm.isfinite(), coef, torch.ones_like(coef))
+
+
 def clip_grad_norm_(
     params: torch.Tensor | Iterable[torch.Tensor],
     max_norm: float,
@@ -184,8 +199,7 @@ def clip_grad_norm_(
         raise NonFiniteGradNormError(f"clip_grad_norm_: gradient norm is {norm.item()}; {where}")
     if max_norm == math.inf:  # measuring only: every coefficient would be 1
         return norm
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    coef = torch.where(norm.isfinite(), coef, torch.ones_like(coef))
+    coef = clip_coefficient(norm, max_norm)
     # Note: one multiply of every gradient of a device and dtype by the coefficient in
     # that dtype: the same numbers as one ``mul_`` each, in one launch on accelerators, and
     # on CPUs 2.5x faster in bf16 (a 0-d bf16 operand takes a slow path in ``mul_``:

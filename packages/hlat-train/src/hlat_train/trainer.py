@@ -929,7 +929,7 @@ class Trainer:
         ``rollback`` read its verdict on the host before the step (one XLA graph execution
         per step, the price of those policies on trn1).
         """
-        from hlat_optim import clip_grad_norm_
+        from hlat_optim import clip_coefficient, global_norm
         from hlat_parallel import sync_gradients
 
         if self.dims.backend == "neuron":
@@ -945,9 +945,14 @@ class Trainer:
         for part in self.model_parts:  # zero1 and none: average the gradients over dp
             sync_gradients(part, self.dims)
         max_norm = self.config.optim.clip or math.inf
-        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, **self.dims.norm_groups())
+        with_grad = [p for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in with_grad]
+        grad_norm = global_norm(with_grad, grads, **self.dims.norm_groups())  # type: ignore[arg-type]
         spike, skip = self._judge(loss, grad_norm)
-        self.optimizer.step(skip=skip)  # type: ignore[call-overload]
+        # Note: clipping's multiply goes into the update (AdamW's clip_coef: on the CPU kernel
+        # no pass over the gradients of its own), the same numbers as clip_grad_norm_.
+        coef = clip_coefficient(grad_norm, max_norm) if max_norm < math.inf else None
+        self.optimizer.step(skip=skip, clip_coef=coef)  # type: ignore[call-overload]
         return grad_norm, spike, skip
 
     def _judge(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[Any, Any]:

@@ -856,9 +856,9 @@ class AdamW(torch.optim.Optimizer):
                 batch.add(local, hyper, key, offset, self.stochastic_rounding, index)
                 continue
             param, grad, exp_avg, _, master, compensation = local
+            assert param is not None and grad is not None and exp_avg is not None
             if clip_coef is not None:
                 in_place.append(grad)
-            assert param is not None and grad is not None and exp_avg is not None
             signature = (
                 param.device,
                 param.dtype,

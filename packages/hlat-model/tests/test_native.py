@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hlat_model import Llama, LlamaConfig, _native, fused_cpu_kernels_reason
+from hlat_model.attention import blocked_causal_attention
 from hlat_model.model import RMSNorm, _HeadsWithRope, _SwiGLUFunction, rope_cos_sin
 
 
@@ -40,7 +41,16 @@ def _outputs(dtype: torch.dtype) -> list[torch.Tensor]:
     torch.autograd.backward(
         (q, k, v), (torch.randn_like(q), torch.randn_like(k), torch.randn_like(v))
     )
-    return [out, x.grad, norm.weight.grad, h, gate_up.grad, q, k, v, qkv.grad]
+    mixed = (torch.randn(6, 40, 2 * 50) * 3).to(dtype).requires_grad_()
+    h2 = _SwiGLUFunction.apply(mixed, True, True)  # gate and up interleaved
+    h2.backward(torch.randn_like(h2))
+    q2, k2, v2 = (torch.randn(2, 3, 300, 16).to(dtype).requires_grad_() for _ in range(3))
+    attended = blocked_causal_attention(q2, k2, v2)  # the softmax kernels, the bf16 sums
+    attended.backward(torch.randn_like(attended))
+    return [
+        *(out, x.grad, norm.weight.grad, h, gate_up.grad, q, k, v, qkv.grad, h2, mixed.grad),
+        *(attended, q2.grad, k2.grad, v2.grad),
+    ]
 
 
 def test_built_once_per_machine_type_and_reused(fresh):

@@ -316,7 +316,7 @@ def _composed(
 
 def _probabilities(
     q: torch.Tensor,
-    k_t: torch.Tensor,
+    k_t: torch.Tensor | None,
     start: int,
     end: int,
     scale: float,
@@ -325,6 +325,7 @@ def _probabilities(
     causal: torch.Tensor | None,
     out: torch.Tensor | None = None,
     lib: Any = None,
+    k: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax of the scores of queries ``start:end`` against keys ``:end``, computed in
     fp32 and rounded once to q's dtype (written into ``out`` when given); q is [B*H, S, D],
@@ -332,15 +333,19 @@ def _probabilities(
     fast; slices of the untransposed keys copied 3x slower). ``masked`` is the negated
     ``allowed`` mask (True where masked), or None for plain causal, which adds
     :func:`_causal_bias` ``causal`` in the product, or with the fused CPU kernels (``lib``)
-    masks inside their softmax."""
+    masks inside their softmax, where ``k_t`` may be None: then it reads the untransposed
+    keys ``k`` [B*H, S, D] (:func:`_prefix`)."""
     rows = end - start
     if masked is None and lib is not None:
+        assert k is not None
         # Note: the scaled scores straight into the kept buffer, then the kernel's softmax in
         # place, which skips each row's masked keys: no mask pass, no second buffer.
         scores = out if out is not None else q.new_empty(q.shape[0], rows, end)
         zero = q.new_zeros(()).expand(scores.shape)
-        torch.baddbmm(zero, q[:, start:end], k_t[:, :, :end], beta=0, alpha=scale, out=scores)
+        keys_t = k_t[:, :, :end] if k_t is not None else _prefix(k, end).transpose(1, 2)
+        torch.baddbmm(zero, q[:, start:end], keys_t, beta=0, alpha=scale, out=scores)
         return _native.attention_softmax(lib, scores, start)
+    assert k_t is not None
     if masked is None:
         assert causal is not None
         # Note: the mask as an addend of the product (0 or -inf) rather than a fill of the
@@ -363,6 +368,19 @@ def _probabilities(
     if out is None:
         return torch.softmax(scores, dim=-1)
     return torch.ops.aten._softmax.out(scores, -1, False, out=out)
+
+
+def _prefix(t: torch.Tensor, end: int) -> torch.Tensor:
+    """Rows ``:end`` of each batch of ``t`` [B*H, S, D], contiguous (``t`` itself for all of
+    them), so that its transpose is an operand a bf16 product reads without a copy.
+
+    Note: a bf16 product (oneDNN's) copies an operand that is neither contiguous nor a
+    contiguous tensor transposed; copying the transposed keys (``k.transpose(1, 2)
+    .contiguous()``) is a strided transpose, on a 2-core Xeon with AMX about 0.5 ms for bf16
+    [32, 512, 64], so with the fused kernels bf16 keeps keys and values as they are and
+    copies only the prefixes of the blocks before the last. fp32 (MKL's products, which
+    read strided operands) keeps the transposed copy."""
+    return t if end == t.shape[1] else t[:, :end].contiguous()
 
 
 def _causal_bias(q: torch.Tensor, allowed: torch.Tensor | None, block: int) -> torch.Tensor | None:
@@ -425,19 +443,21 @@ def _blocked_forward(
     heads."""
     batch, heads, seq_len, head_dim = q.shape
     qf, kf, vf = (t.reshape(batch * heads, seq_len, head_dim) for t in (q, k, v))
-    k_t = kf.transpose(1, 2).contiguous()
     masked = None if allowed is None else ~allowed
     scale = head_dim**-0.5
     sizes = _kept_sizes(qf.shape[0], seq_len, block, q.dtype)
     kept = q.new_empty(sum(sizes))
     into = _per_block(kept, qf.shape[0], seq_len, block)
-    lib = _native.usable(qf, k_t, vf)
+    lib = _native.usable(qf, kf, vf)
+    # the keys transposed, unless the fused kernels' bf16 products read them as they are
+    untransposed = lib is not None and allowed is None and q.dtype == torch.bfloat16
+    k_t = None if untransposed else kf.transpose(1, 2).contiguous()
     causal = None if lib is not None else _causal_bias(q, allowed, block)
     # Note: the output is laid out [B, S, H, D] (returned as a [B, H, S, D] view), so the
     # output projection reads it without a copy; each block is written in place.
     out = q.new_empty(batch, seq_len, heads, head_dim)
     for n, (start, end) in enumerate(_blocks(seq_len, block)):
-        probs = _probabilities(qf, k_t, start, end, scale, masked, heads, causal, into[n], lib)
+        probs = _probabilities(qf, k_t, start, end, scale, masked, heads, causal, into[n], lib, kf)
         rows = torch.bmm(probs, vf[:, :end])
         out[:, start:end].copy_(rows.view(batch, heads, end - start, head_dim).transpose(1, 2))
     return out.transpose(1, 2), kept
@@ -470,10 +490,15 @@ def _blocked_backward(
     masked = None if allowed is None else ~allowed
     scale = head_dim**-0.5
     kept_blocks = _per_block(kept, qf.shape[0], seq_len, block)
-    k_t = None if kept.numel() else kf.transpose(1, 2).contiguous()
-    v_t = vf.transpose(1, 2).contiguous()
-    lib = _native.usable(qf, kf, v_t, kept)
-    causal = None if kept.numel() or lib is not None else _causal_bias(q, allowed, block)
+    lib = _native.usable(qf, kf, vf, kept)
+    # bf16 products with the fused kernels read keys and values as they are (_prefix)
+    bf16_fused = lib is not None and q.dtype == torch.bfloat16
+    recompute = kept.numel() == 0
+    k_t = None
+    if recompute and not (bf16_fused and allowed is None):
+        k_t = kf.transpose(1, 2).contiguous()
+    v_t = None if bf16_fused else vf.transpose(1, 2).contiguous()
+    causal = _causal_bias(q, allowed, block) if recompute and lib is None else None
     add_bf16 = lib is not None and q.dtype == torch.bfloat16
     # Note: key and value gradients sum over query blocks in fp32, as flash kernels do.
     dk = torch.zeros(kf.shape, dtype=torch.float32, device=kf.device)
@@ -481,8 +506,7 @@ def _blocked_backward(
     dqs = []
     for (start, end), probs in zip(_blocks(seq_len, block), kept_blocks, strict=True):
         if probs is None:
-            assert k_t is not None
-            probs = _probabilities(qf, k_t, start, end, scale, masked, heads, causal, None, lib)
+            probs = _probabilities(qf, k_t, start, end, scale, masked, heads, causal, None, lib, kf)
         # one copy of the block's rows, which both products below read
         rows = grad[:, :, start:end].reshape(batch * heads, end - start, head_dim)
         _accumulate(dv[:, :end], torch.bmm(probs.transpose(1, 2), rows), lib if add_bf16 else None)
@@ -490,7 +514,7 @@ def _blocked_backward(
         dprobs = torch.baddbmm(
             rows.new_zeros(()).expand(rows.shape[0], end - start, end),
             rows,
-            v_t[:, :, :end],
+            _prefix(vf, end).transpose(1, 2) if v_t is None else v_t[:, :, :end],
             beta=0,
             alpha=scale,
         )

@@ -166,11 +166,47 @@ def test_clipping_multiplies_each_dtype_once_with_the_numbers_of_one_multiply_pe
         assert torch.equal(p.grad, e.mul_(coef.to(e.dtype)))
 
 
-def test_a_norm_takes_three_operators_for_whole_rows_or_less_than_a_row():
+def test_a_norm_takes_three_operators_for_whole_rows_or_less_than_a_row(monkeypatch):
     """As many as the widened copy, squares and sum it replaced: accelerators launch no more
-    kernels per tensor."""
+    kernels per tensor (here on the CPU with torch's operators, as on an accelerator)."""
+    import hlat_optim.clip as clip_module
+
+    monkeypatch.setattr(clip_module, "_bf16_cpu_kernel", lambda flat: None)
     for shape in ((1536, 512), (512,)):
         t = torch.randn(shape, dtype=torch.bfloat16)
         with Operators(lambda func: not func.is_view) as count:  # views launch nothing
             _square(t)
         assert len(count.ops) == 3, count.ops
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_cpu_squares_come_from_the_kernel_in_one_read_as_exact_as_before(threads):
+    """A bf16 CPU tensor's rows are summed by hlat-optim's library (no fp32 copy of them):
+    within 1e-7 of the float64 sum of squares, the same for any thread count, and as close
+    as torch's fp32 row norms."""
+    import hlat_optim.clip as clip_module
+    from hlat_optim import _native
+
+    assert _native.load() is not None, _native.unavailable_reason()
+    t = (torch.randn(3000, 1000) * 3).to(torch.bfloat16)  # whole rows and a tail
+    flat = t.reshape(-1)
+    assert clip_module._bf16_cpu_kernel(flat) is not None
+    exact = t.double().square().sum()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ours = _square(t)
+    finally:
+        torch.set_num_threads(before)
+    assert ours.dtype == torch.float32
+    assert abs(ours.double() - exact) <= 1e-7 * exact
+    whole = flat.numel() - flat.numel() % 1024
+    rows = torch.linalg.vector_norm(flat[:whole].view(-1, 1024), dim=1, dtype=torch.float32)
+    torch_way = rows.square().sum() + flat[whole:].float().square().sum()
+    assert abs(ours.double() - exact) <= abs(torch_way.double() - exact) + 1e-7 * exact
+    if threads == 2:
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(_square(t), ours)
+        finally:
+            torch.set_num_threads(before)

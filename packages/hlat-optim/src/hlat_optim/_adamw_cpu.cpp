@@ -524,9 +524,37 @@ struct Task {
 };
 constexpr int64_t kChunk = 1 << 15;  // elements per task: a multiple of every group size
 
+// sums[r] = the sum of squares of row r of x (`len` bf16 values), in fp32: kLanes partial
+// sums of every kLanes-th element, added in a fixed order, so the result does not depend on
+// the thread count. One read of x, no fp32 copy.
+void bf16_row_sumsq(const u16* x, int64_t rows, int64_t len, float* sums, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows > 1)
+  for (int64_t r = 0; r < rows; ++r) {
+    const u16* __restrict row = x + r * len;
+    float lanes[kLanes] = {};
+    int64_t j = 0;
+    for (; j + kLanes <= len; j += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        const float v = load1(row, j + l);
+        lanes[l] += v * v;
+      }
+    }
+    float total = 0.f;
+    for (int l = 0; l < kLanes; ++l) total += lanes[l];
+    for (; j < len; ++j) total += load1(row, j) * load1(row, j);
+    sums[r] = total;
+  }
+}
+
 }  // namespace
 
 extern "C" {
+
+// The sums of squares of `rows` rows of `len` bf16 values each (see bf16_row_sumsq).
+void hlat_bf16_row_sumsq(const uint16_t* x, int64_t rows, int64_t len, float* sums,
+                         int threads) {
+  bf16_row_sumsq(x, rows, len, sums, threads);
+}
 
 // Version of the entry point's signature; the loader checks it.
 int hlat_adamw_abi(void) { return 5; }

@@ -27,6 +27,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+import torch
+
 __all__ = ["cache_dir", "load", "unavailable_reason"]
 
 _SOURCE = Path(__file__).with_name("_adamw_cpu.cpp")
@@ -139,7 +141,27 @@ def _bind(path: Path) -> ctypes.CDLL:
         ctypes.c_void_p,  # skip flag: one torch.bool, or null
         ctypes.c_void_p,  # the gradients' multiplier: one float32, or null
     ]
+    sumsq = lib.hlat_bf16_row_sumsq
+    sumsq.restype = None
+    sumsq.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ]
     return lib
+
+
+def bf16_row_sums_of_squares(lib: ctypes.CDLL, rows: torch.Tensor) -> torch.Tensor:
+    """The fp32 sum of squares of each row of a contiguous 2-d bf16 CPU tensor, in one read
+    of it (fixed order: the same for any thread count)."""
+    count, length = rows.shape
+    sums = torch.empty(count, dtype=torch.float32)
+    lib.hlat_bf16_row_sumsq(
+        rows.data_ptr(), count, length, sums.data_ptr(), torch.get_num_threads()
+    )
+    return sums
 
 
 def load() -> ctypes.CDLL | None:

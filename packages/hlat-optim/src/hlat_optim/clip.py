@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hlat_optim import _native
 from hlat_optim.rounding import _is_dtensor, _local
 
 __all__ = ["NonFiniteGradNormError", "clip_coefficient", "clip_grad_norm_", "global_norm"]
@@ -45,9 +46,10 @@ _ROW = 1024
 def _square(t: torch.Tensor) -> torch.Tensor:
     """The sum of squares of ``t`` as a 0-d fp32 tensor, in one pass over ``t``.
 
-    Note: the norms of rows of ``_ROW`` elements (one reduction, accumulated in fp32 as it
-    reads ``t``, bf16 included), then the sum of their squares (``sum``'s cascaded
-    reduction). Within 1e-7 of the float64 norm on millions of elements, where one
+    Note: the norms of rows of ``_ROW`` elements (one reduction in fp32), then the sum of
+    their squares (``sum``'s cascaded reduction); for bf16 CPU tensors the rows' sums of
+    squares come from hlat-optim's CPU library in one read (torch's fp32 norm of bf16 rows
+    makes an fp32 copy of them first), where it builds. Within 1e-7 of the float64 norm on millions of elements, where one
     ``vector_norm(..., dtype=float32)`` over the whole tensor drifts by 3e-5 on the CPU (the
     parity tests compare layouts at 1e-5). It replaces a widened copy, its squares and
     their sum (three passes); hlat-optim's benchmark ``test_global_norm_against_torch``
@@ -59,11 +61,30 @@ def _square(t: torch.Tensor) -> torch.Tensor:
     # stay as they were on accelerators.
     if not whole:
         return flat.float().square().sum()
-    rows = torch.linalg.vector_norm(flat[:whole].view(-1, _ROW), dim=1, dtype=torch.float32)
-    total = rows.square().sum()
+    lib = _bf16_cpu_kernel(flat)
+    if lib is not None:
+        # Note: torch's CPU norm of bf16 rows in fp32 makes an fp32 copy of them first
+        total = _native.bf16_row_sums_of_squares(lib, flat[:whole].view(-1, _ROW)).sum()
+    else:
+        rows = torch.linalg.vector_norm(flat[:whole].view(-1, _ROW), dim=1, dtype=torch.float32)
+        total = rows.square().sum()
     if whole < flat.numel():
         total = total + flat[whole:].float().square().sum()
     return total
+
+
+def _bf16_cpu_kernel(flat: torch.Tensor) -> Any:
+    """hlat-optim's CPU library where it sums the squares of ``flat``'s rows: a plain
+    contiguous bf16 CPU tensor, outside code being compiled, the library built."""
+    if (
+        flat.dtype != torch.bfloat16
+        or flat.device.type != "cpu"
+        or type(flat) is not torch.Tensor
+        or not flat.is_contiguous()
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    return _native.load()
 
 
 def _square_and_groups(

@@ -500,16 +500,22 @@ def _blocked_backward(
     v_t = None if bf16_fused else vf.transpose(1, 2).contiguous()
     causal = _causal_bias(q, allowed, block) if recompute and lib is None else None
     add_bf16 = lib is not None and q.dtype == torch.bfloat16
-    # Note: key and value gradients sum over query blocks in fp32, as flash kernels do.
-    dk = torch.zeros(kf.shape, dtype=torch.float32, device=kf.device)
-    dv = torch.zeros_like(dk)
+    # Note: key and value gradients sum over query blocks in fp32, as flash kernels do. The
+    # blocks go last to first: the last one sees every key, so its products start the sums
+    # (no zero-filled sums to add them into).
+    dk = dv = torch.empty(0)
     dqs = []
-    for (start, end), probs in zip(_blocks(seq_len, block), kept_blocks, strict=True):
+    blocks = list(zip(_blocks(seq_len, block), kept_blocks, strict=True))
+    for (start, end), probs in reversed(blocks):
         if probs is None:
             probs = _probabilities(qf, k_t, start, end, scale, masked, heads, causal, None, lib, kf)
         # one copy of the block's rows, which both products below read
         rows = grad[:, :, start:end].reshape(batch * heads, end - start, head_dim)
-        _accumulate(dv[:, :end], torch.bmm(probs.transpose(1, 2), rows), lib if add_bf16 else None)
+        dv_block = torch.bmm(probs.transpose(1, 2), rows)
+        if end == seq_len:  # the last block: every key
+            dv = dv_block.float()
+        else:
+            _accumulate(dv[:, :end], dv_block, lib if add_bf16 else None)
         # the scale goes into the product: d scores = scale * softmax'(d probs)
         dprobs = torch.baddbmm(
             rows.new_zeros(()).expand(rows.shape[0], end - start, end),
@@ -526,8 +532,11 @@ def _blocked_backward(
             dscores = torch.ops.aten._softmax_backward_data(dprobs, probs, -1, probs.dtype)
         dqs.append(torch.bmm(dscores, kf[:, :end]))
         dk_block = torch.bmm(dscores.transpose(1, 2), qf[:, start:end])
-        _accumulate(dk[:, :end], dk_block, lib if add_bf16 else None)
-    dq = torch.cat(dqs, dim=1).view(q.shape)
+        if end == seq_len:
+            dk = dk_block.float()
+        else:
+            _accumulate(dk[:, :end], dk_block, lib if add_bf16 else None)
+    dq = torch.cat(dqs[::-1], dim=1).view(q.shape)
     return dq, dk.to(kf.dtype).view(q.shape), dv.to(vf.dtype).view(q.shape)
 
 

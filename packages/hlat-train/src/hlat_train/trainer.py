@@ -267,7 +267,9 @@ class Trainer:
         if device.type == "cpu":
             why = fused_cpu_kernels_reason()
             state = "on" if why is None else f"off, torch's operators instead ({why})"
-            self._log(f"fused CPU kernels (RMSNorm, SwiGLU, RoPE, loss): {state}")
+            self._log(
+                f"fused CPU kernels (RMSNorm, SwiGLU, RoPE, attention softmax, loss): {state}"
+            )
         self._pin = pins_memory(device)
         self._control = None
         if self.world_size > 1:

@@ -763,28 +763,8 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if skip is not None and not (
-            torch.is_tensor(skip) and skip.dtype == torch.bool and skip.dim() == 0
-        ):
-            got = (
-                f"a {skip.dtype} tensor of shape {tuple(skip.shape)}"
-                if torch.is_tensor(skip)
-                else type(skip).__name__
-            )
-            raise TypeError(
-                f"hlat_optim.AdamW.step: skip must be a 0-d torch.bool tensor, got {got}"
-            )
-        if clip_coef is not None and not (
-            torch.is_tensor(clip_coef) and clip_coef.is_floating_point() and clip_coef.dim() == 0
-        ):
-            got = (
-                f"a {clip_coef.dtype} tensor of shape {tuple(clip_coef.shape)}"
-                if torch.is_tensor(clip_coef)
-                else type(clip_coef).__name__
-            )
-            raise TypeError(
-                f"hlat_optim.AdamW.step: clip_coef must be a 0-d floating-point tensor, got {got}"
-            )
+        _check_scalar("skip", skip, "torch.bool", lambda t: t.dtype == torch.bool)
+        _check_scalar("clip_coef", clip_coef, "floating-point", torch.is_floating_point)
         if clip_coef is not None and self._steady is not None:
             # the compiled flat path reads gradients as they are: multiplied in place first
             params = [p for group in self.param_groups for p in group["params"]]
@@ -1239,6 +1219,20 @@ class _Steady:
 
 
 _GRAD = operator.attrgetter("grad")
+
+
+def _check_scalar(
+    name: str, value: Any, kind: str, of_kind: Callable[[torch.Tensor], bool]
+) -> None:
+    """Refuse a ``step`` argument that is neither None nor a 0-d tensor of its kind."""
+    if value is None or (torch.is_tensor(value) and of_kind(value) and value.dim() == 0):
+        return
+    got = (
+        f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+        if torch.is_tensor(value)
+        else type(value).__name__
+    )
+    raise TypeError(f"hlat_optim.AdamW.step: {name} must be a 0-d {kind} tensor, got {got}")
 
 
 def _scale_in_place(grads: list[torch.Tensor], coef: torch.Tensor | None) -> None:

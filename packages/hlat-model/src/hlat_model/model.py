@@ -39,9 +39,11 @@ class RMSNorm(nn.Module):
 
     Plain CPU tensors computed op by op go through :class:`_RMSNormFunction` (the fused CPU
     kernel of ``hlat_model._native`` where it builds, else fewer passes of torch's operators,
-    and the input instead of its fp32 copy kept for backward); DTensors (sequence
-    parallelism), compiled code, XLA and other devices (where it has not been measured) take
-    ``F.rms_norm``, whose compilers and kernels fuse it themselves."""
+    and the input instead of its fp32 copy kept for backward); in code being compiled on
+    CPUs the kernel is the operator ``torch.ops.hlat.rms_norm`` (``hlat_model.
+    _compiled_ops``); DTensors (sequence parallelism), XLA, other devices (where it has not
+    been measured) and compiled code without the kernels take ``F.rms_norm``, whose
+    compilers and kernels fuse it themselves."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -345,7 +347,8 @@ class Attention(nn.Module):
         elif compiled_cpu_kernels(qkv) and _native.rope_tables_usable(cos, sin, qkv.shape):
             q, k, v = torch.ops.hlat.rope_heads(qkv, cos, sin)
         else:
-            # Note: compiled blocks keep the plain ops, which inductor (or XLA) fuses itself.
+            # Note: compiled blocks without the kernels (other devices, DTensors) keep the
+            # plain ops, which inductor (or XLA) fuses itself.
             q = qkv[:, :, :, : self.q_per_kv].flatten(2, 3)
             k, v = qkv[:, :, :, self.q_per_kv], qkv[:, :, :, self.q_per_kv + 1]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -19,8 +19,9 @@ from hlat_model import _native
 
 
 @torch.compiler.assume_constant_result
-def _kernels_build() -> bool:
-    """Whether the fused CPU kernels run here: a constant for ``torch.compile``."""
+def kernels_build() -> bool:
+    """Whether the fused CPU kernels run here: a constant for ``torch.compile``, which reads
+    it while tracing."""
     return _native.load() is not None
 
 
@@ -44,7 +45,7 @@ def compiled_cpu_kernels(*tensors: torch.Tensor) -> bool:
             for t in tensors
         )
         and not torch.is_autocast_enabled("cpu")
-        and _kernels_build()
+        and kernels_build()
     )
 
 

@@ -403,7 +403,7 @@ def add_bf16_into_fp32(lib: ctypes.CDLL, acc: torch.Tensor, x: torch.Tensor) -> 
     pass (no fp32 copy of ``x``)."""
     batches = acc.shape[0]
     n = acc[0].numel()
-    if acc[0].is_contiguous() is False or not x.is_contiguous() or x.shape != acc.shape:
+    if not acc[0].is_contiguous() or not x.is_contiguous() or x.shape != acc.shape:
         raise ValueError("add_bf16_into_fp32 takes dense batches of the same shape")
     lib.hlat_add_bf16_into_fp32(
         acc.data_ptr(), acc.stride(0), x.data_ptr(), batches, n, torch.get_num_threads()

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from hlat_model import _native
+from hlat_model._compiled_ops import kernels_build
 from hlat_model.linear import cpu_has_amx, cpu_has_native_bf16
 
 _cpu_has_amx = functools.cache(cpu_has_amx)
@@ -230,7 +231,7 @@ def blocked_causal_attention(
     Backward keeps the probabilities when they fit :data:`KEEP_PROBABILITIES_BYTES`, else
     recomputes them. Where they fit, code being compiled runs the same blocks as plain
     operators that inductor fuses (:func:`_composed`), but bf16 where the fused CPU kernels
-    run (:func:`_fused_kernels_build`), which calls the operator. With those kernels
+    run (``hlat_model._compiled_ops.kernels_build``), which calls the operator. With those kernels
     (``hlat_model._native``, plain CPU tensors) the operator's softmax and the softmax's
     backward are theirs, in place, skipping the keys a causal row does not see, and bf16
     key and value gradients are added into their fp32 sums in one pass.
@@ -249,28 +250,19 @@ def blocked_causal_attention(
     # Note: the block is an argument of the operator, so a compiled graph (and inductor's
     # cache of it) holds the size its kept probabilities were laid out with.
     block = query_block(seq_len, q.dtype)
+    # Note: bf16 compiled blocks call the operator (with the kernels' softmax) rather than
+    # the composed operators where the kernels run: on a 2-core Intel Xeon with AMX, 8 layers
+    # of width 512 at 4 x 512 tokens, compiled blocks ran 3,979 and 3,912 tokens/s that way
+    # against 3,620 and 3,574 composed (``benchmarks/test_bench_train_step.py::
+    # test_compiled_blocks_against_eager``, two pairs of runs). In fp32 the composed
+    # operators ran 1,596 tokens/s against 1,527, so fp32 keeps them.
     if (
         torch.compiler.is_compiling()
         and _kept_sizes(rows, seq_len, block, q.dtype)
-        and not (q.dtype == torch.bfloat16 and _fused_kernels_build())
+        and not (q.dtype == torch.bfloat16 and kernels_build())
     ):
         return _composed(q, k, v, allowed, block)
     return torch.ops.hlat.blocked_causal_attention(q, k, v, allowed, block)[0]
-
-
-@torch.compiler.assume_constant_result
-def _fused_kernels_build() -> bool:
-    """Whether the fused CPU kernels (``hlat_model._native``) run here: a constant for
-    ``torch.compile``, which reads it while tracing.
-
-    Note: bf16 compiled blocks call the operator (with the kernels' softmax) rather than
-    :func:`_composed` where the kernels run: on a 2-core Intel Xeon with AMX, 8 layers of
-    width 512 at 4 x 512 tokens, compiled blocks ran 3,979 and 3,912 tokens/s that way
-    against 3,620 and 3,574 with the composed operators
-    (``benchmarks/test_bench_train_step.py::test_compiled_blocks_against_eager``, two
-    pairs of runs). In fp32 the composed operators ran 1,596 tokens/s against 1,527, so
-    fp32 keeps them."""
-    return _native.load() is not None
 
 
 def _composed(
@@ -491,7 +483,8 @@ def _blocked_backward(
     scale = head_dim**-0.5
     kept_blocks = _per_block(kept, qf.shape[0], seq_len, block)
     lib = _native.usable(qf, kf, vf, kept)
-    # bf16 products with the fused kernels read keys and values as they are (_prefix)
+    # bf16 with the fused kernels: products read keys and values as they are (_prefix), and
+    # the kernel adds the blocks' key and value gradients into their fp32 sums
     bf16_fused = lib is not None and q.dtype == torch.bfloat16
     recompute = kept.numel() == 0
     k_t = None
@@ -499,7 +492,6 @@ def _blocked_backward(
         k_t = kf.transpose(1, 2).contiguous()
     v_t = None if bf16_fused else vf.transpose(1, 2).contiguous()
     causal = _causal_bias(q, allowed, block) if recompute and lib is None else None
-    add_bf16 = lib is not None and q.dtype == torch.bfloat16
     # Note: key and value gradients sum over query blocks in fp32, as flash kernels do. The
     # blocks go last to first: the last one sees every key, so its products start the sums
     # (no zero-filled sums to add them into).
@@ -515,7 +507,7 @@ def _blocked_backward(
         if end == seq_len:  # the last block: every key
             dv = dv_block.float()
         else:
-            _accumulate(dv[:, :end], dv_block, lib if add_bf16 else None)
+            _accumulate(dv[:, :end], dv_block, lib if bf16_fused else None)
         # the scale goes into the product: d scores = scale * softmax'(d probs)
         dprobs = torch.baddbmm(
             rows.new_zeros(()).expand(rows.shape[0], end - start, end),
@@ -535,7 +527,7 @@ def _blocked_backward(
         if end == seq_len:
             dk = dk_block.float()
         else:
-            _accumulate(dk[:, :end], dk_block, lib if add_bf16 else None)
+            _accumulate(dk[:, :end], dk_block, lib if bf16_fused else None)
     dq = torch.cat(dqs[::-1], dim=1).view(q.shape)
     return dq, dk.to(kf.dtype).view(q.shape), dv.to(vf.dtype).view(q.shape)
 

@@ -14,6 +14,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 
 from hlat_optim import _native
+from hlat_optim.clip import scale_in_place
 from hlat_optim.rounding import (
     _is_dtensor,
     _local,
@@ -768,7 +769,7 @@ class AdamW(torch.optim.Optimizer):
         if clip_coef is not None and self._steady is not None:
             # the compiled flat path reads gradients as they are: multiplied in place first
             params = [p for group in self.param_groups for p in group["params"]]
-            _scale_in_place([_local(p.grad) for p in params if p.grad is not None], clip_coef)
+            scale_in_place([_local(p.grad) for p in params if p.grad is not None], clip_coef)
             clip_coef = None
         if self._steady is not None and self._steady.step(self, skip):
             return loss
@@ -863,7 +864,8 @@ class AdamW(torch.optim.Optimizer):
         if clip_coef is not None and batch.rows:
             native_coef = clip_coef.to(torch.float32)  # a no-op for a CPU fp32 coefficient
         batch.run(skip, native_coef)
-        _scale_in_place(in_place, clip_coef)
+        if clip_coef is not None:
+            scale_in_place(in_place, clip_coef)
         on_device: dict[torch.device, torch.Tensor] = {}
 
         def flag_on(device: torch.device) -> torch.Tensor | None:
@@ -1233,18 +1235,6 @@ def _check_scalar(
         else type(value).__name__
     )
     raise TypeError(f"hlat_optim.AdamW.step: {name} must be a 0-d {kind} tensor, got {got}")
-
-
-def _scale_in_place(grads: list[torch.Tensor], coef: torch.Tensor | None) -> None:
-    """Multiply gradients in place by ``coef`` in their own dtype, one call per device and
-    dtype (as :func:`hlat_optim.clip_grad_norm_` does)."""
-    if coef is None:
-        return
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for grad in grads:
-        by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
-    for (device, dtype), group in by_kind.items():
-        torch._foreach_mul_(group, coef.to(device, dtype))
 
 
 _DTYPE = operator.attrgetter("dtype")

@@ -53,10 +53,12 @@ def traced_targets():
 @pytest.fixture(params=["native", "composed"])
 def kernels(request, monkeypatch):
     """Each test using it runs twice: with the fused CPU kernels of ``hlat_model._native``
-    (which must build here) and with them turned off (torch's operators)."""
+    (which must build here) and with them turned off (torch's operators). Attention keeps
+    its blocked kernel in both (the AMX attention off: ``tests/test_amx_attention.py``)."""
     from hlat_model import _native
 
     _native.reset()
+    monkeypatch.setenv("HLAT_MODEL_AMX_ATTENTION", "0")
     if request.param == "composed":
         monkeypatch.setenv("HLAT_MODEL_NATIVE", "0")
     else:

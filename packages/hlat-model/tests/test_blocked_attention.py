@@ -15,6 +15,13 @@ from hlat_model.attention import (
 )
 
 
+@pytest.fixture(autouse=True)
+def _blocked_kernel(monkeypatch):
+    """This module tests the blocked kernel: the AMX attention (which would take its plain
+    causal bf16 cases on CPUs with AMX) is off (``tests/test_amx_attention.py``)."""
+    monkeypatch.setenv("HLAT_MODEL_AMX_ATTENTION", "0")
+
+
 def _inputs(batch, heads, kv_heads, seq_len, head_dim, dtype, seed=0):
     generator = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, heads, seq_len, head_dim, generator=generator).to(dtype)

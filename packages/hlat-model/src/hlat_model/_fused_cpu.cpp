@@ -9,10 +9,19 @@
 // partial sums, combined in a fixed order, so results do not depend on the thread count
 // (the weight gradient of RMSNorm sums per-part partials, parts fixed by the caller).
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512BW__) && defined(__linux__)
+#define HLAT_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -432,12 +441,404 @@ void add_into(float* acc, int64_t stride, const u16* x, int64_t batches, int64_t
   }
 }
 
+
+// ---------------------------------------------------------------------------------------
+// Causal attention on AMX tiles (bf16), forward and backward, flash style: each (batch,
+// head) runs on one thread, through blocks of 32 queries and 32 keys, so the scores never
+// leave the core's caches. Forward keeps each query's log-sum-exp for backward, which
+// recomputes the probabilities. Products accumulate in fp32 (the tiles' own); the
+// probabilities and the scores' gradients are rounded to bf16 for the products that read
+// them, as blocked attention rounds them; the output and the three gradients are rounded
+// once at the end. Built where the compiler targets AMX-BF16 (with -march=native: CPUs
+// that have it); elsewhere hlat_attn_amx_ready says 0 and the caller keeps blocked
+// attention.
+
+#ifdef HLAT_AMX
+constexpr int kBlock = 32;  // queries and keys per block: two tiles of 16 rows
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows of 64 bytes: A (16 x 32 bf16), B (16 pairs of rows x 16 columns x 2
+// bf16) and C (16 x 16 fp32) alike.
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+// dst[i][s] = src[s][i] for a [rows][cols] u32 matrix (row stride ld; rows a multiple of
+// 16), 16 rows at a time by gathers.
+void transpose_u32(const u32* src, int64_t ld, int64_t rows, int64_t cols, u32* dst) {
+  const __m512i offsets = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(static_cast<int>(ld)));
+  for (int64_t s0 = 0; s0 < rows; s0 += 16)
+    for (int64_t i = 0; i < cols; ++i)
+      _mm512_storeu_si512(dst + i * rows + s0,
+                          _mm512_i32gather_epi32(offsets, src + s0 * ld + i, 4));
+}
+
+// dst[i][s] = (src[s][2i], src[s][2i + 1]) as one u32: the B layout of a product against
+// src transposed (src [rows][dim], row stride ld, both even).
+void pack_column_pairs(const u16* src, int64_t ld, int64_t rows, int64_t dim, u32* dst) {
+  transpose_u32(reinterpret_cast<const u32*>(src), ld / 2, rows, dim / 2, dst);
+}
+
+// pairs[2j + t] = (a, b)[t][j] for j < 32: two rows of 32 bf16 interleaved.
+inline void interleave32(const u16* a, const u16* b, u16* pairs) {
+  alignas(64) static const uint16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
+                                                 53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
+                                                 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i x = _mm512_loadu_si512(a), y = _mm512_loadu_si512(b);
+  _mm512_storeu_si512(pairs, _mm512_permutex2var_epi16(x, _mm512_load_si512(kLow), y));
+  _mm512_storeu_si512(pairs + 32, _mm512_permutex2var_epi16(x, _mm512_load_si512(kHigh), y));
+}
+
+// dst[s / 2][d][s % 2] = src[s][d]: the B layout of a product against src (src [rows][dim],
+// row stride ld; rows even, dim a multiple of 32).
+void pack_row_pairs(const u16* src, int64_t ld, int64_t rows, int64_t dim, u16* dst) {
+  for (int64_t s = 0; s < rows; s += 2)
+    for (int64_t d = 0; d < dim; d += 32)
+      interleave32(src + s * ld + d, src + (s + 1) * ld + d, dst + (s / 2) * 2 * dim + 2 * d);
+}
+
+// dst[d][s] = src[s][d] (src [rows][dim], row stride ld; rows a multiple of 32, dim of
+// 32): rows interleaved in pairs into `scratch` (rows x dim), then its u32 transposed.
+void transpose_rows(const u16* src, int64_t ld, int64_t rows, int64_t dim, u16* scratch,
+                    u16* dst) {
+  pack_row_pairs(src, ld, rows, dim, scratch);
+  transpose_u32(reinterpret_cast<const u32*>(scratch), dim, rows / 2, dim,
+                reinterpret_cast<u32*>(dst));
+}
+
+// 16 floats rounded to bf16 (nearest even) at dst.
+inline void store_bf16(u16* dst, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+// 16 bf16 at src widened to fp32.
+inline __m512 load_bf16(const u16* src) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), 16));
+}
+
+// c (32 x 32 fp32, rows ldc bytes apart) = the sum over `steps` of a_i (32 x 32 bf16 at
+// a + 32 i, rows lda bytes apart) times b_i (16 pairs of rows x 32 columns at b + i * bstep
+// bytes, rows ldb bytes apart, columns 16-31 64 bytes after 0-15).
+inline void tiles_product(const u16* a, int64_t lda, const char* b, int64_t ldb, int64_t steps,
+                          int64_t bstep, float* c, int64_t ldc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t i = 0; i < steps; ++i) {
+    const char* ai = reinterpret_cast<const char*>(a + 32 * i);
+    const char* bi = b + i * bstep;
+    _tile_loadd(4, ai, lda);
+    _tile_loadd(5, ai + 16 * lda, lda);
+    _tile_loadd(6, bi, ldb);
+    _tile_loadd(7, bi + 64, ldb);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  char* cc = reinterpret_cast<char*>(c);
+  _tile_stored(0, cc, ldc);
+  _tile_stored(1, cc + 64, ldc);
+  _tile_stored(2, cc + 16 * ldc, ldc);
+  _tile_stored(3, cc + 16 * ldc + 64, ldc);
+}
+
+// c (32 x 32 fp32, rows ldc bytes apart) += a (32 x 32 bf16, rows lda bytes apart) times b
+// (16 pairs of rows x 32 columns, rows ldb bytes apart).
+inline void tiles_add_product(const u16* a, int64_t lda, const char* b, int64_t ldb, float* c,
+                              int64_t ldc) {
+  char* cc = reinterpret_cast<char*>(c);
+  const char* ac = reinterpret_cast<const char*>(a);
+  _tile_loadd(0, cc, ldc);
+  _tile_loadd(1, cc + 64, ldc);
+  _tile_loadd(2, cc + 16 * ldc, ldc);
+  _tile_loadd(3, cc + 16 * ldc + 64, ldc);
+  _tile_loadd(4, ac, lda);
+  _tile_loadd(5, ac + 16 * lda, lda);
+  _tile_loadd(6, b, ldb);
+  _tile_loadd(7, b + 64, ldb);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+  _tile_stored(0, cc, ldc);
+  _tile_stored(1, cc + 64, ldc);
+  _tile_stored(2, cc + 16 * ldc, ldc);
+  _tile_stored(3, cc + 16 * ldc + 64, ldc);
+}
+
+// exp_fast on 16 lanes (scalef for 2^n).
+inline __m512 exp16(__m512 x) {
+  const __m512 c =
+      _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(c, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), c);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y =
+      _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  __m512 e = _mm512_scalef_ps(y, n);
+  e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.4f), _CMP_LT_OQ), e,
+                           _mm512_setzero_ps());
+  e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72f), _CMP_GT_OQ), e,
+                           _mm512_set1_ps(INFINITY));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), e, x);
+}
+
+// 32 floats (lo: 0-15, hi: 16-31) rounded to bf16 (nearest even) and stored at dst; lo and
+// hi become the rounded values.
+inline void round_to_bf16(__m512& lo, __m512& hi, u16* dst) {
+  const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  _mm512_storeu_si512(dst, b);
+  lo = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(b)), 16));
+  hi = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(b, 1)), 16));
+}
+
+// The lanes of keys 0-15 and 16-31 that query r of a diagonal block sees: keys up to r.
+inline __mmask16 seen_low(int r) {
+  return r >= 15 ? __mmask16(0xFFFF) : __mmask16((1u << (r + 1)) - 1);
+}
+inline __mmask16 seen_high(int r) {
+  return r < 16 ? __mmask16(0) : r >= 31 ? __mmask16(0xFFFF) : __mmask16((1u << (r - 15)) - 1);
+}
+
+// pairs[i][2j + t] = rows[2i + t][j] for 32 rows of 32 bf16: the B layout of a product over
+// the rows.
+inline void interleave_row_pairs(const u16* rows, u16* pairs) {
+  for (int i = 0; i < 16; ++i)
+    interleave32(rows + 2 * i * kBlock, rows + (2 * i + 1) * kBlock, pairs + i * 2 * kBlock);
+}
+
+// q, k, v: [batch * heads][seq][dim]; out row (b, h, s) at out + b * ob + h * oh + s * os;
+// lse [batch * heads][seq] fp32. seq and dim multiples of 32.
+void amx_attention_forward(const u16* q, const u16* k, const u16* v, u16* out, int64_t ob,
+                           int64_t oh, int64_t os, float* lse, int64_t batch, int64_t heads,
+                           int64_t seq, int64_t dim, float scale, int threads) {
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    configure_tiles();
+    std::vector<u32> kp(static_cast<size_t>(seq * dim / 2));
+    std::vector<u16> vp(static_cast<size_t>(seq * dim));
+    std::vector<float> acc(static_cast<size_t>(kBlock * dim)), block(acc.size());
+    alignas(64) float scores[2][kBlock * kBlock];
+    alignas(64) u16 probs[kBlock * kBlock];
+    float m[kBlock], l[kBlock], alpha[kBlock];
+    const __m512 vscale = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
+#pragma omp for schedule(dynamic)
+    for (int64_t bh = 0; bh < batch * heads; ++bh) {
+      const u16* qh = q + bh * seq * dim;
+      u16* outh = out + (bh / heads) * ob + (bh % heads) * oh;
+      pack_column_pairs(k + bh * seq * dim, dim, seq, dim, kp.data());
+      pack_row_pairs(v + bh * seq * dim, dim, seq, dim, vp.data());
+      for (int64_t q0 = 0; q0 < seq; q0 += kBlock) {
+        std::fill(m, m + kBlock, -INFINITY);
+        std::fill(l, l + kBlock, 0.f);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        const u16* qb = qh + q0 * dim;
+        const char* keys = reinterpret_cast<const char*>(kp.data());
+        tiles_product(qb, dim * 2, keys, seq * 4, dim / 32, 16 * seq * 4, scores[0], kBlock * 4);
+        for (int64_t k0 = 0; k0 <= q0; k0 += kBlock) {
+          const float* sc = scores[(k0 / kBlock) % 2];
+          // online softmax: each row's running max and sum, and the factor that rescales
+          // its output so far
+          for (int r = 0; r < kBlock; ++r) {
+            __m512 x0 = _mm512_mul_ps(_mm512_load_ps(sc + r * kBlock), vscale);
+            __m512 x1 = _mm512_mul_ps(_mm512_load_ps(sc + r * kBlock + 16), vscale);
+            if (k0 == q0) {
+              x0 = _mm512_mask_blend_ps(seen_low(r), minus_inf, x0);
+              x1 = _mm512_mask_blend_ps(seen_high(r), minus_inf, x1);
+            }
+            const float mx = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
+            alpha[r] = exp_fast(m[r] - mx);
+            const __m512 shift = _mm512_set1_ps(mx);
+            __m512 p0 = exp16(_mm512_sub_ps(x0, shift)), p1 = exp16(_mm512_sub_ps(x1, shift));
+            round_to_bf16(p0, p1, probs + r * kBlock);
+            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+            m[r] = mx;
+          }
+          // the next block's scores, while the probabilities' stores land (the tiles load
+          // them from memory)
+          if (k0 < q0)
+            tiles_product(qb, dim * 2, keys + (k0 + kBlock) * 4, seq * 4, dim / 32,
+                          16 * seq * 4, scores[(k0 / kBlock + 1) % 2], kBlock * 4);
+          // this block's products into fresh tiles (no load of the sums into them), added
+          // into the rescaled sums here
+          const char* vb = reinterpret_cast<const char*>(vp.data() + (k0 / 2) * 2 * dim);
+          for (int64_t d = 0; d < dim; d += 32)
+            tiles_product(probs, 64, vb + 4 * d, dim * 4, 1, 0, block.data() + d, dim * 4);
+          for (int r = 0; r < kBlock; ++r) {
+            float* o = acc.data() + r * dim;
+            const float* add = block.data() + r * dim;
+            const __m512 a = _mm512_set1_ps(alpha[r]);
+            for (int64_t d = 0; d < dim; d += 16)
+              _mm512_storeu_ps(o + d, _mm512_fmadd_ps(_mm512_loadu_ps(o + d), a,
+                                                      _mm512_loadu_ps(add + d)));
+          }
+        }
+        for (int r = 0; r < kBlock; ++r) {
+          const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+          const float* o = acc.data() + r * dim;
+          u16* dst = outh + (q0 + r) * os;
+          for (int64_t d = 0; d < dim; d += 16)
+            store_bf16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
+          lse[bh * seq + q0 + r] = m[r] + std::log(l[r]);
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+
+// The gradients of amx_attention_forward for q, k and v ([batch * heads][seq][dim] each),
+// from its output and lse and the output's gradient, rows (b, h, s) of out and grad at
+// base + b * xb + h * xh + s * xs.
+void amx_attention_backward(const u16* q, const u16* k, const u16* v, const u16* out,
+                            int64_t ob, int64_t oh, int64_t os, const u16* grad, int64_t gb,
+                            int64_t gh, int64_t gs, const float* lse, u16* dq, u16* dk, u16* dv,
+                            int64_t batch, int64_t heads, int64_t seq, int64_t dim, float scale,
+                            int threads) {
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    configure_tiles();
+    const size_t n = static_cast<size_t>(seq * dim);
+    std::vector<u32> kp(n / 2), vp(n / 2);
+    std::vector<u16> g(n), gt(n), qt(n), kr(n), scratch(n);
+    std::vector<float> delta(static_cast<size_t>(seq)), dqacc(n);
+    // two sums each, alternate query blocks adding into each: a tile load then reads sums
+    // stored two blocks before, not the block before (whose stores it would wait for)
+    std::vector<float> dkt(static_cast<size_t>(2 * kBlock * dim)), dvt(dkt.size());
+    alignas(64) float scores[kBlock * kBlock];
+    alignas(64) float dprobs[kBlock * kBlock];
+    alignas(64) u16 probs[kBlock * kBlock];
+    alignas(64) u16 probs_pairs[kBlock * kBlock];
+    alignas(64) u16 dscores[kBlock * kBlock];
+    alignas(64) u16 dscores_pairs[kBlock * kBlock];
+    const __m512 vscale = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
+#pragma omp for schedule(dynamic)
+    for (int64_t bh = 0; bh < batch * heads; ++bh) {
+      const int64_t b = bh / heads, h = bh % heads;
+      const u16* qh = q + bh * seq * dim;
+      const u16* kh = k + bh * seq * dim;
+      const u16* o = out + b * ob + h * oh;
+      const u16* gr = grad + b * gb + h * gh;
+      // the output's gradient, dense, and delta = rowsum(grad * out)
+      for (int64_t s = 0; s < seq; ++s) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 16) {
+          std::memcpy(g.data() + s * dim + d, gr + s * gs + d, 32);
+          sum = _mm512_fmadd_ps(load_bf16(gr + s * gs + d), load_bf16(o + s * os + d), sum);
+        }
+        delta[s] = _mm512_reduce_add_ps(sum);
+      }
+      pack_column_pairs(kh, dim, seq, dim, kp.data());
+      pack_column_pairs(v + bh * seq * dim, dim, seq, dim, vp.data());
+      transpose_rows(g.data(), dim, seq, dim, scratch.data(), gt.data());
+      transpose_rows(qh, dim, seq, dim, scratch.data(), qt.data());
+      pack_row_pairs(kh, dim, seq, dim, kr.data());
+      std::fill(dqacc.begin(), dqacc.end(), 0.f);
+      for (int64_t k0 = 0; k0 < seq; k0 += kBlock) {
+        // the key block's gradients, transposed ([dim][32]): sums over the query blocks
+        std::fill(dkt.begin(), dkt.end(), 0.f);
+        std::fill(dvt.begin(), dvt.end(), 0.f);
+        for (int64_t q0 = k0; q0 < seq; q0 += kBlock) {
+          tiles_product(qh + q0 * dim, dim * 2, reinterpret_cast<const char*>(kp.data() + k0),
+                        seq * 4, dim / 32, 16 * seq * 4, scores, kBlock * 4);
+          tiles_product(g.data() + q0 * dim, dim * 2,
+                        reinterpret_cast<const char*>(vp.data() + k0), seq * 4, dim / 32,
+                        16 * seq * 4, dprobs, kBlock * 4);
+          for (int r = 0; r < kBlock; ++r) {
+            const __m512 shift = _mm512_set1_ps(lse[bh * seq + q0 + r]);
+            const __m512 dl = _mm512_set1_ps(delta[q0 + r]);
+            __m512 x0 = _mm512_fmsub_ps(_mm512_load_ps(scores + r * kBlock), vscale, shift);
+            __m512 x1 = _mm512_fmsub_ps(_mm512_load_ps(scores + r * kBlock + 16), vscale, shift);
+            if (k0 == q0) {
+              x0 = _mm512_mask_blend_ps(seen_low(r), minus_inf, x0);
+              x1 = _mm512_mask_blend_ps(seen_high(r), minus_inf, x1);
+            }
+            __m512 p0 = exp16(x0), p1 = exp16(x1);
+            round_to_bf16(p0, p1, probs + r * kBlock);
+            const __m512 dp0 = _mm512_sub_ps(_mm512_load_ps(dprobs + r * kBlock), dl);
+            const __m512 dp1 = _mm512_sub_ps(_mm512_load_ps(dprobs + r * kBlock + 16), dl);
+            __m512 ds0 = _mm512_mul_ps(_mm512_mul_ps(p0, dp0), vscale);
+            __m512 ds1 = _mm512_mul_ps(_mm512_mul_ps(p1, dp1), vscale);
+            round_to_bf16(ds0, ds1, dscores + r * kBlock);
+          }
+          interleave_row_pairs(probs, probs_pairs);
+          interleave_row_pairs(dscores, dscores_pairs);
+          const char* kb = reinterpret_cast<const char*>(kr.data() + (k0 / 2) * 2 * dim);
+          const int64_t half = ((q0 - k0) / kBlock % 2) * kBlock * dim;
+          for (int64_t d = 0; d < dim; d += 32) {
+            // dv^T += grad^T probs, dk^T += q^T dscores; dq += dscores k
+            tiles_add_product(gt.data() + d * seq + q0, seq * 2,
+                              reinterpret_cast<const char*>(probs_pairs), 128,
+                              dvt.data() + half + d * kBlock, kBlock * 4);
+            tiles_add_product(qt.data() + d * seq + q0, seq * 2,
+                              reinterpret_cast<const char*>(dscores_pairs), 128,
+                              dkt.data() + half + d * kBlock, kBlock * 4);
+            tiles_add_product(dscores, 64, kb + 4 * d, dim * 4, dqacc.data() + q0 * dim + d,
+                              dim * 4);
+          }
+        }
+        // the key block's rows, from the transposed sums (the two halves added)
+        for (int64_t i = 0; i < kBlock * dim; i += 16) {
+          const int64_t h = kBlock * dim;
+          _mm512_storeu_ps(dkt.data() + i, _mm512_add_ps(_mm512_loadu_ps(dkt.data() + i),
+                                                         _mm512_loadu_ps(dkt.data() + h + i)));
+          _mm512_storeu_ps(dvt.data() + i, _mm512_add_ps(_mm512_loadu_ps(dvt.data() + i),
+                                                         _mm512_loadu_ps(dvt.data() + h + i)));
+        }
+        const __m512i column = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(kBlock));
+        for (int j = 0; j < kBlock; ++j)
+          for (int64_t d = 0; d < dim; d += 16) {
+            const int64_t at = (bh * seq + k0 + j) * dim + d;
+            store_bf16(dk + at, _mm512_i32gather_ps(column, dkt.data() + d * kBlock + j, 4));
+            store_bf16(dv + at, _mm512_i32gather_ps(column, dvt.data() + d * kBlock + j, 4));
+          }
+      }
+      for (size_t i = 0; i < n; i += 16)
+        store_bf16(dq + bh * seq * dim + i, _mm512_loadu_ps(dqacc.data() + i));
+    }
+    _tile_release();
+  }
+}
+#endif  // HLAT_AMX
+
 }  // namespace
 
 extern "C" {
 
 // Version of the entry points' signatures; the loader checks it.
-int hlat_model_abi(void) { return 6; }
+int hlat_model_abi(void) { return 7; }
 
 // `bf16`: 1 when every tensor argument is bf16 (held as uint16), 0 when fp32; rstd and part
 // are fp32. Rows are contiguous, `dim` (or 2 * `width`) elements each.
@@ -581,6 +982,50 @@ void hlat_attn_softmax_backward(int bf16, void* grad, const void* probs, int64_t
 void hlat_add_bf16_into_fp32(float* acc, int64_t stride, const void* x, int64_t batches,
                              int64_t n, int threads) {
   add_into(acc, stride, static_cast<const u16*>(x), batches, n, threads);
+}
+
+// 1 where the AMX attention kernels were built and the OS lets this process use the tiles
+// (asked once), else 0.
+int hlat_attn_amx_ready(void) {
+#ifdef HLAT_AMX
+  constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM
+  static const int ready = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  return ready;
+#else
+  return 0;
+#endif
+}
+
+// Causal attention of bf16 q, k, v [batch * heads][seq][dim] on AMX tiles (see
+// amx_attention_forward); seq and dim multiples of 32. Returns 0, or -1 (nothing done)
+// where hlat_attn_amx_ready says 0.
+int hlat_attn_amx_forward(const void* q, const void* k, const void* v, void* out, int64_t ob,
+                           int64_t oh, int64_t os, float* lse, int64_t batch, int64_t heads,
+                           int64_t seq, int64_t dim, float scale, int threads) {
+  if (!hlat_attn_amx_ready()) return -1;
+#ifdef HLAT_AMX
+  amx_attention_forward(static_cast<const u16*>(q), static_cast<const u16*>(k),
+                        static_cast<const u16*>(v), static_cast<u16*>(out), ob, oh, os, lse,
+                        batch, heads, seq, dim, scale, threads);
+#endif
+  return 0;
+}
+
+// The gradients of hlat_attn_amx_forward's inputs; returns as it does.
+int hlat_attn_amx_backward(const void* q, const void* k, const void* v, const void* out,
+                            int64_t ob, int64_t oh, int64_t os, const void* grad, int64_t gb,
+                            int64_t gh, int64_t gs, const float* lse, void* dq, void* dk,
+                            void* dv, int64_t batch, int64_t heads, int64_t seq, int64_t dim,
+                            float scale, int threads) {
+  if (!hlat_attn_amx_ready()) return -1;
+#ifdef HLAT_AMX
+  amx_attention_backward(static_cast<const u16*>(q), static_cast<const u16*>(k),
+                         static_cast<const u16*>(v), static_cast<const u16*>(out), ob, oh, os,
+                         static_cast<const u16*>(grad), gb, gh, gs, lse, static_cast<u16*>(dq),
+                         static_cast<u16*>(dk), static_cast<u16*>(dv), batch, heads, seq, dim,
+                         scale, threads);
+#endif
+  return 0;
 }
 
 }  // extern "C"

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).with_name("_fused_cpu.cpp")
-_ABI = 6
+_ABI = 7
 # -fno-trapping-math lets the compiler vectorise floor(); no -ffast-math: NaN and inf keep
 # their meaning.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
@@ -50,8 +50,21 @@ _SIGNATURES = {
     "hlat_attn_softmax": [_INT, _P, _I64, _I64, _I64, _I64, _INT],
     "hlat_attn_softmax_backward": [_INT, _P, _P, _I64, _I64, _I64, _I64, _INT],
     "hlat_add_bf16_into_fp32": [_P, _I64, _P, _I64, _I64, _INT],
+    "hlat_attn_amx_ready": [],
+    "hlat_attn_amx_forward": [_P, _P, _P, _P, _I64, _I64, _I64, _P]
+    + [_I64] * 4
+    + [ctypes.c_float, _INT],
+    "hlat_attn_amx_backward": [_P, _P, _P, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64]
+    + [_P] * 4
+    + [_I64] * 4
+    + [ctypes.c_float, _INT],
 }
-_RETURNS = {"hlat_xent_first_bad": ctypes.c_int64}
+_RETURNS = {
+    "hlat_xent_first_bad": ctypes.c_int64,
+    "hlat_attn_amx_ready": _INT,
+    "hlat_attn_amx_forward": _INT,
+    "hlat_attn_amx_backward": _INT,
+}
 
 _PARTS = 64
 """Row parts whose weight-gradient sums RMSNorm's backward adds up: a fixed number, so that
@@ -408,3 +421,62 @@ def add_bf16_into_fp32(lib: ctypes.CDLL, acc: torch.Tensor, x: torch.Tensor) -> 
     lib.hlat_add_bf16_into_fp32(
         acc.data_ptr(), acc.stride(0), x.data_ptr(), batches, n, torch.get_num_threads()
     )
+
+
+def amx_attention_ready(lib: ctypes.CDLL) -> bool:
+    """Whether the library holds the AMX attention kernels (built where the compiler
+    targets AMX-BF16) and the OS lets this process use the tiles."""
+    return bool(lib.hlat_attn_amx_ready())
+
+
+def amx_attention_forward(
+    lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of contiguous bf16 [B, H, S, D] ``q``, ``k``, ``v`` (S and D
+    multiples of 32; only where :func:`amx_attention_ready`): (the output, a [B, H, S, D]
+    view of a [B, S, H, D] tensor; each query's fp32 log-sum-exp of its scaled scores
+    [B * H, S])."""
+    batch, heads, seq, dim = q.shape
+    out = q.new_empty(batch, seq, heads, dim)
+    lse = q.new_empty(batch * heads, seq, dtype=torch.float32)
+    done = lib.hlat_attn_amx_forward(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *_row_strides(out, 1),
+        lse.data_ptr(), batch, heads, seq, dim, dim**-0.5, torch.get_num_threads(),
+    )  # fmt: skip
+    if done != 0:
+        raise RuntimeError("the AMX attention kernels cannot run here")
+    return out.transpose(1, 2), lse
+
+
+def amx_attention_backward(
+    lib: ctypes.CDLL,
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`amx_attention_forward` for ``q``, ``k`` and ``v``, from its
+    output ``out`` and ``lse`` and the output's gradient ``grad`` ([B, H, S, D], any strides
+    with dense rows)."""
+    batch, heads, seq, dim = q.shape
+    if grad.stride(3) != 1:
+        grad = grad.contiguous()
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
+    done = lib.hlat_attn_amx_backward(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *_row_strides(out),
+        grad.data_ptr(), *_row_strides(grad), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(),
+        dv.data_ptr(), batch, heads, seq, dim, dim**-0.5, torch.get_num_threads(),
+    )  # fmt: skip
+    if done != 0:
+        raise RuntimeError("the AMX attention kernels cannot run here")
+    return dq, dk, dv
+
+
+def _row_strides(t: torch.Tensor, seq_dim: int = 2) -> tuple[int, int, int]:
+    """(batch, head, position) strides of the rows of ``t``: [B, H, S, D], or [B, S, H, D]
+    with ``seq_dim`` 1."""
+    if seq_dim == 1:
+        return t.stride(0), t.stride(2), t.stride(1)
+    return t.stride(0), t.stride(1), t.stride(2)

@@ -54,7 +54,8 @@ def traced_targets():
 def kernels(request, monkeypatch):
     """Each test using it runs twice: with the fused CPU kernels of ``hlat_model._native``
     (which must build here) and with them turned off (torch's operators). Attention keeps
-    its blocked kernel in both (the AMX attention off: ``tests/test_amx_attention.py``)."""
+    its blocked kernel in both: the AMX attention is off (``test_blocked_attention.py``'s
+    ``amx`` fixture turns it on for its own tests)."""
     from hlat_model import _native
 
     _native.reset()

@@ -1,4 +1,6 @@
-"""The blocked causal attention kernel against torch's SDPA, with float64 as the reference."""
+"""The blocked causal attention kernel against torch's SDPA, with float64 as the reference;
+and, on CPUs with AMX tiles, the flash-style kernel it hands plain causal bf16 attention to
+(the tests of that kernel skip elsewhere, saying why; those of when it runs run anywhere)."""
 
 import pytest
 import torch
@@ -7,8 +9,10 @@ import torch.nn.functional as F
 from hlat_model import Llama, LlamaConfig, _native, cross_entropy_loss
 from hlat_model import attention as attention_module
 from hlat_model.attention import (
+    AMX_BLOCK,
     SDPA_FROM_TOKENS_WITH_AMX,
     AttentionMask,
+    amx_attention_reason,
     blocked_causal_attention,
     cpu_attention_rule,
     query_block,
@@ -17,9 +21,20 @@ from hlat_model.attention import (
 
 @pytest.fixture(autouse=True)
 def _blocked_kernel(monkeypatch):
-    """This module tests the blocked kernel: the AMX attention (which would take its plain
-    causal bf16 cases on CPUs with AMX) is off (``tests/test_amx_attention.py``)."""
+    """The blocked kernel's tests: the AMX attention, which would take their plain causal
+    bf16 cases on CPUs with AMX, is off (the ``amx`` fixture turns it on)."""
     monkeypatch.setenv("HLAT_MODEL_AMX_ATTENTION", "0")
+
+
+_AMX_REASON = amx_attention_reason()
+
+
+@pytest.fixture
+def amx(monkeypatch):
+    """The AMX attention on, for the tests of its kernel (skipped where it cannot run)."""
+    if _AMX_REASON is not None:
+        pytest.skip(f"no AMX attention here: {_AMX_REASON}")
+    monkeypatch.delenv("HLAT_MODEL_AMX_ATTENTION")
 
 
 def _inputs(batch, heads, kv_heads, seq_len, head_dim, dtype, seed=0):
@@ -440,3 +455,150 @@ def test_compiled_attention_keeps_at_most_half_again_the_operators_bytes(monkeyp
         torch._dynamo.reset()
         _native.reset()
     assert composed <= 1.5 * operator, (composed, operator)
+
+
+# Attention on AMX tiles ---------------------------------------------------------------------
+
+AMX_CASES = {
+    # batch, heads, kv heads, sequence, head dim, scale of q
+    "small-heads": (2, 4, 4, 256, 32, 1.0),
+    "model-shape": (1, 8, 8, 512, 64, 1.0),
+    "gqa": (2, 4, 2, 256, 64, 1.0),
+    "wide-heads": (1, 2, 2, 256, 128, 1.0),
+    "peaked-softmax": (1, 4, 4, 256, 64, 8.0),
+}
+
+
+@pytest.mark.parametrize("case", AMX_CASES)
+def test_amx_error_is_that_of_eager_attention(case, amx):
+    """Against float64, the output and the three gradients are within 1.25x of Hugging
+    Face's eager attention's norm-wise error on the same inputs (and under 1 %)."""
+    *shape, scale = AMX_CASES[case]
+    q, k, v, grad = _inputs(*shape, torch.bfloat16)
+    q = (q.float() * scale).bfloat16()
+    assert attention_module._on_amx_tiles(q, k, v)
+    ours = _run(blocked_causal_attention, q, k, v, grad)
+    reference = _run(_sdpa(None, shape[1] != shape[2]), q, k, v, grad, torch.float64)
+    eager = _normwise_errors(_run(_eager(None), q, k, v, grad), reference)
+    for name, mine, theirs in zip(
+        ("out", "dq", "dk", "dv"), _normwise_errors(ours, reference), eager, strict=True
+    ):
+        assert mine <= 1.25 * theirs and mine < 0.01, (name, mine, theirs)
+
+
+def test_amx_runs_where_it_should_and_keeps_only_linear_memory(amx, saved_for_backward):
+    """Plain causal bf16 attention whose sequence and head size are multiples of 32 runs the
+    operator, which keeps q, k, v, the output and one fp32 log-sum-exp per query for
+    backward (no probabilities); other shapes and fp32 keep the blocked kernel."""
+    q, k, v, _ = _inputs(2, 4, 4, 256, 64, torch.bfloat16)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with saved_for_backward() as saved:
+        blocked_causal_attention(q, k, v)
+    sizes = sorted(t.numel() * t.element_size() for t in saved)
+    assert sizes == sorted([q.numel() * 2] * 4 + [2 * 4 * 256 * 4])
+    for shape in ((2, 4, 300, 64), (2, 4, 256, 48)):
+        t = torch.zeros(shape, dtype=torch.bfloat16)
+        assert not attention_module._on_amx_tiles(t, t, t)
+    assert not attention_module._on_amx_tiles(q.float(), k.float(), v.float())
+
+
+def test_amx_results_do_not_depend_on_the_thread_count(amx):
+    """Each (batch, head) runs whole on one thread: bit for bit the same with 1 thread."""
+    q, k, v, grad = _inputs(2, 4, 4, 256, 64, torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(blocked_causal_attention, q, k, v, grad)
+        torch.set_num_threads(max(2, threads))
+        many = _run(blocked_causal_attention, q, k, v, grad)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, many, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_amx_takes_a_strided_output_gradient(amx):
+    """The output's gradient as the output projection's backward lays it out ([B, S, H, D]
+    memory) or with rows apart: the same gradients as from a contiguous one."""
+    q, k, v, grad = _inputs(2, 4, 4, 128, 64, torch.bfloat16)
+    dense = _run(blocked_causal_attention, q, k, v, grad)
+    as_projection = grad.transpose(1, 2).contiguous().transpose(1, 2)
+    padded = torch.zeros(2, 4, 128, 96, dtype=torch.bfloat16)
+    padded[..., :64] = grad
+    for strided in (as_projection, padded[..., :64]):
+        assert not strided.is_contiguous()
+        for a, b in zip(_run(blocked_causal_attention, q, k, v, strided), dense, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_amx_operator_passes_torchs_checks(amx):
+    q, k, v, _ = _inputs(1, 2, 2, 64, 32, torch.bfloat16)
+    args = tuple(t.requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.hlat.amx_causal_attention.default, args)
+
+
+def test_a_bf16_llama_trains_on_amx_attention_as_on_sdpa(amx):
+    """Logits and every gradient of a small bf16 model, AMX attention against SDPA: as close
+    as two bf16 runs of different kernels get (relative to each tensor's largest value)."""
+    torch.manual_seed(0)
+    config = dict(vocab_size=256, dim=128, n_layers=2, n_heads=4, ffn_dim=256, max_seq_len=128)
+    models = {
+        kernel: Llama(LlamaConfig(**config, attention=kernel)).to(torch.bfloat16)
+        for kernel in ("sdpa", "blocked")
+    }
+    models["blocked"].load_state_dict(models["sdpa"].state_dict())
+    tokens = torch.randint(0, 256, (2, 129))
+    results = {}
+    for kernel, model in models.items():
+        logits = model(tokens[:, :-1])
+        cross_entropy_loss(logits, tokens[:, 1:]).backward()
+        results[kernel] = [logits.detach()] + [p.grad for p in model.parameters()]
+    for ours, theirs in zip(results["blocked"], results["sdpa"], strict=True):
+        scale = theirs.float().abs().max()
+        assert (ours.float() - theirs.float()).abs().max() <= 0.03 * scale
+
+
+@pytest.mark.compile
+def test_compiled_code_calls_the_amx_operator(amx, traced_targets):
+    q, k, v, _ = _inputs(1, 2, 2, 64, 32, torch.bfloat16)
+    assert "hlat.amx_causal_attention" in traced_targets(blocked_causal_attention, q, k, v)
+    compiled = torch.compile(blocked_causal_attention, fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), blocked_causal_attention(q, k, v))
+
+
+@pytest.mark.parametrize("asked, amx_runs", [("auto", True), ("sdpa", False), ("blocked", True)])
+def test_auto_takes_amx_over_the_flash_kernel_for_long_sequences(
+    asked, amx_runs, amx, monkeypatch, saved_for_backward
+):
+    """On a CPU with AMX, ``auto``'s rule picks torch's flash kernel from 2,048 tokens; the
+    AMX attention takes those sequences over where it runs (bf16, multiples of 32), while
+    an explicit ``sdpa`` keeps torch's kernel, and fp32 what the rule chose."""
+    monkeypatch.setattr(attention_module, "_cpu_has_amx", lambda: True)
+    seq_len = SDPA_FROM_TOKENS_WITH_AMX
+    mask = AttentionMask.build(None, seq_len, asked, torch.device("cpu"))
+    assert mask.amx == (asked == "auto")
+    q, k, v, _ = _inputs(1, 2, 2, seq_len, 32, torch.bfloat16)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    for inputs, runs in (((q, k, v), amx_runs), ((q.float(), k.float(), v.float()), False)):
+        with saved_for_backward() as saved:
+            attention_module.attention(*inputs, mask)
+        lse = [t for t in saved if t.dtype == torch.float32 and t.shape == (2, seq_len)]
+        assert bool(lse) == runs
+
+
+def test_amx_attention_says_why_it_does_not_run(monkeypatch):
+    assert amx_attention_reason() == "turned off by HLAT_MODEL_AMX_ATTENTION=0"
+    q = torch.zeros(1, 1, AMX_BLOCK, AMX_BLOCK, dtype=torch.bfloat16)
+    assert not attention_module._on_amx_tiles(q, q, q)
+    monkeypatch.delenv("HLAT_MODEL_AMX_ATTENTION")
+    monkeypatch.setenv("HLAT_MODEL_NATIVE", "0")
+    _native.reset()
+    try:
+        assert amx_attention_reason().startswith("no fused CPU kernels (turned off by")
+    finally:
+        _native.reset()
+    monkeypatch.delenv("HLAT_MODEL_NATIVE")
+    if _native.load() is not None:
+        monkeypatch.setattr(_native, "amx_attention_ready", lambda lib: False)
+        monkeypatch.setattr(attention_module, "_cpu_has_amx", lambda: False)
+        assert amx_attention_reason() == "this CPU has no AMX tiles"

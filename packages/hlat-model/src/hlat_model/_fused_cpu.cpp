@@ -534,15 +534,23 @@ inline __m512 load_bf16(const u16* src) {
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), 16));
 }
 
-// c (32 x 32 fp32, rows ldc bytes apart) = the sum over `steps` of a_i (32 x 32 bf16 at
-// a + 32 i, rows lda bytes apart) times b_i (16 pairs of rows x 32 columns at b + i * bstep
-// bytes, rows ldb bytes apart, columns 16-31 64 bytes after 0-15).
+// c (32 x 32 fp32, rows ldc bytes apart) = (c if `add`, else 0) + the sum over `steps` of
+// a_i (32 x 32 bf16 at a + 32 i, rows lda bytes apart) times b_i (16 pairs of rows x 32
+// columns at b + i * bstep bytes, rows ldb bytes apart, columns 16-31 64 bytes after 0-15).
 inline void tiles_product(const u16* a, int64_t lda, const char* b, int64_t ldb, int64_t steps,
-                          int64_t bstep, float* c, int64_t ldc) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+                          int64_t bstep, float* c, int64_t ldc, bool add = false) {
+  char* cc = reinterpret_cast<char*>(c);
+  if (add) {
+    _tile_loadd(0, cc, ldc);
+    _tile_loadd(1, cc + 64, ldc);
+    _tile_loadd(2, cc + 16 * ldc, ldc);
+    _tile_loadd(3, cc + 16 * ldc + 64, ldc);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
   for (int64_t i = 0; i < steps; ++i) {
     const char* ai = reinterpret_cast<const char*>(a + 32 * i);
     const char* bi = b + i * bstep;
@@ -555,31 +563,6 @@ inline void tiles_product(const u16* a, int64_t lda, const char* b, int64_t ldb,
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
   }
-  char* cc = reinterpret_cast<char*>(c);
-  _tile_stored(0, cc, ldc);
-  _tile_stored(1, cc + 64, ldc);
-  _tile_stored(2, cc + 16 * ldc, ldc);
-  _tile_stored(3, cc + 16 * ldc + 64, ldc);
-}
-
-// c (32 x 32 fp32, rows ldc bytes apart) += a (32 x 32 bf16, rows lda bytes apart) times b
-// (16 pairs of rows x 32 columns, rows ldb bytes apart).
-inline void tiles_add_product(const u16* a, int64_t lda, const char* b, int64_t ldb, float* c,
-                              int64_t ldc) {
-  char* cc = reinterpret_cast<char*>(c);
-  const char* ac = reinterpret_cast<const char*>(a);
-  _tile_loadd(0, cc, ldc);
-  _tile_loadd(1, cc + 64, ldc);
-  _tile_loadd(2, cc + 16 * ldc, ldc);
-  _tile_loadd(3, cc + 16 * ldc + 64, ldc);
-  _tile_loadd(4, ac, lda);
-  _tile_loadd(5, ac + 16 * lda, lda);
-  _tile_loadd(6, b, ldb);
-  _tile_loadd(7, b + 64, ldb);
-  _tile_dpbf16ps(0, 4, 6);
-  _tile_dpbf16ps(1, 4, 7);
-  _tile_dpbf16ps(2, 5, 6);
-  _tile_dpbf16ps(3, 5, 7);
   _tile_stored(0, cc, ldc);
   _tile_stored(1, cc + 64, ldc);
   _tile_stored(2, cc + 16 * ldc, ldc);
@@ -648,8 +631,8 @@ void amx_attention_forward(const u16* q, const u16* k, const u16* v, u16* out, i
     std::vector<u32> kp(static_cast<size_t>(seq * dim / 2));
     std::vector<u16> vp(static_cast<size_t>(seq * dim));
     std::vector<float> acc(static_cast<size_t>(kBlock * dim)), block(acc.size());
-    alignas(64) float scores[2][kBlock * kBlock];
-    alignas(64) u16 probs[kBlock * kBlock];
+    alignas(64) float scores[kBlock * 2 * kBlock];
+    alignas(64) u16 probs[kBlock * 2 * kBlock];
     float m[kBlock], l[kBlock], alpha[kBlock];
     const __m512 vscale = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
 #pragma omp for schedule(dynamic)
@@ -664,36 +647,48 @@ void amx_attention_forward(const u16* q, const u16* k, const u16* v, u16* out, i
         std::fill(acc.begin(), acc.end(), 0.f);
         const u16* qb = qh + q0 * dim;
         const char* keys = reinterpret_cast<const char*>(kp.data());
-        tiles_product(qb, dim * 2, keys, seq * 4, dim / 32, 16 * seq * 4, scores[0], kBlock * 4);
-        for (int64_t k0 = 0; k0 <= q0; k0 += kBlock) {
-          const float* sc = scores[(k0 / kBlock) % 2];
-          // online softmax: each row's running max and sum, and the factor that rescales
-          // its output so far
+        // keys 0 .. q0 + 31 in chunks of two blocks (one block first where their count is
+        // odd), the last chunk ending with the diagonal block
+        const int64_t end = q0 + kBlock;
+        for (int64_t k0 = 0; k0 < end;) {
+          const int64_t width = (end - k0) % (2 * kBlock) == 0 ? 2 * kBlock : kBlock;
+          const int steps = static_cast<int>(width / kBlock);
+          for (int t = 0; t < steps; ++t)
+            tiles_product(qb, dim * 2, keys + (k0 + t * kBlock) * 4, seq * 4, dim / 32,
+                          16 * seq * 4, scores + t * kBlock, 2 * kBlock * 4);
+          const bool diagonal = k0 + width == end;
+          // online softmax over the chunk: each row's running max and sum, and the factor
+          // that rescales its output so far
           for (int r = 0; r < kBlock; ++r) {
-            __m512 x0 = _mm512_mul_ps(_mm512_load_ps(sc + r * kBlock), vscale);
-            __m512 x1 = _mm512_mul_ps(_mm512_load_ps(sc + r * kBlock + 16), vscale);
-            if (k0 == q0) {
-              x0 = _mm512_mask_blend_ps(seen_low(r), minus_inf, x0);
-              x1 = _mm512_mask_blend_ps(seen_high(r), minus_inf, x1);
+            __m512 x[4];
+            for (int c = 0; c < 2 * steps; ++c)
+              x[c] = _mm512_mul_ps(_mm512_load_ps(scores + r * 2 * kBlock + 16 * c), vscale);
+            if (diagonal) {
+              const int last = 2 * steps - 2;
+              x[last] = _mm512_mask_blend_ps(seen_low(r), minus_inf, x[last]);
+              x[last + 1] = _mm512_mask_blend_ps(seen_high(r), minus_inf, x[last + 1]);
             }
-            const float mx = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
+            __m512 mx16 = _mm512_set1_ps(m[r]);
+            for (int c = 0; c < 2 * steps; ++c) mx16 = _mm512_max_ps(mx16, x[c]);
+            const float mx = _mm512_reduce_max_ps(mx16);
             alpha[r] = exp_fast(m[r] - mx);
             const __m512 shift = _mm512_set1_ps(mx);
-            __m512 p0 = exp16(_mm512_sub_ps(x0, shift)), p1 = exp16(_mm512_sub_ps(x1, shift));
-            round_to_bf16(p0, p1, probs + r * kBlock);
-            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+            __m512 sum = _mm512_setzero_ps();
+            for (int c = 0; c < 2 * steps; c += 2) {
+              __m512 p0 = exp16(_mm512_sub_ps(x[c], shift));
+              __m512 p1 = exp16(_mm512_sub_ps(x[c + 1], shift));
+              round_to_bf16(p0, p1, probs + r * 2 * kBlock + 16 * c);
+              sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+            }
+            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
             m[r] = mx;
           }
-          // the next block's scores, while the probabilities' stores land (the tiles load
-          // them from memory)
-          if (k0 < q0)
-            tiles_product(qb, dim * 2, keys + (k0 + kBlock) * 4, seq * 4, dim / 32,
-                          16 * seq * 4, scores[(k0 / kBlock + 1) % 2], kBlock * 4);
-          // this block's products into fresh tiles (no load of the sums into them), added
+          // the chunk's products into fresh tiles (no load of the sums into them), added
           // into the rescaled sums here
           const char* vb = reinterpret_cast<const char*>(vp.data() + (k0 / 2) * 2 * dim);
           for (int64_t d = 0; d < dim; d += 32)
-            tiles_product(probs, 64, vb + 4 * d, dim * 4, 1, 0, block.data() + d, dim * 4);
+            tiles_product(probs, 2 * kBlock * 2, vb + 4 * d, dim * 4, steps, 16 * dim * 4,
+                          block.data() + d, dim * 4);
           for (int r = 0; r < kBlock; ++r) {
             float* o = acc.data() + r * dim;
             const float* add = block.data() + r * dim;
@@ -702,6 +697,7 @@ void amx_attention_forward(const u16* q, const u16* k, const u16* v, u16* out, i
               _mm512_storeu_ps(o + d, _mm512_fmadd_ps(_mm512_loadu_ps(o + d), a,
                                                       _mm512_loadu_ps(add + d)));
           }
+          k0 += width;
         }
         for (int r = 0; r < kBlock; ++r) {
           const __m512 inv = _mm512_set1_ps(1.f / l[r]);
@@ -732,15 +728,14 @@ void amx_attention_backward(const u16* q, const u16* k, const u16* v, const u16*
     std::vector<u32> kp(n / 2), vp(n / 2);
     std::vector<u16> g(n), gt(n), qt(n), kr(n), scratch(n);
     std::vector<float> delta(static_cast<size_t>(seq)), dqacc(n);
-    // two sums each, alternate query blocks adding into each: a tile load then reads sums
-    // stored two blocks before, not the block before (whose stores it would wait for)
-    std::vector<float> dkt(static_cast<size_t>(2 * kBlock * dim)), dvt(dkt.size());
+    std::vector<float> dkt(static_cast<size_t>(kBlock * dim)), dvt(dkt.size());
+    // a key block's probabilities and score gradients against every query block, in the B
+    // layout: its key and value gradients are then one product each, over all the queries
+    std::vector<u16> probs_pairs(static_cast<size_t>(seq * kBlock)), dscores_pairs(probs_pairs.size());
     alignas(64) float scores[kBlock * kBlock];
     alignas(64) float dprobs[kBlock * kBlock];
     alignas(64) u16 probs[kBlock * kBlock];
-    alignas(64) u16 probs_pairs[kBlock * kBlock];
     alignas(64) u16 dscores[kBlock * kBlock];
-    alignas(64) u16 dscores_pairs[kBlock * kBlock];
     const __m512 vscale = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
 #pragma omp for schedule(dynamic)
     for (int64_t bh = 0; bh < batch * heads; ++bh) {
@@ -765,9 +760,6 @@ void amx_attention_backward(const u16* q, const u16* k, const u16* v, const u16*
       pack_row_pairs(kh, dim, seq, dim, kr.data());
       std::fill(dqacc.begin(), dqacc.end(), 0.f);
       for (int64_t k0 = 0; k0 < seq; k0 += kBlock) {
-        // the key block's gradients, transposed ([dim][32]): sums over the query blocks
-        std::fill(dkt.begin(), dkt.end(), 0.f);
-        std::fill(dvt.begin(), dvt.end(), 0.f);
         for (int64_t q0 = k0; q0 < seq; q0 += kBlock) {
           tiles_product(qh + q0 * dim, dim * 2, reinterpret_cast<const char*>(kp.data() + k0),
                         seq * 4, dim / 32, 16 * seq * 4, scores, kBlock * 4);
@@ -791,30 +783,27 @@ void amx_attention_backward(const u16* q, const u16* k, const u16* v, const u16*
             __m512 ds1 = _mm512_mul_ps(_mm512_mul_ps(p1, dp1), vscale);
             round_to_bf16(ds0, ds1, dscores + r * kBlock);
           }
-          interleave_row_pairs(probs, probs_pairs);
-          interleave_row_pairs(dscores, dscores_pairs);
+          const int64_t j = (q0 - k0) / kBlock;
+          interleave_row_pairs(probs, probs_pairs.data() + j * kBlock * kBlock);
+          interleave_row_pairs(dscores, dscores_pairs.data() + j * kBlock * kBlock);
+          // dq += dscores k
           const char* kb = reinterpret_cast<const char*>(kr.data() + (k0 / 2) * 2 * dim);
-          const int64_t half = ((q0 - k0) / kBlock % 2) * kBlock * dim;
-          for (int64_t d = 0; d < dim; d += 32) {
-            // dv^T += grad^T probs, dk^T += q^T dscores; dq += dscores k
-            tiles_add_product(gt.data() + d * seq + q0, seq * 2,
-                              reinterpret_cast<const char*>(probs_pairs), 128,
-                              dvt.data() + half + d * kBlock, kBlock * 4);
-            tiles_add_product(qt.data() + d * seq + q0, seq * 2,
-                              reinterpret_cast<const char*>(dscores_pairs), 128,
-                              dkt.data() + half + d * kBlock, kBlock * 4);
-            tiles_add_product(dscores, 64, kb + 4 * d, dim * 4, dqacc.data() + q0 * dim + d,
-                              dim * 4);
-          }
+          for (int64_t d = 0; d < dim; d += 32)
+            tiles_product(dscores, 64, kb + 4 * d, dim * 4, 1, 0, dqacc.data() + q0 * dim + d,
+                          dim * 4, true);
         }
-        // the key block's rows, from the transposed sums (the two halves added)
-        for (int64_t i = 0; i < kBlock * dim; i += 16) {
-          const int64_t h = kBlock * dim;
-          _mm512_storeu_ps(dkt.data() + i, _mm512_add_ps(_mm512_loadu_ps(dkt.data() + i),
-                                                         _mm512_loadu_ps(dkt.data() + h + i)));
-          _mm512_storeu_ps(dvt.data() + i, _mm512_add_ps(_mm512_loadu_ps(dvt.data() + i),
-                                                         _mm512_loadu_ps(dvt.data() + h + i)));
+        // the key block's gradients, transposed ([dim][32]), over all its query blocks:
+        // dv^T = grad^T probs, dk^T = q^T dscores
+        const int64_t blocks = (seq - k0) / kBlock;
+        for (int64_t d = 0; d < dim; d += 32) {
+          tiles_product(gt.data() + d * seq + k0, seq * 2,
+                        reinterpret_cast<const char*>(probs_pairs.data()), 128, blocks,
+                        kBlock * kBlock * 2, dvt.data() + d * kBlock, kBlock * 4);
+          tiles_product(qt.data() + d * seq + k0, seq * 2,
+                        reinterpret_cast<const char*>(dscores_pairs.data()), 128, blocks,
+                        kBlock * kBlock * 2, dkt.data() + d * kBlock, kBlock * 4);
         }
+        // the key block's rows, from the transposed sums
         const __m512i column = _mm512_mullo_epi32(
             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
             _mm512_set1_epi32(kBlock));

@@ -59,10 +59,11 @@ class AttentionMask:
     takes plain causal bf16 attention it fits (:func:`blocked_causal_attention`) whatever
     ``kernel`` says.
 
-    Note: forward + backward on a 2-core Intel Xeon with AMX, 8 layers in a row (fastest
-    of six rounds, per layer), the AMX attention against torch's flash kernel: 9.9 against
-    23.0 ms at 4 x 8 heads x 512 x 64, 15.8 against 24.9 at 2 x 8 x 1,024 x 64, 27.7
-    against 42.2 at 1 x 8 x 2,048 x 64 and 52.2 against 53.3 at 1 x 8 x 2,048 x 128.
+    Note: forward + backward on a 2-core Intel Xeon with AMX
+    (``benchmarks/test_bench_train_step.py::test_attention_kernels``, fastest of 9 rounds),
+    the AMX attention against torch's flash kernel: 10.7 against 25.8 ms at 4 x 8 heads x
+    512 x 64, 16.8 against 35.6 at 2 x 8 x 1,024 x 64, 26.7 against 52.0 at 1 x 8 x 2,048 x
+    64 and 47.6 against 65.0 at 1 x 8 x 2,048 x 128.
     """
 
     def __init__(

@@ -306,9 +306,9 @@ def test_attention_kernels(benchmark, dtype, shape, monkeypatch):
         blocked_causal_attention(q, k, v).backward(grad)
 
     def blocked() -> None:
-        monkeypatch.setenv("HLAT_MODEL_AMX_ATTENTION", "0")
-        blocked_causal_attention(q, k, v).backward(grad)
-        monkeypatch.delenv("HLAT_MODEL_AMX_ATTENTION")
+        with monkeypatch.context() as off:  # restores the variable as it was
+            off.setenv("HLAT_MODEL_AMX_ATTENTION", "0")
+            blocked_causal_attention(q, k, v).backward(grad)
 
     def sdpa() -> None:
         F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)

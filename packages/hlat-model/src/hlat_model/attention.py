@@ -626,7 +626,7 @@ def _on_amx_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return (
         q.dtype == k.dtype == v.dtype == torch.bfloat16
         and q.device.type == "cpu"
-        and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (q, k, v))
+        and all(type(t) is torch.Tensor for t in (q, k, v))
         and q.shape[2] % AMX_BLOCK == 0
         and q.shape[3] % AMX_BLOCK == 0
         and _amx_attention()

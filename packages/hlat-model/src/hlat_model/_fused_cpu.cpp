@@ -475,22 +475,53 @@ void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
-// dst[i][s] = src[s][i] for a [rows][cols] u32 matrix (row stride ld; rows a multiple of
-// 16), 16 rows at a time by gathers.
-void transpose_u32(const u32* src, int64_t ld, int64_t rows, int64_t cols, u32* dst) {
-  const __m512i offsets = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(static_cast<int>(ld)));
+// r[j] = column j of the 16 x 16 u32 matrix whose rows are r[0..15], by shuffles: pairs
+// of rows interleaved (32-bit, then 64-bit, within 128-bit lanes), then the 4 x 4 matrix of
+// 128-bit lanes transposed: 64 shuffles where gathers would load each element apart.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // r[4i + c]: in 128-bit lane l, column 4l + c of rows 4i .. 4i + 3
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i low_ab = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44);
+    const __m512i high_ab = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    const __m512i low_cd = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+    const __m512i high_cd = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_i32x4(low_ab, low_cd, 0x88);
+    t[4 + c] = _mm512_shuffle_i32x4(low_ab, low_cd, 0xDD);
+    t[8 + c] = _mm512_shuffle_i32x4(high_ab, high_cd, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(high_ab, high_cd, 0xDD);
+  }
+  for (int j = 0; j < 16; ++j) r[j] = t[j];
+}
+
+// dst[i][s] = src[s][i] for a [rows][cols] u32 matrix (row stride ld; rows and cols
+// multiples of 16; dst's row stride ldd), 16 x 16 at a time.
+void transpose_u32(const u32* src, int64_t ld, int64_t rows, int64_t cols, u32* dst,
+                   int64_t ldd) {
+  __m512i r[16];
   for (int64_t s0 = 0; s0 < rows; s0 += 16)
-    for (int64_t i = 0; i < cols; ++i)
-      _mm512_storeu_si512(dst + i * rows + s0,
-                          _mm512_i32gather_epi32(offsets, src + s0 * ld + i, 4));
+    for (int64_t i0 = 0; i0 < cols; i0 += 16) {
+      for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(src + (s0 + j) * ld + i0);
+      transpose16(r);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + (i0 + j) * ldd + s0, r[j]);
+    }
 }
 
 // dst[i][s] = (src[s][2i], src[s][2i + 1]) as one u32: the B layout of a product against
-// src transposed (src [rows][dim], row stride ld, both even).
-void pack_column_pairs(const u16* src, int64_t ld, int64_t rows, int64_t dim, u32* dst) {
-  transpose_u32(reinterpret_cast<const u32*>(src), ld / 2, rows, dim / 2, dst);
+// src transposed (src [rows][dim], row stride ld, both even; dst's row stride ldd u32).
+void pack_column_pairs(const u16* src, int64_t ld, int64_t rows, int64_t dim, u32* dst,
+                       int64_t ldd) {
+  transpose_u32(reinterpret_cast<const u32*>(src), ld / 2, rows, dim / 2, dst, ldd);
 }
 
 // pairs[2j + t] = (a, b)[t][j] for j < 32: two rows of 32 bf16 interleaved.
@@ -515,13 +546,20 @@ void pack_row_pairs(const u16* src, int64_t ld, int64_t rows, int64_t dim, u16* 
 }
 
 // dst[d][s] = src[s][d] (src [rows][dim], row stride ld; rows a multiple of 32, dim of
-// 32): rows interleaved in pairs into `scratch` (rows x dim), then its u32 transposed.
+// 32; dst's row stride ldd, even): rows interleaved in pairs into `scratch` (rows x dim),
+// then its u32 transposed.
 void transpose_rows(const u16* src, int64_t ld, int64_t rows, int64_t dim, u16* scratch,
-                    u16* dst) {
+                    u16* dst, int64_t ldd) {
   pack_row_pairs(src, ld, rows, dim, scratch);
   transpose_u32(reinterpret_cast<const u32*>(scratch), dim, rows / 2, dim,
-                reinterpret_cast<u32*>(dst));
+                reinterpret_cast<u32*>(dst), ldd / 2);
 }
+
+// Row strides of the transposed operands of the attention kernels: a row more than the
+// sequence, so that the rows of a tile (a power of two apart otherwise) fall in different
+// sets of the L1 cache instead of evicting each other between the products reusing them.
+inline int64_t padded_u32(int64_t seq) { return seq + 16; }
+inline int64_t padded_u16(int64_t seq) { return seq + 32; }
 
 // 16 floats rounded to bf16 (nearest even) at dst.
 inline void store_bf16(u16* dst, __m512 x) {
@@ -628,7 +666,8 @@ void amx_attention_forward(const u16* q, const u16* k, const u16* v, u16* out, i
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     configure_tiles();
-    std::vector<u32> kp(static_cast<size_t>(seq * dim / 2));
+    const int64_t kld = padded_u32(seq);
+    std::vector<u32> kp(static_cast<size_t>(kld * dim / 2));
     std::vector<u16> vp(static_cast<size_t>(seq * dim));
     std::vector<float> acc(static_cast<size_t>(kBlock * dim)), block(acc.size());
     alignas(64) float scores[kBlock * 2 * kBlock];
@@ -639,7 +678,7 @@ void amx_attention_forward(const u16* q, const u16* k, const u16* v, u16* out, i
     for (int64_t bh = 0; bh < batch * heads; ++bh) {
       const u16* qh = q + bh * seq * dim;
       u16* outh = out + (bh / heads) * ob + (bh % heads) * oh;
-      pack_column_pairs(k + bh * seq * dim, dim, seq, dim, kp.data());
+      pack_column_pairs(k + bh * seq * dim, dim, seq, dim, kp.data(), kld);
       pack_row_pairs(v + bh * seq * dim, dim, seq, dim, vp.data());
       for (int64_t q0 = 0; q0 < seq; q0 += kBlock) {
         std::fill(m, m + kBlock, -INFINITY);
@@ -654,8 +693,8 @@ void amx_attention_forward(const u16* q, const u16* k, const u16* v, u16* out, i
           const int64_t width = (end - k0) % (2 * kBlock) == 0 ? 2 * kBlock : kBlock;
           const int steps = static_cast<int>(width / kBlock);
           for (int t = 0; t < steps; ++t)
-            tiles_product(qb, dim * 2, keys + (k0 + t * kBlock) * 4, seq * 4, dim / 32,
-                          16 * seq * 4, scores + t * kBlock, 2 * kBlock * 4);
+            tiles_product(qb, dim * 2, keys + (k0 + t * kBlock) * 4, kld * 4, dim / 32,
+                          16 * kld * 4, scores + t * kBlock, 2 * kBlock * 4);
           const bool diagonal = k0 + width == end;
           // online softmax over the chunk: each row's running max and sum, and the factor
           // that rescales its output so far
@@ -725,8 +764,10 @@ void amx_attention_backward(const u16* q, const u16* k, const u16* v, const u16*
   {
     configure_tiles();
     const size_t n = static_cast<size_t>(seq * dim);
-    std::vector<u32> kp(n / 2), vp(n / 2);
-    std::vector<u16> g(n), gt(n), qt(n), kr(n), scratch(n);
+    const int64_t kld = padded_u32(seq), tld = padded_u16(seq);
+    std::vector<u32> kp(static_cast<size_t>(kld * dim / 2)), vp(kp.size());
+    std::vector<u16> g(n), kr(n), scratch(n);
+    std::vector<u16> gt(static_cast<size_t>(tld * dim)), qt(gt.size());
     std::vector<float> delta(static_cast<size_t>(seq)), dqacc(n);
     std::vector<float> dkt(static_cast<size_t>(kBlock * dim)), dvt(dkt.size());
     // a key block's probabilities and score gradients against every query block, in the B
@@ -753,19 +794,19 @@ void amx_attention_backward(const u16* q, const u16* k, const u16* v, const u16*
         }
         delta[s] = _mm512_reduce_add_ps(sum);
       }
-      pack_column_pairs(kh, dim, seq, dim, kp.data());
-      pack_column_pairs(v + bh * seq * dim, dim, seq, dim, vp.data());
-      transpose_rows(g.data(), dim, seq, dim, scratch.data(), gt.data());
-      transpose_rows(qh, dim, seq, dim, scratch.data(), qt.data());
+      pack_column_pairs(kh, dim, seq, dim, kp.data(), kld);
+      pack_column_pairs(v + bh * seq * dim, dim, seq, dim, vp.data(), kld);
+      transpose_rows(g.data(), dim, seq, dim, scratch.data(), gt.data(), tld);
+      transpose_rows(qh, dim, seq, dim, scratch.data(), qt.data(), tld);
       pack_row_pairs(kh, dim, seq, dim, kr.data());
       std::fill(dqacc.begin(), dqacc.end(), 0.f);
       for (int64_t k0 = 0; k0 < seq; k0 += kBlock) {
         for (int64_t q0 = k0; q0 < seq; q0 += kBlock) {
           tiles_product(qh + q0 * dim, dim * 2, reinterpret_cast<const char*>(kp.data() + k0),
-                        seq * 4, dim / 32, 16 * seq * 4, scores, kBlock * 4);
+                        kld * 4, dim / 32, 16 * kld * 4, scores, kBlock * 4);
           tiles_product(g.data() + q0 * dim, dim * 2,
-                        reinterpret_cast<const char*>(vp.data() + k0), seq * 4, dim / 32,
-                        16 * seq * 4, dprobs, kBlock * 4);
+                        reinterpret_cast<const char*>(vp.data() + k0), kld * 4, dim / 32,
+                        16 * kld * 4, dprobs, kBlock * 4);
           for (int r = 0; r < kBlock; ++r) {
             const __m512 shift = _mm512_set1_ps(lse[bh * seq + q0 + r]);
             const __m512 dl = _mm512_set1_ps(delta[q0 + r]);
@@ -796,22 +837,28 @@ void amx_attention_backward(const u16* q, const u16* k, const u16* v, const u16*
         // dv^T = grad^T probs, dk^T = q^T dscores
         const int64_t blocks = (seq - k0) / kBlock;
         for (int64_t d = 0; d < dim; d += 32) {
-          tiles_product(gt.data() + d * seq + k0, seq * 2,
+          tiles_product(gt.data() + d * tld + k0, tld * 2,
                         reinterpret_cast<const char*>(probs_pairs.data()), 128, blocks,
                         kBlock * kBlock * 2, dvt.data() + d * kBlock, kBlock * 4);
-          tiles_product(qt.data() + d * seq + k0, seq * 2,
+          tiles_product(qt.data() + d * tld + k0, tld * 2,
                         reinterpret_cast<const char*>(dscores_pairs.data()), 128, blocks,
                         kBlock * kBlock * 2, dkt.data() + d * kBlock, kBlock * 4);
         }
         // the key block's rows, from the transposed sums
-        const __m512i column = _mm512_mullo_epi32(
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-            _mm512_set1_epi32(kBlock));
-        for (int j = 0; j < kBlock; ++j)
-          for (int64_t d = 0; d < dim; d += 16) {
-            const int64_t at = (bh * seq + k0 + j) * dim + d;
-            store_bf16(dk + at, _mm512_i32gather_ps(column, dkt.data() + d * kBlock + j, 4));
-            store_bf16(dv + at, _mm512_i32gather_ps(column, dvt.data() + d * kBlock + j, 4));
+        for (int64_t d0 = 0; d0 < dim; d0 += 16)
+          for (int j0 = 0; j0 < kBlock; j0 += 16) {
+            __m512i rk[16], rv[16];
+            for (int i = 0; i < 16; ++i) {
+              rk[i] = _mm512_loadu_si512(dkt.data() + (d0 + i) * kBlock + j0);
+              rv[i] = _mm512_loadu_si512(dvt.data() + (d0 + i) * kBlock + j0);
+            }
+            transpose16(rk);
+            transpose16(rv);
+            for (int j = 0; j < 16; ++j) {
+              const int64_t at = (bh * seq + k0 + j0 + j) * dim + d0;
+              store_bf16(dk + at, _mm512_castsi512_ps(rk[j]));
+              store_bf16(dv + at, _mm512_castsi512_ps(rv[j]));
+            }
           }
       }
       for (size_t i = 0; i < n; i += 16)

@@ -285,15 +285,20 @@ ATTENTION_SHAPES = {
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_kernels(benchmark, dtype, shape, monkeypatch):
     """Causal attention forward + backward: :func:`blocked_causal_attention` (what
-    ``attention="auto"`` runs on CPUs: the AMX attention where it runs, bf16 on CPUs with
-    AMX tiles) against the blocked kernel with the AMX attention off and torch's
+    ``attention="auto"`` runs on CPUs: a flash kernel where one runs, bf16 on CPUs with AMX
+    tiles, fp32 on CPUs with AVX-512) against the blocked kernel with the flash kernels off
+    and torch's
     ``scaled_dot_product_attention`` (its CPU flash kernel), in the same rounds, at the
     model's shape, at 1,024 and 2,048 tokens, and at 2,048 tokens with 7B-sized heads: what
     ``auto``'s CPU rule (:func:`hlat_model.attention.cpu_attention_rule`) is chosen from.
     The benchmark's own figure is the first."""
     import torch.nn.functional as F
 
-    from hlat_model.attention import amx_attention_reason, blocked_causal_attention
+    from hlat_model.attention import (
+        amx_attention_reason,
+        blocked_causal_attention,
+        fp32_flash_attention_reason,
+    )
 
     torch.manual_seed(0)
     q, k, v = (
@@ -307,7 +312,7 @@ def test_attention_kernels(benchmark, dtype, shape, monkeypatch):
 
     def blocked() -> None:
         with monkeypatch.context() as off:  # restores the variable as it was
-            off.setenv("HLAT_MODEL_AMX_ATTENTION", "0")
+            off.setenv("HLAT_MODEL_FLASH_ATTENTION", "0")
             blocked_causal_attention(q, k, v).backward(grad)
 
     def sdpa() -> None:
@@ -323,7 +328,8 @@ def test_attention_kernels(benchmark, dtype, shape, monkeypatch):
     benchmark.pedantic(hlat, setup=setup, rounds=3 * ROUNDS, iterations=1)
     ours = benchmark.stats.stats.min
     benchmark.extra_info.update(
-        amx_attention=amx_attention_reason() or "on",
+        flash_kernel=(amx_attention_reason() if dtype == "bf16" else fp32_flash_attention_reason())
+        or "on",
         hlat_ms=round(ours * 1e3, 1),
         blocked_ms=round(min(times["blocked"]) * 1e3, 1),
         sdpa_ms=round(min(times["sdpa"]) * 1e3, 1),
@@ -349,7 +355,7 @@ def test_query_block_sizes(benchmark, shape, dtype, monkeypatch):
     is the size it picks)."""
     from hlat_model import attention as attention_module
 
-    monkeypatch.setenv("HLAT_MODEL_AMX_ATTENTION", "0")  # the blocked kernel's own blocks
+    monkeypatch.setenv("HLAT_MODEL_FLASH_ATTENTION", "0")  # the blocked kernel's own blocks
     torch.manual_seed(0)
     q, k, v = (
         torch.randn(*ATTENTION_SHAPES[shape], dtype=DTYPES[dtype], requires_grad=True)

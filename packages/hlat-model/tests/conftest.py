@@ -54,12 +54,12 @@ def traced_targets():
 def kernels(request, monkeypatch):
     """Each test using it runs twice: with the fused CPU kernels of ``hlat_model._native``
     (which must build here) and with them turned off (torch's operators). Attention keeps
-    its blocked kernel in both: the AMX attention is off (``test_blocked_attention.py``'s
-    ``amx`` fixture turns it on for its own tests)."""
+    its blocked kernel in both: the flash kernels are off (``test_blocked_attention.py``'s
+    ``amx`` and ``flash`` fixtures turn them on for their own tests)."""
     from hlat_model import _native
 
     _native.reset()
-    monkeypatch.setenv("HLAT_MODEL_AMX_ATTENTION", "0")
+    monkeypatch.setenv("HLAT_MODEL_FLASH_ATTENTION", "0")
     if request.param == "composed":
         monkeypatch.setenv("HLAT_MODEL_NATIVE", "0")
     else:

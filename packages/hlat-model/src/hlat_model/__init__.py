@@ -5,12 +5,12 @@
 """
 
 from hlat_model._native import fused_cpu_kernels_reason
-from hlat_model.attention import amx_attention_reason
+from hlat_model.attention import amx_attention_reason, fp32_flash_attention_reason
 from hlat_model.config import PRESETS, ConfigError, LlamaConfig
 from hlat_model.loss import cross_entropy_loss, linear_cross_entropy
 from hlat_model.model import Llama, block_inputs, flops_per_token
 
-__version__ = "0.17.1"
+__version__ = "0.18.0"
 
 __all__ = [
     "PRESETS",
@@ -21,6 +21,7 @@ __all__ = [
     "block_inputs",
     "cross_entropy_loss",
     "flops_per_token",
+    "fp32_flash_attention_reason",
     "fused_cpu_kernels_reason",
     "linear_cross_entropy",
 ]

@@ -15,6 +15,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512F__)
+#define HLAT_AVX512 1
+#include <immintrin.h>
+#endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__AVX512BW__) && defined(__linux__)
 #define HLAT_AMX 1
@@ -443,37 +447,11 @@ void add_into(float* acc, int64_t stride, const u16* x, int64_t batches, int64_t
 
 
 // ---------------------------------------------------------------------------------------
-// Causal attention on AMX tiles (bf16), forward and backward, flash style: each (batch,
-// head) runs on one thread, through blocks of 32 queries and 32 keys, so the scores never
-// leave the core's caches. Forward keeps each query's log-sum-exp for backward, which
-// recomputes the probabilities. Products accumulate in fp32 (the tiles' own); the
-// probabilities and the scores' gradients are rounded to bf16 for the products that read
-// them, as blocked attention rounds them; the output and the three gradients are rounded
-// once at the end. Built where the compiler targets AMX-BF16 (with -march=native: CPUs
-// that have it); elsewhere hlat_attn_amx_ready says 0 and the caller keeps blocked
-// attention.
+#ifdef HLAT_AVX512
+// ---------------------------------------------------------------------------------------
+// What the attention kernels share (AVX-512F).
 
-#ifdef HLAT_AMX
-constexpr int kBlock = 32;  // queries and keys per block: two tiles of 16 rows
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile 16 rows of 64 bytes: A (16 x 32 bf16), B (16 pairs of rows x 16 columns x 2
-// bf16) and C (16 x 16 fp32) alike.
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = 16;
-  }
-  _tile_loadconfig(&config);
-}
+constexpr int kBlock = 32;  // queries and keys per block (on AMX: two tiles of 16 rows)
 
 // r[j] = column j of the 16 x 16 u32 matrix whose rows are r[0..15], by shuffles: pairs
 // of rows interleaved (32-bit, then 64-bit, within 128-bit lanes), then the 4 x 4 matrix of
@@ -517,6 +495,78 @@ void transpose_u32(const u32* src, int64_t ld, int64_t rows, int64_t cols, u32* 
     }
 }
 
+// exp_fast on 16 lanes (scalef for 2^n).
+inline __m512 exp16(__m512 x) {
+  const __m512 c =
+      _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(c, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), c);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y =
+      _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  __m512 e = _mm512_scalef_ps(y, n);
+  e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.4f), _CMP_LT_OQ), e,
+                           _mm512_setzero_ps());
+  e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72f), _CMP_GT_OQ), e,
+                           _mm512_set1_ps(INFINITY));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), e, x);
+}
+
+// The lanes of keys 0-15 and 16-31 that query r of a diagonal block sees: keys up to r.
+inline __mmask16 seen_low(int r) {
+  return r >= 15 ? __mmask16(0xFFFF) : __mmask16((1u << (r + 1)) - 1);
+}
+inline __mmask16 seen_high(int r) {
+  return r < 16 ? __mmask16(0) : r >= 31 ? __mmask16(0xFFFF) : __mmask16((1u << (r - 15)) - 1);
+}
+
+// Row strides of the transposed operands of the attention kernels: a row more than the
+// sequence, so that the rows of a tile (a power of two apart otherwise) fall in different
+// sets of the L1 cache instead of evicting each other between the products reusing them.
+inline int64_t padded_u32(int64_t seq) { return seq + 16; }
+inline int64_t padded_u16(int64_t seq) { return seq + 32; }
+
+#endif  // HLAT_AVX512
+
+#ifdef HLAT_AMX
+// ---------------------------------------------------------------------------------------
+// Causal attention on AMX tiles (bf16), forward and backward, flash style: each (batch,
+// head) runs on one thread, through blocks of 32 queries and 32 keys, so the scores never
+// leave the core's caches. Forward keeps each query's log-sum-exp for backward, which
+// recomputes the probabilities. Products accumulate in fp32 (the tiles' own); the
+// probabilities and the scores' gradients are rounded to bf16 for the products that read
+// them, as blocked attention rounds them; the output and the three gradients are rounded
+// once at the end. Built where the compiler targets AMX-BF16 (with -march=native: CPUs
+// that have it); elsewhere hlat_attn_amx_ready says 0 and the caller keeps blocked
+// attention.
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows of 64 bytes: A (16 x 32 bf16), B (16 pairs of rows x 16 columns x 2
+// bf16) and C (16 x 16 fp32) alike.
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
 // dst[i][s] = (src[s][2i], src[s][2i + 1]) as one u32: the B layout of a product against
 // src transposed (src [rows][dim], row stride ld, both even; dst's row stride ldd u32).
 void pack_column_pairs(const u16* src, int64_t ld, int64_t rows, int64_t dim, u32* dst,
@@ -554,12 +604,6 @@ void transpose_rows(const u16* src, int64_t ld, int64_t rows, int64_t dim, u16* 
   transpose_u32(reinterpret_cast<const u32*>(scratch), dim, rows / 2, dim,
                 reinterpret_cast<u32*>(dst), ldd / 2);
 }
-
-// Row strides of the transposed operands of the attention kernels: a row more than the
-// sequence, so that the rows of a tile (a power of two apart otherwise) fall in different
-// sets of the L1 cache instead of evicting each other between the products reusing them.
-inline int64_t padded_u32(int64_t seq) { return seq + 16; }
-inline int64_t padded_u16(int64_t seq) { return seq + 32; }
 
 // 16 floats rounded to bf16 (nearest even) at dst.
 inline void store_bf16(u16* dst, __m512 x) {
@@ -607,31 +651,6 @@ inline void tiles_product(const u16* a, int64_t lda, const char* b, int64_t ldb,
   _tile_stored(3, cc + 16 * ldc + 64, ldc);
 }
 
-// exp_fast on 16 lanes (scalef for 2^n).
-inline __m512 exp16(__m512 x) {
-  const __m512 c =
-      _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(c, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), c);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y =
-      _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-  __m512 e = _mm512_scalef_ps(y, n);
-  e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.4f), _CMP_LT_OQ), e,
-                           _mm512_setzero_ps());
-  e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72f), _CMP_GT_OQ), e,
-                           _mm512_set1_ps(INFINITY));
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), e, x);
-}
-
 // 32 floats (lo: 0-15, hi: 16-31) rounded to bf16 (nearest even) and stored at dst; lo and
 // hi become the rounded values.
 inline void round_to_bf16(__m512& lo, __m512& hi, u16* dst) {
@@ -641,14 +660,6 @@ inline void round_to_bf16(__m512& lo, __m512& hi, u16* dst) {
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(b)), 16));
   hi = _mm512_castsi512_ps(
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(b, 1)), 16));
-}
-
-// The lanes of keys 0-15 and 16-31 that query r of a diagonal block sees: keys up to r.
-inline __mmask16 seen_low(int r) {
-  return r >= 15 ? __mmask16(0xFFFF) : __mmask16((1u << (r + 1)) - 1);
-}
-inline __mmask16 seen_high(int r) {
-  return r < 16 ? __mmask16(0) : r >= 31 ? __mmask16(0xFFFF) : __mmask16((1u << (r - 15)) - 1);
 }
 
 // pairs[i][2j + t] = rows[2i + t][j] for 32 rows of 32 bf16: the B layout of a product over
@@ -869,12 +880,206 @@ void amx_attention_backward(const u16* q, const u16* k, const u16* v, const u16*
 }
 #endif  // HLAT_AMX
 
+#ifdef HLAT_AVX512
+// ---------------------------------------------------------------------------------------
+// Causal attention in fp32 (AVX-512F), forward and backward, flash style as the AMX kernel
+// above: each (batch, head) on one thread, blocks of 32 queries against 32 keys, an online
+// softmax forward, probabilities recomputed from each query's log-sum-exp backward. All in
+// fp32. The products are register blocks of fused multiply-adds whose first operand is
+// read by broadcasts at any strides, so the transposed products of backward need no
+// transposed copies; only the keys and values are transposed once per head (the second
+// operand of the products against them).
+
+// c[r][16 j + l] (rows ldc apart) = (c if add, else 0) + the sum over k < kn of
+// a[r * am + k * ak] * b[k * ldb + 16 j + l], for r < R and j < NV.
+template <int R, int NV>
+inline void fma_block(const float* a, int64_t am, int64_t ak, const float* b, int64_t ldb,
+                      int64_t kn, float* c, int64_t ldc, bool add) {
+  __m512 acc[R][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j)
+      acc[r][j] = add ? _mm512_loadu_ps(c + r * ldc + 16 * j) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < kn; ++k) {
+    __m512 bv[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) bv[j] = _mm512_loadu_ps(b + k * ldb + 16 * j);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_set1_ps(a[r * am + k * ak]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(av, bv[j], acc[r][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(c + r * ldc + 16 * j, acc[r][j]);
+}
+
+// C [m][n] (rows ldc apart) = (C if add, else 0) + A B, A(r, k) = a[r * am + k * ak]
+// (kn columns), B rows ldb apart; m a multiple of 8, n of 32.
+inline void fma_product(const float* a, int64_t am, int64_t ak, const float* b, int64_t ldb,
+                        int64_t kn, float* c, int64_t ldc, int64_t m, int64_t n, bool add) {
+  int64_t c0 = 0;
+  for (; c0 + 64 <= n; c0 += 64)
+    for (int64_t r0 = 0; r0 < m; r0 += 4)
+      fma_block<4, 4>(a + r0 * am, am, ak, b + c0, ldb, kn, c + r0 * ldc + c0, ldc, add);
+  for (; c0 < n; c0 += 32)
+    for (int64_t r0 = 0; r0 < m; r0 += 8)
+      fma_block<8, 2>(a + r0 * am, am, ak, b + c0, ldb, kn, c + r0 * ldc + c0, ldc, add);
+}
+
+// q, k, v: [batch * heads][seq][dim] fp32; out row (b, h, s) at out + b * ob + h * oh +
+// s * os; lse [batch * heads][seq]. seq and dim multiples of 32.
+void f32_attention_forward(const float* q, const float* k, const float* v, float* out,
+                           int64_t ob, int64_t oh, int64_t os, float* lse, int64_t batch,
+                           int64_t heads, int64_t seq, int64_t dim, float scale, int threads) {
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const int64_t kld = padded_u32(seq);
+    std::vector<float> kt(static_cast<size_t>(kld * dim)), acc(static_cast<size_t>(kBlock * dim));
+    alignas(64) float scores[kBlock * kBlock];
+    float m[kBlock], l[kBlock];
+    const __m512 vscale = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
+#pragma omp for schedule(dynamic)
+    for (int64_t bh = 0; bh < batch * heads; ++bh) {
+      const float* qh = q + bh * seq * dim;
+      const float* vh = v + bh * seq * dim;
+      float* outh = out + (bh / heads) * ob + (bh % heads) * oh;
+      transpose_u32(reinterpret_cast<const u32*>(k + bh * seq * dim), dim, seq, dim,
+                    reinterpret_cast<u32*>(kt.data()), kld);
+      for (int64_t q0 = 0; q0 < seq; q0 += kBlock) {
+        std::fill(m, m + kBlock, -INFINITY);
+        std::fill(l, l + kBlock, 0.f);
+        for (int64_t k0 = 0; k0 <= q0; k0 += kBlock) {
+          fma_product(qh + q0 * dim, dim, 1, kt.data() + k0, kld, dim, scores, kBlock, kBlock,
+                      kBlock, false);
+          for (int r = 0; r < kBlock; ++r) {
+            float* row = scores + r * kBlock;
+            __m512 x0 = _mm512_mul_ps(_mm512_load_ps(row), vscale);
+            __m512 x1 = _mm512_mul_ps(_mm512_load_ps(row + 16), vscale);
+            if (k0 == q0) {
+              x0 = _mm512_mask_blend_ps(seen_low(r), minus_inf, x0);
+              x1 = _mm512_mask_blend_ps(seen_high(r), minus_inf, x1);
+            }
+            const float mx = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
+            const float alpha = exp_fast(m[r] - mx);
+            const __m512 shift = _mm512_set1_ps(mx);
+            const __m512 p0 = exp16(_mm512_sub_ps(x0, shift));
+            const __m512 p1 = exp16(_mm512_sub_ps(x1, shift));
+            _mm512_store_ps(row, p0);
+            _mm512_store_ps(row + 16, p1);
+            l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+            m[r] = mx;
+            // the output so far, rescaled to the new maximum (none before the first block)
+            float* o = acc.data() + r * dim;
+            const __m512 a = _mm512_set1_ps(alpha);
+            for (int64_t d = 0; d < dim && k0 > 0; d += 16)
+              _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), a));
+          }
+          fma_product(scores, kBlock, 1, vh + k0 * dim, dim, kBlock, acc.data(), dim, kBlock,
+                      dim, k0 > 0);
+        }
+        for (int r = 0; r < kBlock; ++r) {
+          const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+          const float* o = acc.data() + r * dim;
+          float* dst = outh + (q0 + r) * os;
+          for (int64_t d = 0; d < dim; d += 16)
+            _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
+          lse[bh * seq + q0 + r] = m[r] + std::log(l[r]);
+        }
+      }
+    }
+  }
+}
+
+// The gradients of f32_attention_forward for q, k and v ([batch * heads][seq][dim] each),
+// from its output and lse and the output's gradient, rows (b, h, s) of out and grad at
+// base + b * xb + h * xh + s * xs.
+void f32_attention_backward(const float* q, const float* k, const float* v, const float* out,
+                            int64_t ob, int64_t oh, int64_t os, const float* grad, int64_t gb,
+                            int64_t gh, int64_t gs, const float* lse, float* dq, float* dk,
+                            float* dv, int64_t batch, int64_t heads, int64_t seq, int64_t dim,
+                            float scale, int threads) {
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const int64_t kld = padded_u32(seq);
+    std::vector<float> kt(static_cast<size_t>(kld * dim)), vt(kt.size());
+    std::vector<float> delta(static_cast<size_t>(seq));
+    alignas(64) float probs[kBlock * kBlock];
+    alignas(64) float dscores[kBlock * kBlock];
+    const __m512 vscale = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
+#pragma omp for schedule(dynamic)
+    for (int64_t bh = 0; bh < batch * heads; ++bh) {
+      const int64_t b = bh / heads, h = bh % heads;
+      const float* qh = q + bh * seq * dim;
+      const float* kh = k + bh * seq * dim;
+      const float* o = out + b * ob + h * oh;
+      const float* gr = grad + b * gb + h * gh;
+      float* dqh = dq + bh * seq * dim;
+      float* dkh = dk + bh * seq * dim;
+      float* dvh = dv + bh * seq * dim;
+      for (int64_t s = 0; s < seq; ++s) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 16)
+          sum = _mm512_fmadd_ps(_mm512_loadu_ps(gr + s * gs + d), _mm512_loadu_ps(o + s * os + d),
+                                sum);
+        delta[s] = _mm512_reduce_add_ps(sum);
+      }
+      transpose_u32(reinterpret_cast<const u32*>(kh), dim, seq, dim,
+                    reinterpret_cast<u32*>(kt.data()), kld);
+      transpose_u32(reinterpret_cast<const u32*>(v + bh * seq * dim), dim, seq, dim,
+                    reinterpret_cast<u32*>(vt.data()), kld);
+      std::fill(dqh, dqh + seq * dim, 0.f);
+      for (int64_t k0 = 0; k0 < seq; k0 += kBlock) {
+        for (int64_t q0 = k0; q0 < seq; q0 += kBlock) {
+          fma_product(qh + q0 * dim, dim, 1, kt.data() + k0, kld, dim, probs, kBlock, kBlock,
+                      kBlock, false);
+          fma_product(gr + q0 * gs, gs, 1, vt.data() + k0, kld, dim, dscores, kBlock, kBlock,
+                      kBlock, false);
+          for (int r = 0; r < kBlock; ++r) {
+            float* p = probs + r * kBlock;
+            float* ds = dscores + r * kBlock;
+            const __m512 shift = _mm512_set1_ps(lse[bh * seq + q0 + r]);
+            const __m512 dl = _mm512_set1_ps(delta[q0 + r]);
+            __m512 x0 = _mm512_fmsub_ps(_mm512_load_ps(p), vscale, shift);
+            __m512 x1 = _mm512_fmsub_ps(_mm512_load_ps(p + 16), vscale, shift);
+            if (k0 == q0) {
+              x0 = _mm512_mask_blend_ps(seen_low(r), minus_inf, x0);
+              x1 = _mm512_mask_blend_ps(seen_high(r), minus_inf, x1);
+            }
+            const __m512 p0 = exp16(x0), p1 = exp16(x1);
+            _mm512_store_ps(p, p0);
+            _mm512_store_ps(p + 16, p1);
+            _mm512_store_ps(ds, _mm512_mul_ps(
+                                    _mm512_mul_ps(p0, _mm512_sub_ps(_mm512_load_ps(ds), dl)), vscale));
+            _mm512_store_ps(ds + 16, _mm512_mul_ps(_mm512_mul_ps(p1, _mm512_sub_ps(
+                                                                         _mm512_load_ps(ds + 16), dl)),
+                                                   vscale));
+          }
+          const bool first = q0 == k0;
+          // dv += probs^T grad, dk += dscores^T q, dq += dscores k
+          fma_product(probs, 1, kBlock, gr + q0 * gs, gs, kBlock, dvh + k0 * dim, dim, kBlock,
+                      dim, !first);
+          fma_product(dscores, 1, kBlock, qh + q0 * dim, dim, kBlock, dkh + k0 * dim, dim,
+                      kBlock, dim, !first);
+          fma_product(dscores, kBlock, 1, kh + k0 * dim, dim, kBlock, dqh + q0 * dim, dim,
+                      kBlock, dim, true);
+        }
+      }
+    }
+  }
+}
+#endif  // HLAT_AVX512
+
 }  // namespace
 
 extern "C" {
 
 // Version of the entry points' signatures; the loader checks it.
-int hlat_model_abi(void) { return 7; }
+int hlat_model_abi(void) { return 8; }
 
 // `bf16`: 1 when every tensor argument is bf16 (held as uint16), 0 when fp32; rstd and part
 // are fp32. Rows are contiguous, `dim` (or 2 * `width`) elements each.
@@ -1062,6 +1267,44 @@ int hlat_attn_amx_backward(const void* q, const void* k, const void* v, const vo
                          scale, threads);
 #endif
   return 0;
+}
+
+// 1 where the fp32 attention kernels were built (the compiler targets AVX-512F), else 0.
+int hlat_attn_f32_ready(void) {
+#ifdef HLAT_AVX512
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// Causal attention of fp32 q, k, v [batch * heads][seq][dim] (see f32_attention_forward);
+// seq and dim multiples of 32. Returns 0, or -1 (nothing done) where hlat_attn_f32_ready
+// says 0.
+int hlat_attn_f32_forward(const float* q, const float* k, const float* v, float* out,
+                          int64_t ob, int64_t oh, int64_t os, float* lse, int64_t batch,
+                          int64_t heads, int64_t seq, int64_t dim, float scale, int threads) {
+#ifdef HLAT_AVX512
+  f32_attention_forward(q, k, v, out, ob, oh, os, lse, batch, heads, seq, dim, scale, threads);
+  return 0;
+#else
+  return -1;
+#endif
+}
+
+// The gradients of hlat_attn_f32_forward's inputs; returns as it does.
+int hlat_attn_f32_backward(const float* q, const float* k, const float* v, const float* out,
+                           int64_t ob, int64_t oh, int64_t os, const float* grad, int64_t gb,
+                           int64_t gh, int64_t gs, const float* lse, float* dq, float* dk,
+                           float* dv, int64_t batch, int64_t heads, int64_t seq, int64_t dim,
+                           float scale, int threads) {
+#ifdef HLAT_AVX512
+  f32_attention_backward(q, k, v, out, ob, oh, os, grad, gb, gh, gs, lse, dq, dk, dv, batch,
+                         heads, seq, dim, scale, threads);
+  return 0;
+#else
+  return -1;
+#endif
 }
 
 }  // extern "C"

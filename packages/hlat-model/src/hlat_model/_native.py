@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).with_name("_fused_cpu.cpp")
-_ABI = 7
+_ABI = 8
 # -fno-trapping-math lets the compiler vectorise floor(); no -ffast-math: NaN and inf keep
 # their meaning.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
@@ -51,20 +51,27 @@ _SIGNATURES = {
     "hlat_attn_softmax_backward": [_INT, _P, _P, _I64, _I64, _I64, _I64, _INT],
     "hlat_add_bf16_into_fp32": [_P, _I64, _P, _I64, _I64, _INT],
     "hlat_attn_amx_ready": [],
-    "hlat_attn_amx_forward": [_P, _P, _P, _P, _I64, _I64, _I64, _P]
-    + [_I64] * 4
-    + [ctypes.c_float, _INT],
-    "hlat_attn_amx_backward": [_P, _P, _P, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64]
-    + [_P] * 4
-    + [_I64] * 4
-    + [ctypes.c_float, _INT],
+    "hlat_attn_f32_ready": [],
 }
-_RETURNS = {
-    "hlat_xent_first_bad": ctypes.c_int64,
-    "hlat_attn_amx_ready": _INT,
-    "hlat_attn_amx_forward": _INT,
-    "hlat_attn_amx_backward": _INT,
+# the flash attention kernels: bf16 on AMX tiles, fp32 on AVX-512, the same arguments
+for _kind in ("amx", "f32"):
+    _SIGNATURES[f"hlat_attn_{_kind}_forward"] = (
+        [_P, _P, _P, _P, _I64, _I64, _I64, _P] + [_I64] * 4 + [ctypes.c_float, _INT]
+    )
+    _SIGNATURES[f"hlat_attn_{_kind}_backward"] = (
+        [_P, _P, _P, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64]
+        + [_P] * 4
+        + [_I64] * 4
+        + [ctypes.c_float, _INT]
+    )
+_RETURNS: dict[str, type[ctypes.c_int64] | type[ctypes.c_int]] = {
+    "hlat_xent_first_bad": ctypes.c_int64
 }
+_RETURNS.update(
+    (f"hlat_attn_{kind}_{what}", _INT)
+    for kind in ("amx", "f32")
+    for what in ("ready", "forward", "backward")
+)
 
 _PARTS = 64
 """Row parts whose weight-gradient sums RMSNorm's backward adds up: a fixed number, so that
@@ -429,26 +436,39 @@ def amx_attention_ready(lib: ctypes.CDLL) -> bool:
     return bool(lib.hlat_attn_amx_ready())
 
 
-def amx_attention_forward(
+def f32_attention_ready(lib: ctypes.CDLL) -> bool:
+    """Whether the library holds the fp32 flash attention kernels (built where the compiler
+    targets AVX-512F)."""
+    return bool(lib.hlat_attn_f32_ready())
+
+
+def _flash_kind(t: torch.Tensor) -> str:
+    if t.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"the flash attention kernels take bf16 or fp32, not {t.dtype}")
+    return "amx" if t.dtype == torch.bfloat16 else "f32"
+
+
+def flash_attention_forward(
     lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of contiguous bf16 [B, H, S, D] ``q``, ``k``, ``v`` (S and D
-    multiples of 32; only where :func:`amx_attention_ready`): (the output, a [B, H, S, D]
-    view of a [B, S, H, D] tensor; each query's fp32 log-sum-exp of its scaled scores
-    [B * H, S])."""
+    """Causal attention of contiguous [B, H, S, D] ``q``, ``k``, ``v`` (S and D multiples
+    of 32): bf16 on AMX tiles (only where :func:`amx_attention_ready`), fp32 on AVX-512
+    (only where :func:`f32_attention_ready`). Returns (the output, a [B, H, S, D] view of a
+    [B, S, H, D] tensor; each query's fp32 log-sum-exp of its scaled scores [B * H, S])."""
+    kind = _flash_kind(q)
     batch, heads, seq, dim = q.shape
     out = q.new_empty(batch, seq, heads, dim)
     lse = q.new_empty(batch * heads, seq, dtype=torch.float32)
-    done = lib.hlat_attn_amx_forward(
+    done = getattr(lib, f"hlat_attn_{kind}_forward")(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *_row_strides(out, 1),
         lse.data_ptr(), batch, heads, seq, dim, dim**-0.5, torch.get_num_threads(),
     )  # fmt: skip
     if done != 0:
-        raise RuntimeError("the AMX attention kernels cannot run here")
+        raise RuntimeError(f"the {q.dtype} flash attention kernels cannot run here")
     return out.transpose(1, 2), lse
 
 
-def amx_attention_backward(
+def flash_attention_backward(
     lib: ctypes.CDLL,
     grad: torch.Tensor,
     q: torch.Tensor,
@@ -457,20 +477,21 @@ def amx_attention_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of :func:`amx_attention_forward` for ``q``, ``k`` and ``v``, from its
+    """The gradients of :func:`flash_attention_forward` for ``q``, ``k`` and ``v``, from its
     output ``out`` and ``lse`` and the output's gradient ``grad`` ([B, H, S, D], any strides
     with dense rows)."""
+    kind = _flash_kind(q)
     batch, heads, seq, dim = q.shape
     if grad.stride(3) != 1:
         grad = grad.contiguous()
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
-    done = lib.hlat_attn_amx_backward(
+    done = getattr(lib, f"hlat_attn_{kind}_backward")(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *_row_strides(out),
         grad.data_ptr(), *_row_strides(grad), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(),
         dv.data_ptr(), batch, heads, seq, dim, dim**-0.5, torch.get_num_threads(),
     )  # fmt: skip
     if done != 0:
-        raise RuntimeError("the AMX attention kernels cannot run here")
+        raise RuntimeError(f"the {q.dtype} flash attention kernels cannot run here")
     return dq, dk, dv
 
 

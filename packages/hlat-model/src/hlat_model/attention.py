@@ -55,15 +55,17 @@ class AttentionMask:
     ``backend`` is the mask's form: ``causal`` (none), ``sdpa`` (a boolean [B, 1, S, S]
     tensor, True where a query may attend to a key) or ``flex`` (a flex block mask).
     ``kernel`` is what runs a ``causal`` or ``sdpa`` mask: ``sdpa`` or ``blocked``.
-    ``amx``: ``auto`` chose on a CPU where the fused kernels' AMX attention runs, which then
-    takes plain causal bf16 attention it fits (:func:`blocked_causal_attention`) whatever
-    ``kernel`` says.
+    ``flash``: ``auto`` chose on a CPU where one of the fused kernels' flash attention
+    kernels runs (bf16 on AMX tiles, fp32 on AVX-512), which then takes plain causal
+    attention it fits (:func:`blocked_causal_attention`) whatever ``kernel`` says.
 
     Note: forward + backward on a 2-core Intel Xeon with AMX
     (``benchmarks/test_bench_train_step.py::test_attention_kernels``, fastest of 9 rounds),
     the AMX attention against torch's flash kernel: 10.7 against 25.8 ms at 4 x 8 heads x
     512 x 64, 16.8 against 35.6 at 2 x 8 x 1,024 x 64, 26.7 against 52.0 at 1 x 8 x 2,048 x
-    64 and 47.6 against 65.0 at 1 x 8 x 2,048 x 128.
+    64 and 47.6 against 65.0 at 1 x 8 x 2,048 x 128. The fp32 flash kernel there (hlat-model
+    0.18, another day), against torch's fp32 flash kernel in the same rounds: 18.5 against
+    34.6 ms, 33.8 against 46.7, 63.6 against 75.1 and 123.3 against 133.3 at those shapes.
     """
 
     def __init__(
@@ -72,13 +74,13 @@ class AttentionMask:
         doc_ids: torch.Tensor | None = None,
         mask: Any = None,
         kernel: str = "sdpa",
-        amx: bool = False,
+        flash: bool = False,
     ):
         self.backend = backend
         self.doc_ids = doc_ids
         self.mask = mask
         self.kernel = kernel
-        self.amx = amx
+        self.flash = flash
 
     @classmethod
     def build(
@@ -92,8 +94,8 @@ class AttentionMask:
         )
         kernel = "blocked" if backend == "blocked" else "sdpa"
         if doc_lens is None:
-            amx = asked == "auto" and device.type == "cpu" and _amx_attention()
-            return cls("causal", kernel=kernel, amx=amx)
+            flash = asked == "auto" and device.type == "cpu" and (_amx_attention() or _f32_flash())
+            return cls("causal", kernel=kernel, flash=flash)
         doc_ids = document_ids(doc_lens.to(device), seq_len)
         if backend == "flex":
             return cls("flex", doc_ids, _flex_block_mask(doc_ids))
@@ -134,8 +136,9 @@ def cpu_attention_rule(amx: bool, seq_len: int | None, documents: bool) -> str:
     """``auto``'s attention backend on a CPU: ``sdpa`` for plain causal attention over at
     least :data:`SDPA_FROM_TOKENS_WITH_AMX` tokens on a CPU with AMX tiles, else
     ``blocked`` (packed documents too: their masked flash kernel has not been measured).
-    Where the fused kernels' AMX attention runs, ``auto`` takes it over either for plain
-    causal bf16 attention it fits (:attr:`AttentionMask.amx`)."""
+    Where the fused kernels' flash attention runs (bf16 on AMX tiles, fp32 on AVX-512),
+    ``auto`` takes it over either for plain causal attention it fits
+    (:attr:`AttentionMask.flash`)."""
     long = seq_len is not None and seq_len >= SDPA_FROM_TOKENS_WITH_AMX
     return "sdpa" if amx and long and not documents else "blocked"
 
@@ -157,7 +160,7 @@ def attention(
         # instructions; on fp32 operands they accumulate in fp32 as a native kernel would.
         return attention(q.float(), k.float(), v.float(), mask).to(q.dtype)
     gqa = q.shape[1] != k.shape[1]
-    if getattr(mask, "amx", False) and mask.backend == "causal" and _on_amx_tiles(q, k, v):
+    if getattr(mask, "flash", False) and mask.backend == "causal" and _on_flash_kernel(q, k, v):
         return blocked_causal_attention(q, k, v)
     if (
         getattr(mask, "kernel", "sdpa") == "blocked"
@@ -259,7 +262,10 @@ def blocked_causal_attention(
     flash style, blocks of 32 queries against 32 keys in the tiles, each query's
     log-sum-exp kept for backward (linear in the sequence) rather than the probabilities;
     the same roundings (probabilities and score gradients rounded to bf16 for the products
-    that read them), but scores kept in fp32.
+    that read them), but scores kept in fp32. On CPUs with AVX-512, plain causal fp32
+    attention of such shapes runs their fp32 flash kernel
+    (:func:`fp32_flash_attention_reason`), the same scheme in fp32 throughout, its products
+    register blocks of fused multiply-adds.
 
     Note: on CPUs torch's flash kernel runs its products in small tiles; with these larger
     products forward + backward ran 1.61x faster in bf16 and 1.51x in fp32 at 4 x 8 heads x
@@ -271,8 +277,8 @@ def blocked_causal_attention(
     if k.shape[1] != q.shape[1]:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    if allowed is None and _on_amx_tiles(q, k, v):
-        return torch.ops.hlat.amx_causal_attention(q, k, v)[0]
+    if allowed is None and _on_flash_kernel(q, k, v):
+        return torch.ops.hlat.flash_causal_attention(q, k, v)[0]
     rows, seq_len = q.shape[0] * q.shape[1], q.shape[2]
     # Note: the block is an argument of the operator, so a compiled graph (and inductor's
     # cache of it) holds the size its kept probabilities were laid out with.
@@ -594,13 +600,19 @@ torch.library.register_autograd(
 )
 
 
-AMX_BLOCK = 32
-"""Sequence lengths and head sizes the AMX attention takes are multiples of this."""
+FLASH_BLOCK = 32
+"""Sequence lengths and head sizes the flash attention kernels take are multiples of this."""
+AMX_BLOCK = FLASH_BLOCK
+"""The same (its name in 0.17)."""
+
+_FLASH_OFF = "turned off by HLAT_MODEL_FLASH_ATTENTION=0"
 
 
 def amx_attention_reason() -> str | None:
     """``None`` where plain causal bf16 attention runs on this CPU's AMX tiles (the fused
     CPU kernels' flash-style kernel, :func:`blocked_causal_attention`), else why not."""
+    if os.environ.get("HLAT_MODEL_FLASH_ATTENTION", "1") == "0":
+        return _FLASH_OFF
     if os.environ.get("HLAT_MODEL_AMX_ATTENTION", "1") == "0":
         return "turned off by HLAT_MODEL_AMX_ATTENTION=0"
     lib = _native.load()
@@ -613,43 +625,67 @@ def amx_attention_reason() -> str | None:
     return None
 
 
+def fp32_flash_attention_reason() -> str | None:
+    """``None`` where plain causal fp32 attention runs the fused CPU kernels' fp32 flash
+    kernel (AVX-512F; :func:`blocked_causal_attention`), else why not."""
+    if os.environ.get("HLAT_MODEL_FLASH_ATTENTION", "1") == "0":
+        return _FLASH_OFF
+    lib = _native.load()
+    if lib is None:
+        return f"no fused CPU kernels ({_native.unavailable_reason()})"
+    if not _native.f32_attention_ready(lib):
+        return "the kernels were built without AVX-512F (the compiler's target, -march=native)"
+    return None
+
+
 @torch.compiler.assume_constant_result
 def _amx_attention() -> bool:
     """Whether :func:`amx_attention_reason` says yes, a constant for ``torch.compile``."""
     return amx_attention_reason() is None
 
 
-def _on_amx_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether causal attention of these [B, H, S, D] tensors (as many heads each) runs the
-    AMX kernel: plain bf16 CPU tensors, S and D multiples of :data:`AMX_BLOCK`, where
-    :func:`amx_attention_reason` says yes."""
-    return (
-        q.dtype == k.dtype == v.dtype == torch.bfloat16
+@torch.compiler.assume_constant_result
+def _f32_flash() -> bool:
+    """Whether :func:`fp32_flash_attention_reason` says yes, a constant for
+    ``torch.compile``."""
+    return fp32_flash_attention_reason() is None
+
+
+def _on_flash_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether causal attention of these [B, H, S, D] tensors (as many heads each) runs a
+    flash kernel: plain CPU tensors, S and D multiples of :data:`FLASH_BLOCK`, bf16 where
+    :func:`amx_attention_reason` says yes or fp32 where :func:`fp32_flash_attention_reason`
+    does."""
+    if not (
+        q.dtype == k.dtype == v.dtype
         and q.device.type == "cpu"
         and all(type(t) is torch.Tensor for t in (q, k, v))
-        and q.shape[2] % AMX_BLOCK == 0
-        and q.shape[3] % AMX_BLOCK == 0
-        and _amx_attention()
-    )
+        and q.shape[2] % FLASH_BLOCK == 0
+        and q.shape[3] % FLASH_BLOCK == 0
+    ):
+        return False
+    if q.dtype == torch.bfloat16:
+        return _amx_attention()
+    return q.dtype == torch.float32 and _f32_flash()
 
 
 # Note: a registered operator, as the blocked one, so compiled blocks keep it as one call.
 @torch.library.custom_op(
-    "hlat::amx_causal_attention",
+    "hlat::flash_causal_attention",
     mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)",
 )
-def _amx_forward(
+def _flash_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the output, a [B, H, S, D] view of a [B, S, H, D] tensor; each query's fp32
     log-sum-exp [B*H, S])."""
     lib = _native.load()
     assert lib is not None
-    return _native.amx_attention_forward(lib, q.contiguous(), k.contiguous(), v.contiguous())
+    return _native.flash_attention_forward(lib, q.contiguous(), k.contiguous(), v.contiguous())
 
 
-@_amx_forward.register_fake
+@_flash_forward.register_fake
 def _(q, k, v):
     batch, heads, seq_len, head_dim = q.shape
     out = q.new_empty(batch, seq_len, heads, head_dim).transpose(1, 2)
@@ -657,12 +693,12 @@ def _(q, k, v):
 
 
 @torch.library.custom_op(
-    "hlat::amx_causal_attention_backward",
+    "hlat::flash_causal_attention_backward",
     mutates_args=(),
     schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse)"
     " -> (Tensor, Tensor, Tensor)",
 )
-def _amx_backward(
+def _flash_backward(
     grad: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -672,27 +708,29 @@ def _amx_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     lib = _native.load()
     assert lib is not None
-    return _native.amx_attention_backward(
+    return _native.flash_attention_backward(
         lib, grad, q.contiguous(), k.contiguous(), v.contiguous(), out, lse.contiguous()
     )
 
 
-@_amx_backward.register_fake
+@_flash_backward.register_fake
 def _(grad, q, k, v, out, lse):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _amx_save_for_backward(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+def _flash_save_for_backward(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     ctx.save_for_backward(*inputs, *output)
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
 
 
-def _amx_attention_backward(ctx: Any, grad: torch.Tensor, _lse_grad: Any) -> tuple[Any, ...]:
+def _flash_attention_backward(ctx: Any, grad: torch.Tensor, _lse_grad: Any) -> tuple[Any, ...]:
     q, k, v, out, lse = ctx.saved_tensors
-    return torch.ops.hlat.amx_causal_attention_backward(grad, q, k, v, out, lse)
+    return torch.ops.hlat.flash_causal_attention_backward(grad, q, k, v, out, lse)
 
 
 torch.library.register_autograd(
-    "hlat::amx_causal_attention", _amx_attention_backward, setup_context=_amx_save_for_backward
+    "hlat::flash_causal_attention",
+    _flash_attention_backward,
+    setup_context=_flash_save_for_backward,
 )

@@ -200,7 +200,12 @@ class Trainer:
     def _setup(self) -> None:
         from hlat_ckpt import Checkpointer
         from hlat_data import Tokenizer
-        from hlat_model import Llama, amx_attention_reason, fused_cpu_kernels_reason
+        from hlat_model import (
+            Llama,
+            amx_attention_reason,
+            fp32_flash_attention_reason,
+            fused_cpu_kernels_reason,
+        )
         from hlat_optim import cosine_with_warmup
         from hlat_parallel import init_parallel, parallelize, pins_memory, resolve_dp_shard
 
@@ -270,9 +275,14 @@ class Trainer:
             self._log(
                 f"fused CPU kernels (RMSNorm, SwiGLU, RoPE, attention softmax, loss): {state}"
             )
-            why = amx_attention_reason()
-            state = "on" if why is None else f"off ({why})"
-            self._log(f"AMX attention (plain causal bf16, flash style): {state}")
+            for kernel, why in (
+                ("AMX attention (plain causal bf16, flash style)", amx_attention_reason()),
+                (
+                    "fp32 flash attention (plain causal fp32, AVX-512)",
+                    fp32_flash_attention_reason(),
+                ),
+            ):
+                self._log(f"{kernel}: {'on' if why is None else f'off ({why})'}")
         self._pin = pins_memory(device)
         self._control = None
         if self.world_size > 1:

@@ -1,6 +1,7 @@
 // Fused CPU kernels of hlat_model: RMSNorm, SwiGLU, the RoPE head split, the cross entropy
 // of rows of logits and blocked attention's softmax, forward and backward, each one pass over
-// its rows where torch's eager operators make one pass per operation.
+// its rows where torch's eager operators make one pass per operation; and causal attention
+// flash style (bf16 on AMX tiles, fp32 on AVX-512), written with intrinsics.
 //
 // Built on first use by hlat_model._native (the host compiler, -O3 -march=native) and called
 // through ctypes on the raw data of contiguous fp32 or bf16 tensors. All arithmetic is fp32;
@@ -528,6 +529,13 @@ inline __mmask16 seen_high(int r) {
   return r < 16 ? __mmask16(0) : r >= 31 ? __mmask16(0xFFFF) : __mmask16((1u << (r - 15)) - 1);
 }
 
+// The scores of keys 0-15 (lo) and 16-31 (hi) of a diagonal block that query r does not see
+// set to -inf.
+inline void hide_unseen(__m512& lo, __m512& hi, int r) {
+  lo = _mm512_mask_blend_ps(seen_low(r), _mm512_set1_ps(-INFINITY), lo);
+  hi = _mm512_mask_blend_ps(seen_high(r), _mm512_set1_ps(-INFINITY), hi);
+}
+
 // Row strides of the transposed operands of the attention kernels: a row more than the
 // sequence, so that the rows of a tile (a power of two apart otherwise) fall in different
 // sets of the L1 cache instead of evicting each other between the products reusing them.
@@ -684,7 +692,7 @@ void amx_attention_forward(const u16* q, const u16* k, const u16* v, u16* out, i
     alignas(64) float scores[kBlock * 2 * kBlock];
     alignas(64) u16 probs[kBlock * 2 * kBlock];
     float m[kBlock], l[kBlock], alpha[kBlock];
-    const __m512 vscale = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
+    const __m512 vscale = _mm512_set1_ps(scale);
 #pragma omp for schedule(dynamic)
     for (int64_t bh = 0; bh < batch * heads; ++bh) {
       const u16* qh = q + bh * seq * dim;
@@ -713,11 +721,7 @@ void amx_attention_forward(const u16* q, const u16* k, const u16* v, u16* out, i
             __m512 x[4];
             for (int c = 0; c < 2 * steps; ++c)
               x[c] = _mm512_mul_ps(_mm512_load_ps(scores + r * 2 * kBlock + 16 * c), vscale);
-            if (diagonal) {
-              const int last = 2 * steps - 2;
-              x[last] = _mm512_mask_blend_ps(seen_low(r), minus_inf, x[last]);
-              x[last + 1] = _mm512_mask_blend_ps(seen_high(r), minus_inf, x[last + 1]);
-            }
+            if (diagonal) hide_unseen(x[2 * steps - 2], x[2 * steps - 1], r);
             __m512 mx16 = _mm512_set1_ps(m[r]);
             for (int c = 0; c < 2 * steps; ++c) mx16 = _mm512_max_ps(mx16, x[c]);
             const float mx = _mm512_reduce_max_ps(mx16);
@@ -788,7 +792,7 @@ void amx_attention_backward(const u16* q, const u16* k, const u16* v, const u16*
     alignas(64) float dprobs[kBlock * kBlock];
     alignas(64) u16 probs[kBlock * kBlock];
     alignas(64) u16 dscores[kBlock * kBlock];
-    const __m512 vscale = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
+    const __m512 vscale = _mm512_set1_ps(scale);
 #pragma omp for schedule(dynamic)
     for (int64_t bh = 0; bh < batch * heads; ++bh) {
       const int64_t b = bh / heads, h = bh % heads;
@@ -823,10 +827,7 @@ void amx_attention_backward(const u16* q, const u16* k, const u16* v, const u16*
             const __m512 dl = _mm512_set1_ps(delta[q0 + r]);
             __m512 x0 = _mm512_fmsub_ps(_mm512_load_ps(scores + r * kBlock), vscale, shift);
             __m512 x1 = _mm512_fmsub_ps(_mm512_load_ps(scores + r * kBlock + 16), vscale, shift);
-            if (k0 == q0) {
-              x0 = _mm512_mask_blend_ps(seen_low(r), minus_inf, x0);
-              x1 = _mm512_mask_blend_ps(seen_high(r), minus_inf, x1);
-            }
+            if (k0 == q0) hide_unseen(x0, x1, r);
             __m512 p0 = exp16(x0), p1 = exp16(x1);
             round_to_bf16(p0, p1, probs + r * kBlock);
             const __m512 dp0 = _mm512_sub_ps(_mm512_load_ps(dprobs + r * kBlock), dl);
@@ -942,7 +943,7 @@ void f32_attention_forward(const float* q, const float* k, const float* v, float
     std::vector<float> kt(static_cast<size_t>(kld * dim)), acc(static_cast<size_t>(kBlock * dim));
     alignas(64) float scores[kBlock * kBlock];
     float m[kBlock], l[kBlock];
-    const __m512 vscale = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
+    const __m512 vscale = _mm512_set1_ps(scale);
 #pragma omp for schedule(dynamic)
     for (int64_t bh = 0; bh < batch * heads; ++bh) {
       const float* qh = q + bh * seq * dim;
@@ -960,10 +961,7 @@ void f32_attention_forward(const float* q, const float* k, const float* v, float
             float* row = scores + r * kBlock;
             __m512 x0 = _mm512_mul_ps(_mm512_load_ps(row), vscale);
             __m512 x1 = _mm512_mul_ps(_mm512_load_ps(row + 16), vscale);
-            if (k0 == q0) {
-              x0 = _mm512_mask_blend_ps(seen_low(r), minus_inf, x0);
-              x1 = _mm512_mask_blend_ps(seen_high(r), minus_inf, x1);
-            }
+            if (k0 == q0) hide_unseen(x0, x1, r);
             const float mx = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
             const float alpha = exp_fast(m[r] - mx);
             const __m512 shift = _mm512_set1_ps(mx);
@@ -1010,7 +1008,7 @@ void f32_attention_backward(const float* q, const float* k, const float* v, cons
     std::vector<float> delta(static_cast<size_t>(seq));
     alignas(64) float probs[kBlock * kBlock];
     alignas(64) float dscores[kBlock * kBlock];
-    const __m512 vscale = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
+    const __m512 vscale = _mm512_set1_ps(scale);
 #pragma omp for schedule(dynamic)
     for (int64_t bh = 0; bh < batch * heads; ++bh) {
       const int64_t b = bh / heads, h = bh % heads;
@@ -1046,10 +1044,7 @@ void f32_attention_backward(const float* q, const float* k, const float* v, cons
             const __m512 dl = _mm512_set1_ps(delta[q0 + r]);
             __m512 x0 = _mm512_fmsub_ps(_mm512_load_ps(p), vscale, shift);
             __m512 x1 = _mm512_fmsub_ps(_mm512_load_ps(p + 16), vscale, shift);
-            if (k0 == q0) {
-              x0 = _mm512_mask_blend_ps(seen_low(r), minus_inf, x0);
-              x1 = _mm512_mask_blend_ps(seen_high(r), minus_inf, x1);
-            }
+            if (k0 == q0) hide_unseen(x0, x1, r);
             const __m512 p0 = exp16(x0), p1 = exp16(x1);
             _mm512_store_ps(p, p0);
             _mm512_store_ps(p + 16, p1);

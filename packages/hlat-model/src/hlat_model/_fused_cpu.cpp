@@ -920,7 +920,8 @@ inline void fma_block(const float* a, int64_t am, int64_t ak, const float* b, in
 }
 
 // C [m][n] (rows ldc apart) = (C if add, else 0) + A B, A(r, k) = a[r * am + k * ak]
-// (kn columns), B rows ldb apart; m a multiple of 8, n of 32.
+// (kn columns), B rows ldb apart; m a multiple of 8, n of 32 (64 columns at a time by 4
+// rows, the rest 32 at a time by 8 rows).
 inline void fma_product(const float* a, int64_t am, int64_t ak, const float* b, int64_t ldb,
                         int64_t kn, float* c, int64_t ldc, int64_t m, int64_t n, bool add) {
   int64_t c0 = 0;
@@ -971,10 +972,11 @@ void f32_attention_forward(const float* q, const float* k, const float* v, float
             _mm512_store_ps(row + 16, p1);
             l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
             m[r] = mx;
-            // the output so far, rescaled to the new maximum (none before the first block)
+            if (k0 == 0) continue;  // no output before the first block
+            // the output so far, rescaled to the new maximum
             float* o = acc.data() + r * dim;
             const __m512 a = _mm512_set1_ps(alpha);
-            for (int64_t d = 0; d < dim && k0 > 0; d += 16)
+            for (int64_t d = 0; d < dim; d += 16)
               _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), a));
           }
           fma_product(scores, kBlock, 1, vh + k0 * dim, dim, kBlock, acc.data(), dim, kBlock,
@@ -1048,11 +1050,11 @@ void f32_attention_backward(const float* q, const float* k, const float* v, cons
             const __m512 p0 = exp16(x0), p1 = exp16(x1);
             _mm512_store_ps(p, p0);
             _mm512_store_ps(p + 16, p1);
-            _mm512_store_ps(ds, _mm512_mul_ps(
-                                    _mm512_mul_ps(p0, _mm512_sub_ps(_mm512_load_ps(ds), dl)), vscale));
-            _mm512_store_ps(ds + 16, _mm512_mul_ps(_mm512_mul_ps(p1, _mm512_sub_ps(
-                                                                         _mm512_load_ps(ds + 16), dl)),
-                                                   vscale));
+            // the scores' gradients: p (dp - delta), scaled as the scores were
+            const __m512 dp0 = _mm512_sub_ps(_mm512_load_ps(ds), dl);
+            const __m512 dp1 = _mm512_sub_ps(_mm512_load_ps(ds + 16), dl);
+            _mm512_store_ps(ds, _mm512_mul_ps(_mm512_mul_ps(p0, dp0), vscale));
+            _mm512_store_ps(ds + 16, _mm512_mul_ps(_mm512_mul_ps(p1, dp1), vscale));
           }
           const bool first = q0 == k0;
           // dv += probs^T grad, dk += dscores^T q, dq += dscores k

@@ -434,15 +434,18 @@ def test_loss_kernels(benchmark, shape):
     print(f"\n[{shape} loss] {benchmark.extra_info}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", LOSS_SHAPES)
-def test_fused_head_against_logits(benchmark, shape):
-    """The LM head and the loss in fp32, forward + backward: :func:`linear_cross_entropy`
-    (fused where :func:`hlat_model.loss.fuses_head` says so) against the head's product
-    into logits and :func:`cross_entropy_loss` on them, in the same rounds."""
+def test_fused_head_against_logits(benchmark, shape, dtype):
+    """The LM head and the loss, forward + backward: :func:`linear_cross_entropy` (fused
+    where :func:`hlat_model.loss.fuses_head` says so: fp32, and bf16 where the CPU multiplies
+    bf16 natively) against the head's product into logits and :func:`cross_entropy_loss` on
+    them, in the same rounds."""
     torch.manual_seed(0)
     tokens, vocab = LOSS_SHAPES[shape]
-    hidden = torch.randn(tokens, CONFIG["dim"], requires_grad=True)
-    head = Linear(CONFIG["dim"], vocab)
+    torch_dtype = DTYPES[dtype]
+    hidden = torch.randn(tokens, CONFIG["dim"], dtype=torch_dtype, requires_grad=True)
+    head = Linear(CONFIG["dim"], vocab).to(torch_dtype)
     labels = torch.randint(0, vocab, (tokens,))
 
     def fused() -> None:
@@ -467,7 +470,49 @@ def test_fused_head_against_logits(benchmark, shape):
         fused_page_faults=_page_faults(fused),
         through_logits_page_faults=_page_faults(through_logits),
     )
-    print(f"\n[{shape} fp32 head + loss] {benchmark.extra_info}")
+    print(f"\n[{shape} {dtype} head + loss] {benchmark.extra_info}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_head_in_the_model_step(benchmark, dtype):
+    """The model's training step with its LM head and loss fused (where
+    :func:`hlat_model.loss.fuses_head` says so) against the same step through the logits, in
+    alternating steps of the same model: a forward hook on the head (one that does nothing)
+    sends it through its module and the logits."""
+    torch.manual_seed(0)
+    config = LlamaConfig(**CONFIG)
+    model = Llama(config).to(DTYPES[dtype])
+    tokens = torch.randint(0, config.vocab_size, (BATCH, SEQ + 1))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+
+    def step() -> None:
+        model(inputs, labels=labels).backward()
+        model.zero_grad(set_to_none=True)
+
+    def through_logits() -> None:
+        hook = model.lm_head.register_forward_hook(lambda *args: None)
+        try:
+            step()
+        finally:
+            hook.remove()
+
+    step(), through_logits()
+    peer: list[float] = []
+    benchmark.pedantic(
+        step, setup=lambda: peer.append(_timed(through_logits)), rounds=3 * ROUNDS, iterations=1
+    )
+    ours, theirs = benchmark.stats.stats.median, statistics.median(peer)
+    faster = sum(t > o for t, o in zip(peer, benchmark.stats.stats.data, strict=True))
+    benchmark.extra_info.update(
+        fused_path=fuses_head(
+            torch.empty(1, config.dim, dtype=DTYPES[dtype]), model.lm_head.weight
+        ),
+        fused_step_ms=round(ours * 1e3, 1),
+        through_logits_step_ms=round(theirs * 1e3, 1),
+        speedup=round(theirs / ours, 3),
+        fused_faster_in=f"{faster} of {len(peer)}",
+    )
+    print(f"\n[{dtype} model step, head fused] {benchmark.extra_info}")
 
 
 def test_linear_paths_against_the_cpu_rule(benchmark):

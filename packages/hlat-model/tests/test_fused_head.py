@@ -84,15 +84,63 @@ def test_keeps_no_logits_for_backward_and_makes_none_without_grad(monkeypatch, s
     assert any(t.numel() == 4 * 64 * 512 for t in saved)  # the logits, kept by the other path
 
 
-def test_bf16_goes_through_the_logits_as_the_head_rounds_them():
+def test_bf16_fuses_where_linear_multiplies_bf16_natively():
+    """bf16 is fused where ``Linear`` takes oneDNN's bf16 products (CPUs with AVX512-BF16 or
+    AMX), and keeps the logits where it takes its fp32-accumulating path instead."""
+    from hlat_model.linear import cpu_has_native_bf16, linear
+
     hidden = torch.randn(2, 8, 32, dtype=torch.bfloat16)
     weight = torch.randn(100, 32, dtype=torch.bfloat16)
     labels = torch.randint(0, 100, (2, 8))
-    assert not loss_module.fuses_head(hidden, weight)
-    from hlat_model.linear import linear
-
+    assert loss_module.fuses_head(hidden, weight) == cpu_has_native_bf16()
+    assert loss_module.fuses_head(hidden.float(), weight.float())
+    assert not loss_module.fuses_head(hidden, weight.float())
     expected = cross_entropy_loss(linear(hidden, weight), labels)
-    assert torch.equal(linear_cross_entropy(hidden, weight, labels), expected)
+    torch.testing.assert_close(
+        linear_cross_entropy(hidden, weight, labels), expected, rtol=1e-6, atol=0
+    )
+
+
+@pytest.mark.parametrize("ignore_index", [-100, 7])
+def test_bf16_fused_rounds_as_the_path_through_the_logits(
+    kernels, chunking, ignore_index, monkeypatch
+):
+    """The fused bf16 path (taken here whatever this CPU, its products emulated where the
+    CPU lacks bf16 instructions) against the bf16 logits path and float64: the same loss,
+    the input's gradient as close to float64 (each chunk's logits' gradient is rounded once,
+    as the loss's backward rounds it), the weight's within 1.5x (its sum over chunks is
+    rounded once per chunk: 1.25x at most over 20 inputs in 3 chunks)."""
+    from hlat_model import linear as linear_module
+
+    monkeypatch.setattr(linear_module, "_CPU_HAS_NATIVE_BF16", True)
+    torch.manual_seed(3)
+    hidden = torch.randn(3, 10, 32).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(300, 32) / 4).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, 300, (3, 10))
+    labels[0, :4] = ignore_index
+    labels[2, 7] = ignore_index
+    assert loss_module.fuses_head(hidden, weight)
+    value = linear_cross_entropy(hidden, weight, labels, ignore_index=ignore_index)
+    value.backward()
+    fused = hidden.grad, weight.grad
+    hidden.grad = weight.grad = None
+    through_logits = cross_entropy_loss(
+        linear_module.linear(hidden, weight), labels, ignore_index=ignore_index
+    )
+    through_logits.backward()
+    expected = _reference(hidden.double(), weight.double(), labels, ignore_index)
+    assert value.dtype == torch.float32
+    torch.testing.assert_close(value, through_logits, rtol=1e-6, atol=0)
+    torch.testing.assert_close(value.double(), expected[0], rtol=1e-3, atol=0)
+
+    def error(grad, reference):
+        return ((grad.double() - reference).norm() / reference.norm()).item()
+
+    assert fused[0].dtype == fused[1].dtype == torch.bfloat16
+    assert error(fused[0], expected[1]) <= 1.02 * error(hidden.grad, expected[1])
+    assert error(fused[1], expected[2]) <= 1.5 * error(weight.grad, expected[2])
+    assert error(fused[1], expected[2]) < 1e-2
+    assert fused[0][0, :4].abs().max() == 0  # ignored positions get no gradient
 
 
 def test_all_positions_ignored_gives_nan_as_f_cross_entropy_does(kernels):

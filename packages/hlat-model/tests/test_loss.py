@@ -152,10 +152,18 @@ def test_the_fused_kernel_on_extreme_logits(dtype):
     assert grad.dtype == dtype and grad[3].abs().max() == 0 and grad[0, :50].abs().max() == 0
     unit = 2**-8 if dtype == torch.bfloat16 else 1e-6
     torch.testing.assert_close(grad.double(), expected, rtol=unit, atol=unit * 1e-3)
-    if dtype == torch.float32:  # softmax - onehot in place, as the fused head uses it
-        in_place = logits.clone()
-        _native.cross_entropy_forward(lib, in_place, targets, softmax_grad=True)
-        torch.testing.assert_close(in_place * scale[:, None], grad, rtol=1e-6, atol=1e-9)
+    # the gradient in place of the logits, as the fused head uses it: the same loss terms,
+    # and the same gradient up to a unit in the last place (scaled after the division)
+    in_place = logits.clone()
+    again = _native.cross_entropy_forward(lib, in_place, targets, scale)
+    assert torch.equal(again[0], lse) and torch.equal(again[1], picked)
+    assert in_place[3].abs().max() == 0 and in_place[0, :50].abs().max() == 0
+    torch.testing.assert_close(in_place.double(), expected, rtol=unit, atol=unit * 1e-3)
+    torch.testing.assert_close(
+        in_place, grad, rtol=2 * unit if dtype == torch.bfloat16 else 1e-6, atol=1e-9
+    )
+    with pytest.raises(ValueError, match=r"contiguous fp32 vector of 6 rows, got torch.float64"):
+        _native.cross_entropy_forward(lib, in_place, targets, scale.double())
 
 
 def test_a_label_outside_the_vocabulary_is_refused(kernels):

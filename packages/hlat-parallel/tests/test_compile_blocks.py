@@ -52,8 +52,10 @@ def test_blocks_compile_in_place_keep_their_names_and_compute_the_same():
 
 def test_the_models_loss_is_compiled_too_and_gives_the_eager_loss_and_gradients():
     """A model with a ``loss_fn`` (hlat-model's Llama) gets it compiled beside its blocks,
-    once however often ``compile_blocks`` runs, and trains as the eager model does. bf16,
-    where the CPU's loss goes through ``loss_fn`` (fp32 fuses the head and the loss)."""
+    once however often ``compile_blocks`` runs, and trains as the eager model does. The
+    hook on the compiled model's head sends its loss through ``loss_fn`` on the logits
+    (without it, fp32, and bf16 where the CPU multiplies bf16 natively, fuse the head and
+    the loss eagerly)."""
     from hlat_model import Llama, LlamaConfig, cross_entropy_loss
 
     torch.manual_seed(0)

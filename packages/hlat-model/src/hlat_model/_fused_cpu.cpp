@@ -328,11 +328,12 @@ float sum_exp(const T* __restrict x, int64_t n, float shift) {
   return s;
 }
 
-// lse[r] = log(sum(exp(x))) and picked[r] = x[target] of each row; with `softmax_grad` (fp32
-// only), the row is overwritten with softmax(x) - onehot(target).
+// lse[r] = log(sum(exp(x))) and picked[r] = x[target] of each row; with `grad_scale`, the
+// row is overwritten with its logits' gradient (softmax(x) - onehot(target)) * grad_scale[r],
+// rounded once.
 template <typename T>
 void xent_forward(T* logits, int64_t rows, int64_t vocab, const int64_t* targets, float* lse,
-                  float* picked, bool softmax_grad, int threads) {
+                  float* picked, const float* grad_scale, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t r = 0; r < rows; ++r) {
     T* __restrict x = logits + r * vocab;
@@ -340,12 +341,13 @@ void xent_forward(T* logits, int64_t rows, int64_t vocab, const int64_t* targets
     const bool counted = t >= 0 && t < vocab;
     const float m = row_max(x, vocab);
     const float s = sum_exp(x, vocab, m);
+    const float target_logit = counted ? load(x, t) : 0.f;
     lse[r] = std::log(s) + m;
-    picked[r] = counted ? load(x, t) : 0.f;
-    if (softmax_grad) {
-      const float inv = 1.f / s;
-      for (int64_t j = 0; j < vocab; ++j) store(x, j, exp_fast(load(x, j) - m) * inv);
-      if (counted) store(x, t, load(x, t) - 1.f);
+    picked[r] = target_logit;
+    if (grad_scale != nullptr) {
+      const float c = grad_scale[r], inv = 1.f / s;
+      for (int64_t j = 0; j < vocab; ++j) store(x, j, exp_fast(load(x, j) - m) * inv * c);
+      if (counted) store(x, t, (exp_fast(target_logit - m) * inv - 1.f) * c);
     }
   }
 }
@@ -1076,7 +1078,7 @@ void f32_attention_backward(const float* q, const float* k, const float* v, cons
 extern "C" {
 
 // Version of the entry points' signatures; the loader checks it.
-int hlat_model_abi(void) { return 8; }
+int hlat_model_abi(void) { return 9; }
 
 // `bf16`: 1 when every tensor argument is bf16 (held as uint16), 0 when fp32; rstd and part
 // are fp32. Rows are contiguous, `dim` (or 2 * `width`) elements each.
@@ -1162,13 +1164,14 @@ void hlat_rope_heads(int bf16, const int64_t* table, void* fused, void* q, void*
 // picked (fp32, one per row), and with `softmax_grad` (fp32 logits only) overwrites each row
 // with its softmax minus the target's one-hot. Backward writes grad (the logits' dtype).
 void hlat_xent_forward(int bf16, void* logits, int64_t rows, int64_t vocab,
-                       const int64_t* targets, float* lse, float* picked, int softmax_grad,
-                       int threads) {
+                       const int64_t* targets, float* lse, float* picked,
+                       const float* grad_scale, int threads) {
   if (bf16) {
-    xent_forward(static_cast<u16*>(logits), rows, vocab, targets, lse, picked, false, threads);
+    xent_forward(static_cast<u16*>(logits), rows, vocab, targets, lse, picked, grad_scale,
+                 threads);
   } else {
-    xent_forward(static_cast<float*>(logits), rows, vocab, targets, lse, picked,
-                 softmax_grad != 0, threads);
+    xent_forward(static_cast<float*>(logits), rows, vocab, targets, lse, picked, grad_scale,
+                 threads);
   }
 }
 

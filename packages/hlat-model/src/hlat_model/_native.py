@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).with_name("_fused_cpu.cpp")
-_ABI = 8
+_ABI = 9
 # -fno-trapping-math lets the compiler vectorise floor(); no -ffast-math: NaN and inf keep
 # their meaning.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
@@ -44,7 +44,7 @@ _SIGNATURES = {
     "hlat_swiglu_forward": [_INT, _P, _P, _I64, _I64, _INT, _INT],
     "hlat_swiglu_backward": [_INT, _P, _P, _P, _I64, _I64, _INT, _INT],
     "hlat_rope_heads": [_INT, _P, _P, _P, _P, _P, _P, _P, _INT, _INT],
-    "hlat_xent_forward": [_INT, _P, _I64, _I64, _P, _P, _P, _INT, _INT],
+    "hlat_xent_forward": [_INT, _P, _I64, _I64, _P, _P, _P, _P, _INT],
     "hlat_xent_backward": [_INT, _P, _I64, _I64, _P, _P, _P, _P, _INT],
     "hlat_xent_first_bad": [_P, _I64, _I64, _I64],
     "hlat_attn_softmax": [_INT, _P, _I64, _I64, _I64, _I64, _INT],
@@ -339,21 +339,30 @@ def cross_entropy_forward(
     lib: ctypes.CDLL,
     logits: torch.Tensor,
     targets: torch.Tensor,
-    softmax_grad: bool = False,
+    grad_scale: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-sum-exp, the target's logit) of each row of ``logits`` [rows, vocab], fp32
     (written into ``out``, two contiguous fp32 vectors, where given); ``targets`` are
     contiguous int64 column indices (one outside ``[0, vocab)``: picked 0). With
-    ``softmax_grad`` (fp32 logits) each row is overwritten with its softmax minus the
-    target's one-hot."""
+    ``grad_scale`` (contiguous fp32 [rows]) each row is overwritten with its logits'
+    gradient, ``(softmax - onehot(target)) * grad_scale[row]``, rounded once to the logits'
+    dtype."""
     rows, vocab = logits.shape
-    if softmax_grad and logits.dtype != torch.float32:
-        raise ValueError(f"softmax_grad overwrites fp32 logits only, got {logits.dtype}")
+    if grad_scale is not None and (
+        grad_scale.dtype != torch.float32
+        or grad_scale.shape != (rows,)
+        or not grad_scale.is_contiguous()
+    ):
+        raise ValueError(
+            f"grad_scale must be a contiguous fp32 vector of {rows} rows, got "
+            f"{grad_scale.dtype} of shape {tuple(grad_scale.shape)}"
+        )
     lse, picked = out or tuple(torch.empty(rows, dtype=torch.float32) for _ in range(2))
     lib.hlat_xent_forward(
         _bf16(logits), logits.data_ptr(), rows, vocab, targets.data_ptr(), lse.data_ptr(),
-        picked.data_ptr(), int(softmax_grad), torch.get_num_threads(),
+        picked.data_ptr(), None if grad_scale is None else grad_scale.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
     return lse, picked
 

@@ -6,11 +6,13 @@ logits are read in chunks of rows: forward keeps the logits themselves and one f
 per row (the log-sum-exp); backward writes the gradient chunk by chunk, in the logits'
 dtype. The values are those of ``F.cross_entropy`` on the fp32 logits (tested).
 
-:func:`linear_cross_entropy` goes one step further where it is measured to pay (fp32 on
-CPUs): it takes the LM head's input and weight instead of the logits, and never makes the
-logits at all. Each chunk of rows is multiplied out, turned into its loss terms and, when
-gradients are wanted, into its logits' gradient, which goes straight into the gradients of
-the head's input and weight. Backward then only scales those by the incoming gradient.
+:func:`linear_cross_entropy` goes one step further where it is measured to pay (CPUs: fp32,
+and bf16 where the CPU multiplies bf16 natively): it takes the LM head's input and weight
+instead of the logits, and never makes the logits at all. Each chunk of rows is multiplied
+out, turned into its loss terms and, when gradients are wanted, into its logits' gradient
+(rounded once, as the loss's backward through the logits rounds it), which goes straight
+into the gradients of the head's input and weight. Backward then only scales those by the
+incoming gradient.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hlat_model import _native
-from hlat_model.linear import linear
+from hlat_model.linear import _fp32_accumulates, linear
 
 LOSS_CHUNK_BYTES = {"cpu": 8 * 2**20}
 """Bytes of one fp32 chunk of logits, by device type; other devices use
@@ -131,13 +133,20 @@ CUDA keeps the logits."""
 
 def fuses_head(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`linear_cross_entropy` takes its fused path for these operands: plain
-    fp32 tensors (see :func:`eager_plain`) on a device type of :data:`FUSED_HEAD_ROWS`.
-    bf16 keeps the logits, so that its products round as :class:`hlat_model.Linear`'s do."""
+    tensors (see :func:`eager_plain`) on a device type of :data:`FUSED_HEAD_ROWS`, both fp32,
+    or both bf16 where :class:`hlat_model.Linear` multiplies bf16 natively (the head's
+    products are then the same oneDNN products either way). On CPUs that would emulate bf16
+    products, ``Linear`` multiplies through its fp32-accumulating path, so bf16 keeps the
+    logits there."""
     return (
         eager_plain(hidden)
         and type(weight) in (nn.Parameter, torch.Tensor)
-        and hidden.dtype == weight.dtype == torch.float32
+        and hidden.dtype == weight.dtype
         and hidden.device.type in FUSED_HEAD_ROWS
+        and (
+            hidden.dtype == torch.float32
+            or (hidden.dtype == torch.bfloat16 and not _fp32_accumulates(hidden, weight))
+        )
     )
 
 
@@ -155,7 +164,8 @@ def linear_cross_entropy(
     gradients wanted each chunk's logits' gradient goes straight into those of ``hidden``
     and ``weight`` (computed in forward, scaled in backward). Elsewhere it is
     ``cross_entropy_loss(linear(hidden, weight), labels)``. Both give the same values up to
-    the order of the sums (tested).
+    the order of the sums (tested); in bf16 the weight's gradient is rounded once per chunk
+    (its error against float64 within 1.5x of the logits path's, tested).
     """
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
@@ -186,44 +196,54 @@ def _head_loss_in_chunks(
     valid = labels != ignore_index
     count = valid.sum()
     buffer = hidden.new_empty((rows, vocab))
-    lse, picked = hidden.new_empty(n_rows), hidden.new_empty(n_rows)
+    lse, picked = (hidden.new_empty(n_rows, dtype=torch.float32) for _ in range(2))
     wants_grad = grad_hidden or grad_weight
     gh = torch.empty_like(hidden) if grad_hidden else None
     gw = torch.empty_like(weight, memory_format=torch.contiguous_format) if grad_weight else None
-    if wants_grad:
-        scale = valid / count  # d loss / d (lse - picked), per row; NaN when none counts
+    # d loss / d (lse - picked) per row (NaN when none counts): each chunk's logits are
+    # overwritten with their gradient, (softmax - onehot) times it, rounded once to the
+    # logits' dtype, as the loss's backward through the logits writes it
+    scale = (valid / count).to(torch.float32) if wants_grad else None
     lib = _native.usable(buffer)
     if lib is not None:
         targets = _native_targets(lib, labels, valid, vocab, ignore_index)
     else:
         targets = labels.where(valid, 0)
-        minus_one = buffer.new_full((rows, 1), -1.0)
+        # torch's operators run on an fp32 chunk (bf16 logits copied into it)
+        widen = buffer.dtype != torch.float32
+        work = torch.empty_like(buffer, dtype=torch.float32) if widen else buffer
+        minus_one = work.new_full((rows, 1), -1.0)
     for start in range(0, n_rows, rows):
         end = min(start + rows, n_rows)
         chunk, x = buffer[: end - start], hidden[start:end]
         torch.mm(x, weight.t(), out=chunk)
         if lib is not None:
-            # the loss terms and, with gradients wanted, softmax - onehot in place: one pass
+            # the loss terms and, with gradients wanted, the logits' gradient in place
             into = (lse[start:end], picked[start:end])
-            _native.cross_entropy_forward(lib, chunk, targets[start:end], wants_grad, into)
+            row_scale = None if scale is None else scale[start:end]
+            _native.cross_entropy_forward(lib, chunk, targets[start:end], row_scale, into)
         else:
-            torch.gather(chunk, 1, targets[start:end, None], out=picked[start:end, None])
-            row_max = torch.amax(chunk, dim=-1, keepdim=True)
-            torch.sum(chunk.sub_(row_max).exp_(), dim=-1, out=lse[start:end])
-            if wants_grad:
-                chunk.div_(lse[start:end, None])  # softmax
-                chunk.scatter_add_(1, targets[start:end, None], minus_one[: end - start])
+            fp32 = work[: end - start]
+            if widen:
+                fp32.copy_(chunk)
+            torch.gather(fp32, 1, targets[start:end, None], out=picked[start:end, None])
+            row_max = torch.amax(fp32, dim=-1, keepdim=True)
+            torch.sum(fp32.sub_(row_max).exp_(), dim=-1, out=lse[start:end])
+            if scale is not None:
+                fp32.div_(lse[start:end, None])  # softmax
+                fp32.scatter_add_(1, targets[start:end, None], minus_one[: end - start])
+                fp32.mul_(scale[start:end, None])
+                if widen:
+                    chunk.copy_(fp32)
             lse[start:end].log_().add_(row_max[:, 0])
         if wants_grad:
-            # Note: the logits' gradient is this chunk scaled per row; the scale goes on the
-            # rows of the (vocabulary-times narrower) input and hidden gradient instead.
-            row_scale = scale[start:end, None]
+            # this chunk's share of the gradients of the head's input and weight
             if gh is not None:
-                torch.mm(chunk, weight, out=gh[start:end]).mul_(row_scale)
+                torch.mm(chunk, weight, out=gh[start:end])
             if gw is not None and start == 0:
-                torch.mm(chunk.t(), x * row_scale, out=gw)
+                torch.mm(chunk.t(), x, out=gw)
             elif gw is not None:
-                gw.addmm_(chunk.t(), x * row_scale)
+                gw.addmm_(chunk.t(), x)
     loss = (lse - picked).mul_(valid).sum() / count
     return loss, gh, gw
 

@@ -515,8 +515,9 @@ class Llama(nn.Module):
 
         ``labels`` [B, S] (already shifted; ``-100`` is ignored) make it return the mean
         loss, a 0-d fp32 tensor: ``loss_fn`` of the logits, or
-        :func:`hlat_model.linear_cross_entropy` where that fuses the head (fp32 on CPUs,
-        with the default ``loss_fn``): the logits are then never made. A head with forward
+        :func:`hlat_model.linear_cross_entropy` where that fuses the head (on CPUs: fp32,
+        and bf16 where the CPU multiplies bf16 natively; with the default ``loss_fn``): the
+        logits are then never made. A head with forward
         hooks, or sharded by tensor parallelism, goes through its module and the logits.
         """
         batch, seq_len = input_ids.shape

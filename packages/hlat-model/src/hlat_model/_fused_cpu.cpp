@@ -1161,8 +1161,8 @@ void hlat_rope_heads(int bf16, const int64_t* table, void* fused, void* q, void*
 }
 
 // Cross entropy over `rows` rows of `vocab` logits; targets are int64. Forward writes lse and
-// picked (fp32, one per row), and with `softmax_grad` (fp32 logits only) overwrites each row
-// with its softmax minus the target's one-hot. Backward writes grad (the logits' dtype).
+// picked (fp32, one per row), and with `grad_scale` (fp32, one per row; null: none) overwrites
+// each row with its logits' gradient. Backward writes grad (the logits' dtype).
 void hlat_xent_forward(int bf16, void* logits, int64_t rows, int64_t vocab,
                        const int64_t* targets, float* lse, float* picked,
                        const float* grad_scale, int threads) {

@@ -126,6 +126,19 @@ def _gemm_step(config: LlamaConfig, dtype: torch.dtype, path: str = "hlat"):
     return step
 
 
+def _model_step(model: torch.nn.Module, tokens: torch.Tensor):
+    """Forward + backward of ``model`` on ``tokens`` [B, S + 1] (the inputs, and the next
+    tokens as labels), its gradients set to None after, so that every call does the same
+    work."""
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+
+    def step() -> None:
+        model(inputs, labels=labels).backward()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_train_step_tokens_per_second(benchmark, dtype):
     torch.manual_seed(0)
@@ -133,11 +146,8 @@ def test_train_step_tokens_per_second(benchmark, dtype):
     config = LlamaConfig(**CONFIG)
     ours, peer = Llama(config).to(torch_dtype), _hf_model(torch_dtype)
     tokens = torch.randint(0, config.vocab_size, (BATCH, SEQ + 1))
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-
-    def ours_step() -> None:
-        ours(inputs, labels=labels).backward()
-        ours.zero_grad(set_to_none=True)
+    inputs = tokens[:, :-1]
+    ours_step = _model_step(ours, tokens)
 
     def peer_step() -> None:
         peer(inputs, labels=inputs).loss.backward()  # HF shifts labels itself
@@ -200,25 +210,21 @@ def test_compiled_blocks_against_eager(benchmark, dtype):
         block.compile()
     compiled.loss_fn = torch.compile(compiled.loss_fn)
     tokens = torch.randint(0, config.vocab_size, (BATCH, SEQ + 1))
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    eager_step, compiled_step = _model_step(eager, tokens), _model_step(compiled, tokens)
 
-    def step(model) -> None:
-        model(inputs, labels=labels).backward()
-        model.zero_grad(set_to_none=True)
-
-    first_s = _timed(lambda: step(compiled))
-    step(compiled)
-    step(eager)
+    first_s = _timed(compiled_step)
+    compiled_step()
+    eager_step()
     gemms = _gemm_step(config, torch_dtype)
     gemms()
     eager_times: list[float] = []
     gemm_times: list[float] = []
 
     def setup() -> None:
-        eager_times.append(_timed(lambda: step(eager)))
+        eager_times.append(_timed(eager_step))
         gemm_times.append(_timed(gemms))
 
-    benchmark.pedantic(lambda: step(compiled), setup=setup, rounds=ROUNDS, iterations=1)
+    benchmark.pedantic(compiled_step, setup=setup, rounds=ROUNDS, iterations=1)
     tokens_per_step = BATCH * SEQ
     compiled_tps = tokens_per_step / benchmark.stats.stats.min
     eager_tps = tokens_per_step / min(eager_times)
@@ -244,14 +250,12 @@ def test_fp32_step_onednn_against_torch_products(benchmark, monkeypatch):
     torch.manual_seed(0)
     config = LlamaConfig(**CONFIG)
     model = Llama(config)
-    tokens = torch.randint(0, config.vocab_size, (BATCH, SEQ + 1))
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    train = _model_step(model, torch.randint(0, config.vocab_size, (BATCH, SEQ + 1)))
     rule = cpu_fp32_onednn_reason()
 
     def step(onednn: bool) -> None:
         monkeypatch.setattr(linear_module, "_CPU_FP32_ONEDNN", "measured" if onednn else None)
-        model(inputs, labels=labels).backward()
-        model.zero_grad(set_to_none=True)
+        train()
 
     step(True), step(False)
     torch_times: list[float] = []
@@ -482,12 +486,7 @@ def test_fused_head_in_the_model_step(benchmark, dtype):
     torch.manual_seed(0)
     config = LlamaConfig(**CONFIG)
     model = Llama(config).to(DTYPES[dtype])
-    tokens = torch.randint(0, config.vocab_size, (BATCH, SEQ + 1))
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-
-    def step() -> None:
-        model(inputs, labels=labels).backward()
-        model.zero_grad(set_to_none=True)
+    step = _model_step(model, torch.randint(0, config.vocab_size, (BATCH, SEQ + 1)))
 
     def through_logits() -> None:
         hook = model.lm_head.register_forward_hook(lambda *args: None)
@@ -598,9 +597,7 @@ def test_fused_cpu_kernels(benchmark, dtype, monkeypatch):
         monkeypatch.setenv("HLAT_MODEL_NATIVE", "1" if native else "0")
         assert (_native.load() is not None) == native, _native.unavailable_reason()
 
-    def step() -> None:
-        model(tokens[:, :-1], labels=tokens[:, 1:]).backward()
-        model.zero_grad(set_to_none=True)
+    step = _model_step(model, tokens)
 
     def norm_pass() -> None:
         norm(x).backward(grad_x)

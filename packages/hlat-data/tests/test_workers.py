@@ -8,6 +8,7 @@ Each test runs a real Python process on a small script that has no
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -194,9 +195,19 @@ def test_workers_end_with_the_loader_s_process(tmp_path, corpus, tokenizer_path,
     assert not lingering, "processes of the loader outlived it"
     if signum == signal.SIGINT:
         # the loader's process stopped its workers; they printed nothing of their own
-        text = stderr.read_text()
+        # Note: the only word of multiprocessing's resource tracker let through is its
+        # warning that a semaphore still on its list at the end was already removed (an
+        # unlink that found nothing, so nothing leaked), seen in 2 of about 30 runs
+        text = re.sub(_SEMAPHORE_ALREADY_GONE, "", stderr.read_text())
         assert text.count("Traceback") == 1 and text.rstrip().endswith("KeyboardInterrupt")
         assert "leaked" not in text and "resource_tracker" not in text, text
+
+
+_SEMAPHORE_ALREADY_GONE = re.compile(
+    r"^.*UserWarning: resource_tracker: '/mp-[^']*': \[Errno 2\] No such file or directory\n"
+    r"\s*warnings\.warn\(.*\)\n?",
+    re.MULTILINE,
+)
 
 
 def _half_sent_message(results) -> None:

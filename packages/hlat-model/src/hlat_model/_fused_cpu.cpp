@@ -454,6 +454,8 @@ void add_into(float* acc, int64_t stride, const u16* x, int64_t batches, int64_t
 // ---------------------------------------------------------------------------------------
 // What the attention kernels share (AVX-512F).
 
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr int64_t kBand = 256;  // keys whose score gradients the AMX backward keeps for dq
 constexpr int kBlock = 32;  // queries and keys per block (on AMX: two tiles of 16 rows)
 
 // r[j] = column j of the 16 x 16 u32 matrix whose rows are r[0..15], by shuffles: pairs
@@ -523,6 +525,28 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), e, x);
 }
 
+// 2^t on 16 lanes where t is a softmax's shifted score in base 2 (at most about 0: the
+// row's largest score is subtracted), as exp16's polynomial computes it, in about half its
+// instructions: no clamp above (2^t overflows to inf through scalef), and 0 below t = -125
+// (2^t there is under 2.4e-38; lower t would make denormals, slow to compute). -inf (a
+// hidden key) gives 0; NaN stays NaN (the unordered comparison keeps it, and max returns
+// its second operand).
+inline __m512 exp2_shifted16(__m512 t) {
+  const __mmask16 kept = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.f), _CMP_NLT_US);
+  t = _mm512_max_ps(_mm512_set1_ps(-125.f), t);
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945f));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y =
+      _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(kept, y, n);
+}
+
 // The lanes of keys 0-15 and 16-31 that query r of a diagonal block sees: keys up to r.
 inline __mmask16 seen_low(int r) {
   return r >= 15 ? __mmask16(0xFFFF) : __mmask16((1u << (r + 1)) - 1);
@@ -550,13 +574,18 @@ inline int64_t padded_u16(int64_t seq) { return seq + 32; }
 // ---------------------------------------------------------------------------------------
 // Causal attention on AMX tiles (bf16), forward and backward, flash style: each (batch,
 // head) runs on one thread, through blocks of 32 queries and 32 keys, so the scores never
-// leave the core's caches. Forward keeps each query's log-sum-exp for backward, which
-// recomputes the probabilities. Products accumulate in fp32 (the tiles' own); the
-// probabilities and the scores' gradients are rounded to bf16 for the products that read
-// them, as blocked attention rounds them; the output and the three gradients are rounded
-// once at the end. Built where the compiler targets AMX-BF16 (with -march=native: CPUs
-// that have it); elsewhere hlat_attn_amx_ready says 0 and the caller keeps blocked
-// attention.
+// leave the core's caches. Forward takes a block of 32 queries against all the keys it sees
+// at once: their scores (32 rows of fp32, 66 KiB at 512 tokens, 1 MiB at 8,192), an exact
+// softmax of each row (no running maximum to rescale by), and the output as one product
+// over all the keys, its sums staying in the tiles. It keeps each query's log-sum-exp for
+// backward, which recomputes the probabilities, goes through the keys block by block (each
+// key block's gradients one product over all the queries), and sums the queries' gradients
+// over bands of kBand keys (one product per query block and band, not one per key block).
+// Products accumulate in fp32 (the tiles' own); the probabilities and the scores' gradients
+// are rounded to bf16 for the products that read them, as blocked attention rounds them;
+// the output and the three gradients are rounded once at the end. Built where the compiler
+// targets AMX-BF16 (with -march=native: CPUs that have it); elsewhere hlat_attn_amx_ready
+// says 0 and the caller keeps blocked attention.
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -674,9 +703,49 @@ inline void round_to_bf16(__m512& lo, __m512& hi, u16* dst) {
 
 // pairs[i][2j + t] = rows[2i + t][j] for 32 rows of 32 bf16: the B layout of a product over
 // the rows.
-inline void interleave_row_pairs(const u16* rows, u16* pairs) {
+inline void interleave_row_pairs(const u16* rows, int64_t ld, u16* pairs) {
   for (int i = 0; i < 16; ++i)
-    interleave32(rows + 2 * i * kBlock, rows + (2 * i + 1) * kBlock, pairs + i * 2 * kBlock);
+    interleave32(rows + 2 * i * ld, rows + (2 * i + 1) * ld, pairs + i * 2 * kBlock);
+}
+
+// The softmax of amx_attention_forward's query block over its keys (scores: the products,
+// unscaled, kBlock rows ld floats apart, keys 0 .. keys - 1, the last block diagonal): the
+// probabilities rounded to bf16 into probs (rows as far apart), each row's log-sum-exp into
+// lse and the inverse of its sum (of the rounded probabilities, which the output sums) into
+// inv. Each row is read twice: its maximum, then its exponentials in base 2 (the scale, a
+// positive factor, goes into the exponent with the maximum).
+void softmax_rows(const float* scores, int64_t ld, int64_t keys, float scale, u16* probs,
+                  float* lse, float* inv) {
+  const __m512 vscale2 = _mm512_set1_ps(scale * kLog2e);
+  const int64_t last = keys - kBlock;  // the diagonal block's first key
+  for (int r = 0; r < kBlock; ++r) {
+    const float* x = scores + r * ld;
+    u16* p = probs + r * ld;
+    __m512 lo = _mm512_loadu_ps(x + last), hi = _mm512_loadu_ps(x + last + 16);
+    hide_unseen(lo, hi, r);
+    __m512 mx0 = lo, mx1 = hi;
+    for (int64_t j = 0; j < last; j += 32) {
+      mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(x + j));
+      mx1 = _mm512_max_ps(mx1, _mm512_loadu_ps(x + j + 16));
+    }
+    const float mx = _mm512_reduce_max_ps(_mm512_max_ps(mx0, mx1)) * scale;
+    const __m512 shift = _mm512_set1_ps(mx * kLog2e);
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+    for (int64_t j = 0; j < last; j += 32) {
+      __m512 p0 = exp2_shifted16(_mm512_fmsub_ps(_mm512_loadu_ps(x + j), vscale2, shift));
+      __m512 p1 = exp2_shifted16(_mm512_fmsub_ps(_mm512_loadu_ps(x + j + 16), vscale2, shift));
+      round_to_bf16(p0, p1, p + j);
+      sum0 = _mm512_add_ps(sum0, p0);
+      sum1 = _mm512_add_ps(sum1, p1);
+    }
+    __m512 p0 = exp2_shifted16(_mm512_fmsub_ps(lo, vscale2, shift));
+    __m512 p1 = exp2_shifted16(_mm512_fmsub_ps(hi, vscale2, shift));
+    round_to_bf16(p0, p1, p + last);
+    const float sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(sum0, p0),
+                                                         _mm512_add_ps(sum1, p1)));
+    lse[r] = mx + std::log(sum);
+    inv[r] = 1.f / sum;
+  }
 }
 
 // q, k, v: [batch * heads][seq][dim]; out row (b, h, s) at out + b * ob + h * oh + s * os;
@@ -687,81 +756,39 @@ void amx_attention_forward(const u16* q, const u16* k, const u16* v, u16* out, i
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     configure_tiles();
-    const int64_t kld = padded_u32(seq);
+    const int64_t kld = padded_u32(seq), sld = padded_u32(seq);
     std::vector<u32> kp(static_cast<size_t>(kld * dim / 2));
     std::vector<u16> vp(static_cast<size_t>(seq * dim));
-    std::vector<float> acc(static_cast<size_t>(kBlock * dim)), block(acc.size());
-    alignas(64) float scores[kBlock * 2 * kBlock];
-    alignas(64) u16 probs[kBlock * 2 * kBlock];
-    float m[kBlock], l[kBlock], alpha[kBlock];
-    const __m512 vscale = _mm512_set1_ps(scale);
+    std::vector<float> block(static_cast<size_t>(kBlock * dim));
+    // a query block's scores against all its keys, and their probabilities
+    std::vector<float> scores(static_cast<size_t>(kBlock * sld));
+    std::vector<u16> probs(scores.size());
+    float inv[kBlock];
 #pragma omp for schedule(dynamic)
     for (int64_t bh = 0; bh < batch * heads; ++bh) {
       const u16* qh = q + bh * seq * dim;
       u16* outh = out + (bh / heads) * ob + (bh % heads) * oh;
       pack_column_pairs(k + bh * seq * dim, dim, seq, dim, kp.data(), kld);
       pack_row_pairs(v + bh * seq * dim, dim, seq, dim, vp.data());
+      const char* keys = reinterpret_cast<const char*>(kp.data());
       for (int64_t q0 = 0; q0 < seq; q0 += kBlock) {
-        std::fill(m, m + kBlock, -INFINITY);
-        std::fill(l, l + kBlock, 0.f);
-        std::fill(acc.begin(), acc.end(), 0.f);
-        const u16* qb = qh + q0 * dim;
-        const char* keys = reinterpret_cast<const char*>(kp.data());
-        // keys 0 .. q0 + 31 in chunks of two blocks (one block first where their count is
-        // odd), the last chunk ending with the diagonal block
+        // keys 0 .. q0 + 31, the last block diagonal: scores, softmax, then the output's
+        // products over all the keys at once (the sums stay in the tiles)
         const int64_t end = q0 + kBlock;
-        for (int64_t k0 = 0; k0 < end;) {
-          const int64_t width = (end - k0) % (2 * kBlock) == 0 ? 2 * kBlock : kBlock;
-          const int steps = static_cast<int>(width / kBlock);
-          for (int t = 0; t < steps; ++t)
-            tiles_product(qb, dim * 2, keys + (k0 + t * kBlock) * 4, kld * 4, dim / 32,
-                          16 * kld * 4, scores + t * kBlock, 2 * kBlock * 4);
-          const bool diagonal = k0 + width == end;
-          // online softmax over the chunk: each row's running max and sum, and the factor
-          // that rescales its output so far
-          for (int r = 0; r < kBlock; ++r) {
-            __m512 x[4];
-            for (int c = 0; c < 2 * steps; ++c)
-              x[c] = _mm512_mul_ps(_mm512_load_ps(scores + r * 2 * kBlock + 16 * c), vscale);
-            if (diagonal) hide_unseen(x[2 * steps - 2], x[2 * steps - 1], r);
-            __m512 mx16 = _mm512_set1_ps(m[r]);
-            for (int c = 0; c < 2 * steps; ++c) mx16 = _mm512_max_ps(mx16, x[c]);
-            const float mx = _mm512_reduce_max_ps(mx16);
-            alpha[r] = exp_fast(m[r] - mx);
-            const __m512 shift = _mm512_set1_ps(mx);
-            __m512 sum = _mm512_setzero_ps();
-            for (int c = 0; c < 2 * steps; c += 2) {
-              __m512 p0 = exp16(_mm512_sub_ps(x[c], shift));
-              __m512 p1 = exp16(_mm512_sub_ps(x[c + 1], shift));
-              round_to_bf16(p0, p1, probs + r * 2 * kBlock + 16 * c);
-              sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-            }
-            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
-            m[r] = mx;
-          }
-          // the chunk's products into fresh tiles (no load of the sums into them), added
-          // into the rescaled sums here
-          const char* vb = reinterpret_cast<const char*>(vp.data() + (k0 / 2) * 2 * dim);
-          for (int64_t d = 0; d < dim; d += 32)
-            tiles_product(probs, 2 * kBlock * 2, vb + 4 * d, dim * 4, steps, 16 * dim * 4,
-                          block.data() + d, dim * 4);
-          for (int r = 0; r < kBlock; ++r) {
-            float* o = acc.data() + r * dim;
-            const float* add = block.data() + r * dim;
-            const __m512 a = _mm512_set1_ps(alpha[r]);
-            for (int64_t d = 0; d < dim; d += 16)
-              _mm512_storeu_ps(o + d, _mm512_fmadd_ps(_mm512_loadu_ps(o + d), a,
-                                                      _mm512_loadu_ps(add + d)));
-          }
-          k0 += width;
-        }
+        const u16* qb = qh + q0 * dim;
+        for (int64_t k0 = 0; k0 < end; k0 += kBlock)
+          tiles_product(qb, dim * 2, keys + k0 * 4, kld * 4, dim / 32, 16 * kld * 4,
+                        scores.data() + k0, sld * 4);
+        softmax_rows(scores.data(), sld, end, scale, probs.data(), lse + bh * seq + q0, inv);
+        for (int64_t d = 0; d < dim; d += 32)
+          tiles_product(probs.data(), sld * 2, reinterpret_cast<const char*>(vp.data()) + 4 * d,
+                        dim * 4, end / kBlock, 16 * dim * 4, block.data() + d, dim * 4);
         for (int r = 0; r < kBlock; ++r) {
-          const __m512 inv = _mm512_set1_ps(1.f / l[r]);
-          const float* o = acc.data() + r * dim;
+          const __m512 scale_r = _mm512_set1_ps(inv[r]);
+          const float* o = block.data() + r * dim;
           u16* dst = outh + (q0 + r) * os;
           for (int64_t d = 0; d < dim; d += 16)
-            store_bf16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
-          lse[bh * seq + q0 + r] = m[r] + std::log(l[r]);
+            store_bf16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), scale_r));
         }
       }
     }
@@ -790,11 +817,16 @@ void amx_attention_backward(const u16* q, const u16* k, const u16* v, const u16*
     // a key block's probabilities and score gradients against every query block, in the B
     // layout: its key and value gradients are then one product each, over all the queries
     std::vector<u16> probs_pairs(static_cast<size_t>(seq * kBlock)), dscores_pairs(probs_pairs.size());
+    // the score gradients of a band of kBand keys against every query, rows wld apart
+    // (288 KiB at 512 tokens, 4.5 MiB at 8,192): the queries' gradients then take the band
+    // in one product each
+    const int64_t wld = kBand + 32;
+    std::vector<u16> dscores(static_cast<size_t>(seq * wld));
     alignas(64) float scores[kBlock * kBlock];
     alignas(64) float dprobs[kBlock * kBlock];
     alignas(64) u16 probs[kBlock * kBlock];
-    alignas(64) u16 dscores[kBlock * kBlock];
     const __m512 vscale = _mm512_set1_ps(scale);
+    const __m512 vscale2 = _mm512_set1_ps(scale * kLog2e);
 #pragma omp for schedule(dynamic)
     for (int64_t bh = 0; bh < batch * heads; ++bh) {
       const int64_t b = bh / heads, h = bh % heads;
@@ -816,64 +848,74 @@ void amx_attention_backward(const u16* q, const u16* k, const u16* v, const u16*
       transpose_rows(g.data(), dim, seq, dim, scratch.data(), gt.data(), tld);
       transpose_rows(qh, dim, seq, dim, scratch.data(), qt.data(), tld);
       pack_row_pairs(kh, dim, seq, dim, kr.data());
-      std::fill(dqacc.begin(), dqacc.end(), 0.f);
-      for (int64_t k0 = 0; k0 < seq; k0 += kBlock) {
-        for (int64_t q0 = k0; q0 < seq; q0 += kBlock) {
-          tiles_product(qh + q0 * dim, dim * 2, reinterpret_cast<const char*>(kp.data() + k0),
-                        kld * 4, dim / 32, 16 * kld * 4, scores, kBlock * 4);
-          tiles_product(g.data() + q0 * dim, dim * 2,
-                        reinterpret_cast<const char*>(vp.data() + k0), kld * 4, dim / 32,
-                        16 * kld * 4, dprobs, kBlock * 4);
-          for (int r = 0; r < kBlock; ++r) {
-            const __m512 shift = _mm512_set1_ps(lse[bh * seq + q0 + r]);
-            const __m512 dl = _mm512_set1_ps(delta[q0 + r]);
-            __m512 x0 = _mm512_fmsub_ps(_mm512_load_ps(scores + r * kBlock), vscale, shift);
-            __m512 x1 = _mm512_fmsub_ps(_mm512_load_ps(scores + r * kBlock + 16), vscale, shift);
-            if (k0 == q0) hide_unseen(x0, x1, r);
-            __m512 p0 = exp16(x0), p1 = exp16(x1);
-            round_to_bf16(p0, p1, probs + r * kBlock);
-            const __m512 dp0 = _mm512_sub_ps(_mm512_load_ps(dprobs + r * kBlock), dl);
-            const __m512 dp1 = _mm512_sub_ps(_mm512_load_ps(dprobs + r * kBlock + 16), dl);
-            __m512 ds0 = _mm512_mul_ps(_mm512_mul_ps(p0, dp0), vscale);
-            __m512 ds1 = _mm512_mul_ps(_mm512_mul_ps(p1, dp1), vscale);
-            round_to_bf16(ds0, ds1, dscores + r * kBlock);
+      for (int64_t band = 0; band < seq; band += kBand) {
+        const int64_t band_end = std::min(band + kBand, seq);
+        for (int64_t k0 = band; k0 < band_end; k0 += kBlock) {
+          for (int64_t q0 = k0; q0 < seq; q0 += kBlock) {
+            u16* ds = dscores.data() + q0 * wld + (k0 - band);
+            tiles_product(qh + q0 * dim, dim * 2, reinterpret_cast<const char*>(kp.data() + k0),
+                          kld * 4, dim / 32, 16 * kld * 4, scores, kBlock * 4);
+            tiles_product(g.data() + q0 * dim, dim * 2,
+                          reinterpret_cast<const char*>(vp.data() + k0), kld * 4, dim / 32,
+                          16 * kld * 4, dprobs, kBlock * 4);
+            // the probabilities recomputed in base 2 (as forward's), and the scores'
+            // gradients p (dp - delta) scale, the scale applied to dp - delta
+            for (int r = 0; r < kBlock; ++r) {
+              const __m512 shift = _mm512_set1_ps(lse[bh * seq + q0 + r] * kLog2e);
+              const __m512 dl = _mm512_set1_ps(delta[q0 + r] * scale);
+              __m512 x0 = _mm512_fmsub_ps(_mm512_load_ps(scores + r * kBlock), vscale2, shift);
+              __m512 x1 = _mm512_fmsub_ps(_mm512_load_ps(scores + r * kBlock + 16), vscale2, shift);
+              if (k0 == q0) hide_unseen(x0, x1, r);
+              __m512 p0 = exp2_shifted16(x0), p1 = exp2_shifted16(x1);
+              round_to_bf16(p0, p1, probs + r * kBlock);
+              const __m512 dp0 = _mm512_fmsub_ps(_mm512_load_ps(dprobs + r * kBlock), vscale, dl);
+              const __m512 dp1 =
+                  _mm512_fmsub_ps(_mm512_load_ps(dprobs + r * kBlock + 16), vscale, dl);
+              __m512 ds0 = _mm512_mul_ps(p0, dp0);
+              __m512 ds1 = _mm512_mul_ps(p1, dp1);
+              round_to_bf16(ds0, ds1, ds + r * wld);
+            }
+            const int64_t j = (q0 - k0) / kBlock;
+            interleave_row_pairs(probs, kBlock, probs_pairs.data() + j * kBlock * kBlock);
+            interleave_row_pairs(ds, wld, dscores_pairs.data() + j * kBlock * kBlock);
           }
-          const int64_t j = (q0 - k0) / kBlock;
-          interleave_row_pairs(probs, probs_pairs.data() + j * kBlock * kBlock);
-          interleave_row_pairs(dscores, dscores_pairs.data() + j * kBlock * kBlock);
-          // dq += dscores k
-          const char* kb = reinterpret_cast<const char*>(kr.data() + (k0 / 2) * 2 * dim);
+          // the key block's gradients, transposed ([dim][32]), over all its query blocks:
+          // dv^T = grad^T probs, dk^T = q^T dscores
+          const int64_t blocks = (seq - k0) / kBlock;
+          for (int64_t d = 0; d < dim; d += 32) {
+            tiles_product(gt.data() + d * tld + k0, tld * 2,
+                          reinterpret_cast<const char*>(probs_pairs.data()), 128, blocks,
+                          kBlock * kBlock * 2, dvt.data() + d * kBlock, kBlock * 4);
+            tiles_product(qt.data() + d * tld + k0, tld * 2,
+                          reinterpret_cast<const char*>(dscores_pairs.data()), 128, blocks,
+                          kBlock * kBlock * 2, dkt.data() + d * kBlock, kBlock * 4);
+          }
+          // the key block's rows, from the transposed sums
+          for (int64_t d0 = 0; d0 < dim; d0 += 16)
+            for (int j0 = 0; j0 < kBlock; j0 += 16) {
+              __m512i rk[16], rv[16];
+              for (int i = 0; i < 16; ++i) {
+                rk[i] = _mm512_loadu_si512(dkt.data() + (d0 + i) * kBlock + j0);
+                rv[i] = _mm512_loadu_si512(dvt.data() + (d0 + i) * kBlock + j0);
+              }
+              transpose16(rk);
+              transpose16(rv);
+              for (int j = 0; j < 16; ++j) {
+                const int64_t at = (bh * seq + k0 + j0 + j) * dim + d0;
+                store_bf16(dk + at, _mm512_castsi512_ps(rk[j]));
+                store_bf16(dv + at, _mm512_castsi512_ps(rv[j]));
+              }
+            }
+        }
+        // dq += dscores k over the band's keys (up to the diagonal): the first band's sums
+        // start each query's, the others' are added
+        const char* kb = reinterpret_cast<const char*>(kr.data() + (band / 2) * 2 * dim);
+        for (int64_t q0 = band; q0 < seq; q0 += kBlock) {
+          const int64_t steps = (std::min(q0 + kBlock, band_end) - band) / kBlock;
           for (int64_t d = 0; d < dim; d += 32)
-            tiles_product(dscores, 64, kb + 4 * d, dim * 4, 1, 0, dqacc.data() + q0 * dim + d,
-                          dim * 4, true);
+            tiles_product(dscores.data() + q0 * wld, wld * 2, kb + 4 * d, dim * 4, steps,
+                          16 * dim * 4, dqacc.data() + q0 * dim + d, dim * 4, band > 0);
         }
-        // the key block's gradients, transposed ([dim][32]), over all its query blocks:
-        // dv^T = grad^T probs, dk^T = q^T dscores
-        const int64_t blocks = (seq - k0) / kBlock;
-        for (int64_t d = 0; d < dim; d += 32) {
-          tiles_product(gt.data() + d * tld + k0, tld * 2,
-                        reinterpret_cast<const char*>(probs_pairs.data()), 128, blocks,
-                        kBlock * kBlock * 2, dvt.data() + d * kBlock, kBlock * 4);
-          tiles_product(qt.data() + d * tld + k0, tld * 2,
-                        reinterpret_cast<const char*>(dscores_pairs.data()), 128, blocks,
-                        kBlock * kBlock * 2, dkt.data() + d * kBlock, kBlock * 4);
-        }
-        // the key block's rows, from the transposed sums
-        for (int64_t d0 = 0; d0 < dim; d0 += 16)
-          for (int j0 = 0; j0 < kBlock; j0 += 16) {
-            __m512i rk[16], rv[16];
-            for (int i = 0; i < 16; ++i) {
-              rk[i] = _mm512_loadu_si512(dkt.data() + (d0 + i) * kBlock + j0);
-              rv[i] = _mm512_loadu_si512(dvt.data() + (d0 + i) * kBlock + j0);
-            }
-            transpose16(rk);
-            transpose16(rv);
-            for (int j = 0; j < 16; ++j) {
-              const int64_t at = (bh * seq + k0 + j0 + j) * dim + d0;
-              store_bf16(dk + at, _mm512_castsi512_ps(rk[j]));
-              store_bf16(dv + at, _mm512_castsi512_ps(rv[j]));
-            }
-          }
       }
       for (size_t i = 0; i < n; i += 16)
         store_bf16(dq + bh * seq * dim + i, _mm512_loadu_ps(dqacc.data() + i));

@@ -61,11 +61,12 @@ class AttentionMask:
 
     Note: forward + backward on a 2-core Intel Xeon with AMX
     (``benchmarks/test_bench_train_step.py::test_attention_kernels``, fastest of 9 rounds),
-    the AMX attention against torch's flash kernel: 10.7 against 25.8 ms at 4 x 8 heads x
-    512 x 64, 16.8 against 35.6 at 2 x 8 x 1,024 x 64, 26.7 against 52.0 at 1 x 8 x 2,048 x
-    64 and 47.6 against 65.0 at 1 x 8 x 2,048 x 128. The fp32 flash kernel there (hlat-model
-    0.18, another day), against torch's fp32 flash kernel in the same rounds: 18.5 against
-    34.6 ms, 33.8 against 46.7, 63.6 against 75.1 and 123.3 against 133.3 at those shapes.
+    the AMX attention against torch's flash kernel (hlat-model 0.20): 10.4 against 33.0 ms at
+    4 x 8 heads x 512 x 64, 14.4 against 36.3 at 2 x 8 x 1,024 x 64, 24.4 against 55.4 at
+    1 x 8 x 2,048 x 64 and 44.6 against 74.0 at 1 x 8 x 2,048 x 128. The fp32 flash kernel
+    there (hlat-model 0.18, another day), against torch's fp32 flash kernel in the same
+    rounds: 18.5 against 34.6 ms, 33.8 against 46.7, 63.6 against 75.1 and 123.3 against
+    133.3 at those shapes.
     """
 
     def __init__(

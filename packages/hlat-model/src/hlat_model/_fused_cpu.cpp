@@ -500,6 +500,17 @@ void transpose_u32(const u32* src, int64_t ld, int64_t rows, int64_t cols, u32* 
     }
 }
 
+// exp(r) for |r| <= ln(2) / 2 on 16 lanes, by exp_fast's (Cephes') polynomial.
+inline __m512 exp_reduced16(__m512 r) {
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  return _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+}
+
 // exp_fast on 16 lanes (scalef for 2^n).
 inline __m512 exp16(__m512 x) {
   const __m512 c =
@@ -509,14 +520,7 @@ inline __m512 exp16(__m512 x) {
       _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), c);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y =
-      _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  const __m512 y = exp_reduced16(r);
   __m512 e = _mm512_scalef_ps(y, n);
   e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.4f), _CMP_LT_OQ), e,
                            _mm512_setzero_ps());
@@ -526,24 +530,16 @@ inline __m512 exp16(__m512 x) {
 }
 
 // 2^t on 16 lanes where t is a softmax's shifted score in base 2 (at most about 0: the
-// row's largest score is subtracted), as exp16's polynomial computes it, in about half its
-// instructions: no clamp above (2^t overflows to inf through scalef), and 0 below t = -125
-// (2^t there is under 2.4e-38; lower t would make denormals, slow to compute). -inf (a
-// hidden key) gives 0; NaN stays NaN (the unordered comparison keeps it, and max returns
-// its second operand).
+// row's largest score is subtracted), by exp16's polynomial in about half its instructions:
+// no clamp above (2^t overflows to inf through scalef), and 0 below t = -125 (2^t there is
+// under 2.4e-38; lower t would make denormals, slow to compute). -inf (a hidden key) gives
+// 0; NaN stays NaN (the unordered comparison keeps it, and max returns its second operand).
 inline __m512 exp2_shifted16(__m512 t) {
   const __mmask16 kept = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.f), _CMP_NLT_US);
   t = _mm512_max_ps(_mm512_set1_ps(-125.f), t);
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945f));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y =
-      _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  const __m512 y = exp_reduced16(r);
   return _mm512_maskz_scalef_ps(kept, y, n);
 }
 

@@ -477,6 +477,19 @@ def test_fused_head_against_logits(benchmark, shape, dtype):
     print(f"\n[{shape} {dtype} head + loss] {benchmark.extra_info}")
 
 
+def _alternating(benchmark, ours, theirs) -> tuple[float, float, str]:
+    """``ours`` timed by ``benchmark`` (``3 * ROUNDS`` rounds) and ``theirs`` in each round's
+    setup, so the two alternate, after one call of each: the medians of both (seconds) and
+    in how many rounds ours was faster."""
+    ours(), theirs()
+    peer: list[float] = []
+    benchmark.pedantic(
+        ours, setup=lambda: peer.append(_timed(theirs)), rounds=3 * ROUNDS, iterations=1
+    )
+    faster = sum(t > o for t, o in zip(peer, benchmark.stats.stats.data, strict=True))
+    return benchmark.stats.stats.median, statistics.median(peer), f"{faster} of {len(peer)}"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_head_in_the_model_step(benchmark, dtype):
     """The model's training step with its LM head and loss fused (where
@@ -495,13 +508,7 @@ def test_fused_head_in_the_model_step(benchmark, dtype):
         finally:
             hook.remove()
 
-    step(), through_logits()
-    peer: list[float] = []
-    benchmark.pedantic(
-        step, setup=lambda: peer.append(_timed(through_logits)), rounds=3 * ROUNDS, iterations=1
-    )
-    ours, theirs = benchmark.stats.stats.median, statistics.median(peer)
-    faster = sum(t > o for t, o in zip(peer, benchmark.stats.stats.data, strict=True))
+    ours, theirs, faster = _alternating(benchmark, step, through_logits)
     benchmark.extra_info.update(
         fused_path=fuses_head(
             torch.empty(1, config.dim, dtype=DTYPES[dtype]), model.lm_head.weight
@@ -509,9 +516,81 @@ def test_fused_head_in_the_model_step(benchmark, dtype):
         fused_step_ms=round(ours * 1e3, 1),
         through_logits_step_ms=round(theirs * 1e3, 1),
         speedup=round(theirs / ours, 3),
-        fused_faster_in=f"{faster} of {len(peer)}",
+        fused_faster_in=faster,
     )
     print(f"\n[{dtype} model step, head fused] {benchmark.extra_info}")
+
+
+def _rope_attention_or_skip() -> None:
+    from hlat_model.attention import amx_attention_reason
+
+    reason = amx_attention_reason()
+    if reason is not None:
+        pytest.skip(f"the fused RoPE attention runs on the AMX attention kernel: {reason}")
+
+
+def test_rope_attention_against_heads_and_flash(benchmark):
+    """One layer's head split, RoPE and causal attention, forward + backward, at the model's
+    shape in bf16: :func:`hlat_model.attention.rope_flash_attention` (one kernel reading the
+    fused product) against the RoPE head split and then the AMX attention, in the same
+    rounds (CPUs with AMX only)."""
+    _rope_attention_or_skip()
+    from hlat_model.attention import blocked_causal_attention, rope_flash_attention
+    from hlat_model.model import _HeadsWithRope, rope_cos_sin
+
+    torch.manual_seed(0)
+    heads, head_dim = CONFIG["n_heads"], CONFIG["dim"] // CONFIG["n_heads"]
+    qkv = torch.randn(BATCH, SEQ, heads, 3, head_dim, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = rope_cos_sin(torch.arange(SEQ)[None], head_dim, 10000.0)
+    grad = torch.randn(BATCH, heads, SEQ, head_dim, dtype=torch.bfloat16)
+
+    def fused() -> None:
+        rope_flash_attention(qkv, cos, sin).backward(grad)
+        qkv.grad = None
+
+    def two_steps() -> None:
+        blocked_causal_attention(*_HeadsWithRope.apply(qkv, cos, sin)).backward(grad)
+        qkv.grad = None
+
+    fused(), two_steps()
+    peer: list[float] = []
+    benchmark.pedantic(
+        fused, setup=lambda: peer.append(_timed(two_steps)), rounds=3 * ROUNDS, iterations=1
+    )
+    ours = benchmark.stats.stats.min
+    benchmark.extra_info.update(
+        fused_ms=round(ours * 1e3, 2),
+        two_steps_ms=round(min(peer) * 1e3, 2),
+        speedup=round(min(peer) / ours, 3),
+    )
+    print(f"\n[bf16 rope + attention, one layer] {benchmark.extra_info}")
+
+
+def test_rope_attention_in_the_model_step(benchmark, monkeypatch):
+    """The bf16 model step with the fused RoPE attention against the same step with the head
+    split and the attention kernel apart, in alternating steps of the same model (CPUs with
+    AMX only)."""
+    _rope_attention_or_skip()
+    import hlat_model.model as model_module
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**CONFIG)
+    model = Llama(config).to(torch.bfloat16)
+    step = _model_step(model, torch.randint(0, config.vocab_size, (BATCH, SEQ + 1)))
+
+    def two_steps() -> None:
+        with monkeypatch.context() as apart:
+            apart.setattr(model_module, "rope_flash_attention_fits", lambda *args: False)
+            step()
+
+    ours, theirs, faster = _alternating(benchmark, step, two_steps)
+    benchmark.extra_info.update(
+        fused_step_ms=round(ours * 1e3, 1),
+        two_steps_step_ms=round(theirs * 1e3, 1),
+        speedup=round(theirs / ours, 3),
+        fused_faster_in=faster,
+    )
+    print(f"\n[bf16 model step, rope attention] {benchmark.extra_info}")
 
 
 def test_linear_paths_against_the_cpu_rule(benchmark):
@@ -633,3 +712,66 @@ def test_fused_cpu_kernels(benchmark, dtype, monkeypatch):
     )
     _native.reset()
     print(f"\n[{dtype} fused CPU kernels] {benchmark.extra_info}")
+
+
+FLUSH_BYTES = 256 * 2**20
+"""A pass over this much memory before a call evicts its operands from the caches."""
+
+
+def test_elementwise_kernels_warm_and_flushed(benchmark):
+    """The fused kernels between the model's products (SwiGLU and RMSNorm, forward and
+    backward, bf16, at the model's shapes) with their operands in the caches (the call
+    repeated) and after a pass over :data:`FLUSH_BYTES` (as inside the training step, where
+    each activation comes back from memory), beside a copy of SwiGLU's input (11 MiB) into
+    an existing tensor on one thread and on all of them: what the passes between the
+    products cost at this machine's memory rate. The benchmark's own figure is the warm
+    SwiGLU forward; the rest are medians of 20 calls each."""
+    from hlat_model import _native
+
+    lib = _native.load()
+    if lib is None:
+        pytest.skip(f"no fused CPU kernels: {_native.unavailable_reason()}")
+    torch.manual_seed(0)
+    bf16 = torch.bfloat16
+    gate_up = torch.randn(BATCH * SEQ, 2 * CONFIG["ffn_dim"], dtype=bf16)
+    grad_h = torch.randn(BATCH * SEQ, CONFIG["ffn_dim"], dtype=bf16)
+    x = torch.randn(BATCH * SEQ, CONFIG["dim"], dtype=bf16)
+    weight, grad_x = torch.ones(CONFIG["dim"], dtype=bf16), torch.randn_like(x)
+    rstd = _native.rms_norm_forward(lib, x, weight, 1e-5)[1]
+    copy = torch.empty_like(gate_up)
+    flush = torch.zeros(FLUSH_BYTES // 4)
+    calls = {
+        "swiglu_forward": lambda: _native.swiglu_forward(lib, gate_up, True),
+        "swiglu_backward": lambda: _native.swiglu_backward(lib, grad_h, gate_up, True),
+        "rms_norm_forward": lambda: _native.rms_norm_forward(lib, x, weight, 1e-5),
+        "rms_norm_backward": lambda: _native.rms_norm_backward(lib, grad_x, x, weight, rstd),
+        "copy": lambda: copy.copy_(gate_up),
+    }
+
+    def median_ms(fn, flushed: bool) -> float:
+        times = []
+        for _ in range(20):
+            if flushed:
+                flush.add_(1.0)
+            times.append(_timed(fn))
+        return round(statistics.median(times) * 1e3, 3)
+
+    threads = torch.get_num_threads()
+    figures: dict[str, float] = {}
+    for name, fn in calls.items():
+        fn()
+        figures[f"{name}_warm_ms"] = median_ms(fn, False)
+        figures[f"{name}_flushed_ms"] = median_ms(fn, True)
+    try:
+        torch.set_num_threads(1)
+        figures["copy_one_thread_warm_ms"] = median_ms(calls["copy"], False)
+        figures["copy_one_thread_flushed_ms"] = median_ms(calls["copy"], True)
+    finally:
+        torch.set_num_threads(threads)
+    moved = 2 * gate_up.numel() * gate_up.element_size()  # read and written
+    figures["flushed_copy_gb_per_s_per_thread"] = round(
+        moved / figures["copy_one_thread_flushed_ms"] / 1e6, 1
+    )
+    benchmark.pedantic(calls["swiglu_forward"], rounds=3 * ROUNDS, iterations=1)
+    benchmark.extra_info.update(threads=threads, **figures)
+    print(f"\n[bf16 kernels, warm and flushed] {benchmark.extra_info}")

@@ -11,6 +11,24 @@ def _deterministic():
 
 
 @pytest.fixture
+def one_and_many_threads():
+    """A function giving ``fn()`` run with one thread and with at least two (torch's thread
+    count restored after)."""
+
+    def run(fn):
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = fn()
+            torch.set_num_threads(max(2, threads))
+            return one, fn()
+        finally:
+            torch.set_num_threads(threads)
+
+    return run
+
+
+@pytest.fixture
 def saved_for_backward():
     """A context manager that lists the tensors autograd saves for backward inside it."""
 

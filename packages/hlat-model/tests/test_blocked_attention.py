@@ -556,17 +556,10 @@ def test_flash_runs_where_it_should_and_keeps_only_linear_memory(flash, saved_fo
     assert not attention_module._on_flash_kernel(q, k.to(other), v)
 
 
-def test_flash_results_do_not_depend_on_the_thread_count(flash):
+def test_flash_results_do_not_depend_on_the_thread_count(flash, one_and_many_threads):
     """Each (batch, head) runs whole on one thread: bit for bit the same with 1 thread."""
     q, k, v, grad = _inputs(2, 4, 4, 256, 64, flash)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _run(blocked_causal_attention, q, k, v, grad)
-        torch.set_num_threads(max(2, threads))
-        many = _run(blocked_causal_attention, q, k, v, grad)
-    finally:
-        torch.set_num_threads(threads)
+    one, many = one_and_many_threads(lambda: _run(blocked_causal_attention, q, k, v, grad))
     for a, b in zip(one, many, strict=True):
         assert torch.equal(a, b)
 

@@ -1,14 +1,16 @@
 // Fused CPU kernels of hlat_model: RMSNorm, SwiGLU, the RoPE head split, the cross entropy
 // of rows of logits and blocked attention's softmax, forward and backward, each one pass over
 // its rows where torch's eager operators make one pass per operation; and causal attention
-// flash style (bf16 on AMX tiles, fp32 on AVX-512), written with intrinsics.
+// flash style (bf16 on AMX tiles, fp32 on AVX-512), written with intrinsics, the AMX one also
+// reading q, k and v from the fused qkv product with RoPE applied as it reads them.
 //
 // Built on first use by hlat_model._native (the host compiler, -O3 -march=native) and called
 // through ctypes on the raw data of contiguous fp32 or bf16 tensors. All arithmetic is fp32;
 // bf16 values are widened by a shift and narrowed once, round to nearest even (NaN stays NaN),
-// as torch rounds. Loops are plain C++ that the compiler vectorises; reductions keep 16
-// partial sums, combined in a fixed order, so results do not depend on the thread count
-// (the weight gradient of RMSNorm sums per-part partials, parts fixed by the caller).
+// as torch rounds. Loops are plain C++ that the compiler vectorises, or written with its
+// 16-lane vector types where it would not; reductions keep 16 partial sums, combined in a
+// fixed order, so results do not depend on the thread count (the weight gradient of RMSNorm
+// sums per-part partials, parts fixed by the caller).
 
 #include <algorithm>
 #include <cmath>
@@ -223,8 +225,8 @@ struct Heads {
 };
 
 // dst = rotate(src) by (c, sign * s); in place of each other's halves, as apply_rope.
-template <typename T>
-inline void rotate(const T* __restrict src, T* __restrict dst, const float* __restrict c,
+template <typename S, typename D>
+inline void rotate(const S* __restrict src, D* __restrict dst, const float* __restrict c,
                    const float* __restrict s, float sign, int64_t half) {
   for (int64_t i = 0; i < half; ++i) {
     const float x1 = load(src, i), x2 = load(src, i + half), sn = sign * s[i];
@@ -279,10 +281,15 @@ void rope_heads(const Heads& h, T* fused, T* q, T* k, T* v, const float* cos, co
 // Cross entropy of rows of logits against target columns (a target < 0 or >= vocab: the
 // row is ignored by the caller; its picked logit is 0).
 
-// The largest element of a row (NaN is skipped here and comes back through the sum of
-// exponentials). Written with the compiler's vector types: its vectoriser leaves a maximum
-// over lanes written as scalars unvectorised.
+// Written with the compiler's vector types (16 lanes: one AVX-512 register, two AVX2 ones;
+// the same operations in the same order on every target): its vectoriser leaves a maximum or
+// a sum over lanes written as scalars unvectorised, or half as wide.
 using f32x16 = float __attribute__((vector_size(64)));
+using u32x16 = u32 __attribute__((vector_size(64)));
+using i32x16 = int32_t __attribute__((vector_size(64)));
+using u16x16 = u16 __attribute__((vector_size(32)));
+
+inline f32x16 splat(float v) { return f32x16{} + v; }
 
 inline f32x16 load16(const float* p) {
   f32x16 v;
@@ -290,16 +297,51 @@ inline f32x16 load16(const float* p) {
   return v;
 }
 inline f32x16 load16(const u16* p) {
-  using u16x16 = u16 __attribute__((vector_size(32)));
-  using u32x16 = u32 __attribute__((vector_size(64)));
   u16x16 h;
   std::memcpy(&h, p, sizeof(h));
-  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-  f32x16 v;
-  std::memcpy(&v, &w, sizeof(v));
-  return v;
+  return same_bits<f32x16>(__builtin_convertvector(h, u32x16) << 16);
+}
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+// to_bf16 on 16 lanes: nearest even, NaN to the quiet NaN.
+inline void store16(u16* p, f32x16 v) {
+  const u32x16 b = same_bits<u32x16>(v);
+  const u32x16 rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+  const u32x16 bits = (b & 0x7FFFFFFFu) > 0x7F800000u ? u32x16{} + 0x7FC0u : rounded;
+  const u16x16 h = __builtin_convertvector(bits, u16x16);
+  std::memcpy(p, &h, sizeof(h));
 }
 
+// Lanes summed in a fixed order (pairwise).
+inline float lane_sum(f32x16 v) {
+  float half[8];
+  for (int l = 0; l < 8; ++l) half[l] = v[l] + v[l + 8];
+  for (int l = 0; l < 4; ++l) half[l] += half[l + 4];
+  return (half[0] + half[2]) + (half[1] + half[3]);
+}
+
+// exp_fast on 16 lanes: its steps, with n rounded to nearest by adding and subtracting
+// 1.5 * 2^23 (floor(x + 0.5) but at ties, where either n is as good).
+inline f32x16 exp16v(f32x16 x) {
+  f32x16 c = x > 88.0f ? splat(88.0f) : x;
+  c = c < -87.0f ? splat(-87.0f) : c;
+  const f32x16 shifter = splat(12582912.0f);
+  const f32x16 n = (c * 1.44269504088896341f + shifter) - shifter;
+  f32x16 r = c - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  f32x16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const i32x16 scale = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  f32x16 e = (p * r * r + r + 1.0f) * same_bits<f32x16>(scale);
+  e = x < -87.4f ? f32x16{} : e;
+  return x > 88.72f ? splat(INFINITY) : e;
+}
+
+// The largest element of a row (NaN is skipped here and comes back through the sum of
+// exponentials).
 template <typename T>
 float row_max(const T* __restrict x, int64_t n) {
   f32x16 m = {};
@@ -315,16 +357,31 @@ float row_max(const T* __restrict x, int64_t n) {
   return best;
 }
 
+// The sum of exp(x - shift) over a row, each exponential also written to `keep` where given.
 template <typename T>
-float sum_exp(const T* __restrict x, int64_t n, float shift) {
-  float lanes[kLanes] = {};
+float sum_exp(const T* __restrict x, int64_t n, float shift, float* __restrict keep = nullptr) {
+  f32x16 a = {}, b = {};  // two chains of sums
   int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    for (int l = 0; l < kLanes; ++l) lanes[l] += exp_fast(load(x, j + l) - shift);
+  for (; j + 2 * kLanes <= n; j += 2 * kLanes) {
+    const f32x16 u = exp16v(load16(x + j) - shift), v = exp16v(load16(x + j + kLanes) - shift);
+    if (keep != nullptr) {
+      store16(keep + j, u);
+      store16(keep + j + kLanes, v);
+    }
+    a += u;
+    b += v;
   }
-  float s = 0.f;
-  for (int l = 0; l < kLanes; ++l) s += lanes[l];
-  for (; j < n; ++j) s += exp_fast(load(x, j) - shift);
+  for (; j + kLanes <= n; j += kLanes) {
+    const f32x16 u = exp16v(load16(x + j) - shift);
+    if (keep != nullptr) store16(keep + j, u);
+    a += u;
+  }
+  float s = lane_sum(a + b);
+  for (; j < n; ++j) {
+    const float u = exp_fast(load(x, j) - shift);
+    if (keep != nullptr) keep[j] = u;
+    s += u;
+  }
   return s;
 }
 
@@ -334,20 +391,27 @@ float sum_exp(const T* __restrict x, int64_t n, float shift) {
 template <typename T>
 void xent_forward(T* logits, int64_t rows, int64_t vocab, const int64_t* targets, float* lse,
                   float* picked, const float* grad_scale, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-  for (int64_t r = 0; r < rows; ++r) {
-    T* __restrict x = logits + r * vocab;
-    const int64_t t = targets[r];
-    const bool counted = t >= 0 && t < vocab;
-    const float m = row_max(x, vocab);
-    const float s = sum_exp(x, vocab, m);
-    const float target_logit = counted ? load(x, t) : 0.f;
-    lse[r] = std::log(s) + m;
-    picked[r] = target_logit;
-    if (grad_scale != nullptr) {
-      const float c = grad_scale[r], inv = 1.f / s;
-      for (int64_t j = 0; j < vocab; ++j) store(x, j, exp_fast(load(x, j) - m) * inv * c);
-      if (counted) store(x, t, (exp_fast(target_logit - m) * inv - 1.f) * c);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    // a row's exponentials, computed once for its sum and kept for its gradient
+    std::vector<float> e(grad_scale != nullptr ? static_cast<size_t>(vocab) : 0);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      T* __restrict x = logits + r * vocab;
+      const int64_t t = targets[r];
+      const bool counted = t >= 0 && t < vocab;
+      const float m = row_max(x, vocab);
+      const float s = sum_exp(x, vocab, m, grad_scale != nullptr ? e.data() : nullptr);
+      const float target_logit = counted ? load(x, t) : 0.f;
+      lse[r] = std::log(s) + m;
+      picked[r] = target_logit;
+      if (grad_scale != nullptr) {
+        const float c = grad_scale[r], inv = 1.f / s;
+        int64_t j = 0;
+        for (; j + kLanes <= vocab; j += kLanes) store16(x + j, load16(e.data() + j) * inv * c);
+        for (; j < vocab; ++j) store(x, j, e[j] * inv * c);
+        if (counted) store(x, t, (e[t] * inv - 1.f) * c);
+      }
     }
   }
 }
@@ -362,7 +426,9 @@ void xent_backward(const T* logits, int64_t rows, int64_t vocab, const int64_t* 
     T* __restrict g = grad + r * vocab;
     const float l = lse[r], c = scale[r];
     const int64_t t = targets[r];
-    for (int64_t j = 0; j < vocab; ++j) store(g, j, exp_fast(load(x, j) - l) * c);
+    int64_t j = 0;
+    for (; j + kLanes <= vocab; j += kLanes) store16(g + j, exp16v(load16(x + j) - l) * c);
+    for (; j < vocab; ++j) store(g, j, exp_fast(load(x, j) - l) * c);
     if (t >= 0 && t < vocab) store(g, t, (exp_fast(load(x, t) - l) - 1.f) * c);
   }
 }
@@ -393,23 +459,10 @@ void attn_softmax(T* scores, int64_t blocks, int64_t rows, int64_t width, int64_
       T* __restrict x = scores + r * width;
       const int64_t seen = seen_keys(r, rows, width, first);
       const float m = row_max(x, seen);
-      float lanes[kLanes] = {};
+      const float inv = 1.f / sum_exp(x, seen, m, e);
       int64_t j = 0;
-      for (; j + kLanes <= seen; j += kLanes) {
-        for (int l = 0; l < kLanes; ++l) {
-          const float v = exp_fast(load(x, j + l) - m);
-          e[j + l] = v;
-          lanes[l] += v;
-        }
-      }
-      float s = 0.f;
-      for (int l = 0; l < kLanes; ++l) s += lanes[l];
-      for (; j < seen; ++j) {
-        e[j] = exp_fast(load(x, j) - m);
-        s += e[j];
-      }
-      const float inv = 1.f / s;
-      for (j = 0; j < seen; ++j) store(x, j, e[j] * inv);
+      for (; j + kLanes <= seen; j += kLanes) store16(x + j, load16(e + j) * inv);
+      for (; j < seen; ++j) store(x, j, e[j] * inv);
       for (j = seen; j < width; ++j) store(x, j, 0.f);
     }
   }
@@ -744,11 +797,48 @@ void softmax_rows(const float* scores, int64_t ld, int64_t keys, float scale, u1
   }
 }
 
-// q, k, v: [batch * heads][seq][dim]; out row (b, h, s) at out + b * ob + h * oh + s * os;
-// lse [batch * heads][seq] fp32. seq and dim multiples of 32.
-void amx_attention_forward(const u16* q, const u16* k, const u16* v, u16* out, int64_t ob,
-                           int64_t oh, int64_t os, float* lse, int64_t batch, int64_t heads,
-                           int64_t seq, int64_t dim, float scale, int threads) {
+// Rows of one operand of attention: row (b, h, s) at base + b * batch + h * head + s * pos.
+template <typename T>
+struct Rows {
+  T* base;
+  int64_t batch, head, pos;
+  T* at(int64_t b, int64_t h) const { return base + b * batch + h * head; }
+};
+
+// RoPE's tables (rows of dim / 2 fp32 at cos + b * batch + s * pos, the same for sin),
+// applied to q and k as the kernels read them, and inversely to their gradients.
+struct Rope {
+  const float *cos, *sin;
+  int64_t batch, pos;
+  const float* cos_at(int64_t b, int64_t p) const { return cos + b * batch + p * pos; }
+  const float* sin_at(int64_t b, int64_t p) const { return sin + b * batch + p * pos; }
+};
+
+// The `rows` rows of src (pos elements apart) rotated by RoPE at positions first.. (forward
+// sign 1) into dst, rows dim apart; rounded once, as the RoPE head split rounds.
+void rotated_rows(const u16* src, int64_t pos, int64_t rows, int64_t dim, const Rope& rope,
+                  int64_t b, int64_t first, u16* dst) {
+  for (int64_t r = 0; r < rows; ++r)
+    rotate(src + r * pos, dst + r * dim, rope.cos_at(b, first + r), rope.sin_at(b, first + r),
+           1.f, dim / 2);
+}
+
+// A row of dim fp32 sums rounded to bf16 at dst, rotated back by RoPE at (b, s) (the
+// gradient of a rotated operand) where `rope` is given.
+void store_row(const float* src, int64_t dim, const Rope* rope, int64_t b, int64_t s,
+               u16* dst) {
+  if (rope != nullptr) {
+    rotate(src, dst, rope->cos_at(b, s), rope->sin_at(b, s), -1.f, dim / 2);
+    return;
+  }
+  for (int64_t d = 0; d < dim; d += 16) store_bf16(dst + d, _mm512_loadu_ps(src + d));
+}
+
+// Causal attention of q, k, v (as many heads each) into out's rows; lse [batch * heads][seq]
+// fp32. seq and dim multiples of 32. With `rope`, q and k are rotated as they are read.
+void amx_attention_forward(Rows<const u16> q, Rows<const u16> k, Rows<const u16> v,
+                           const Rope* rope, Rows<u16> out, float* lse, int64_t batch,
+                           int64_t heads, int64_t seq, int64_t dim, float scale, int threads) {
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     configure_tiles();
@@ -759,21 +849,38 @@ void amx_attention_forward(const u16* q, const u16* k, const u16* v, u16* out, i
     // a query block's scores against all its keys, and their probabilities
     std::vector<float> scores(static_cast<size_t>(kBlock * sld));
     std::vector<u16> probs(scores.size());
+    // with RoPE: the rotated keys, and a block of rotated queries
+    std::vector<u16> krot(rope ? static_cast<size_t>(seq * dim) : 0);
+    std::vector<u16> qrot(rope ? static_cast<size_t>(kBlock * dim) : 0);
     float inv[kBlock];
 #pragma omp for schedule(dynamic)
     for (int64_t bh = 0; bh < batch * heads; ++bh) {
-      const u16* qh = q + bh * seq * dim;
-      u16* outh = out + (bh / heads) * ob + (bh % heads) * oh;
-      pack_column_pairs(k + bh * seq * dim, dim, seq, dim, kp.data(), kld);
-      pack_row_pairs(v + bh * seq * dim, dim, seq, dim, vp.data());
+      const int64_t b = bh / heads, h = bh % heads;
+      const u16* qh = q.at(b, h);
+      const u16* kh = k.at(b, h);
+      int64_t kpos = k.pos;
+      if (rope) {
+        rotated_rows(kh, k.pos, seq, dim, *rope, b, 0, krot.data());
+        kh = krot.data();
+        kpos = dim;
+      }
+      u16* outh = out.at(b, h);
+      pack_column_pairs(kh, kpos, seq, dim, kp.data(), kld);
+      pack_row_pairs(v.at(b, h), v.pos, seq, dim, vp.data());
       const char* keys = reinterpret_cast<const char*>(kp.data());
       for (int64_t q0 = 0; q0 < seq; q0 += kBlock) {
         // keys 0 .. q0 + 31, the last block diagonal: scores, softmax, then the output's
         // products over all the keys at once (the sums stay in the tiles)
         const int64_t end = q0 + kBlock;
-        const u16* qb = qh + q0 * dim;
+        const u16* qb = qh + q0 * q.pos;
+        int64_t qpos = q.pos;
+        if (rope) {
+          rotated_rows(qb, q.pos, kBlock, dim, *rope, b, q0, qrot.data());
+          qb = qrot.data();
+          qpos = dim;
+        }
         for (int64_t k0 = 0; k0 < end; k0 += kBlock)
-          tiles_product(qb, dim * 2, keys + k0 * 4, kld * 4, dim / 32, 16 * kld * 4,
+          tiles_product(qb, qpos * 2, keys + k0 * 4, kld * 4, dim / 32, 16 * kld * 4,
                         scores.data() + k0, sld * 4);
         softmax_rows(scores.data(), sld, end, scale, probs.data(), lse + bh * seq + q0, inv);
         for (int64_t d = 0; d < dim; d += 32)
@@ -782,7 +889,7 @@ void amx_attention_forward(const u16* q, const u16* k, const u16* v, u16* out, i
         for (int r = 0; r < kBlock; ++r) {
           const __m512 scale_r = _mm512_set1_ps(inv[r]);
           const float* o = block.data() + r * dim;
-          u16* dst = outh + (q0 + r) * os;
+          u16* dst = outh + (q0 + r) * out.pos;
           for (int64_t d = 0; d < dim; d += 16)
             store_bf16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), scale_r));
         }
@@ -792,12 +899,11 @@ void amx_attention_forward(const u16* q, const u16* k, const u16* v, u16* out, i
   }
 }
 
-// The gradients of amx_attention_forward for q, k and v ([batch * heads][seq][dim] each),
-// from its output and lse and the output's gradient, rows (b, h, s) of out and grad at
-// base + b * xb + h * xh + s * xs.
-void amx_attention_backward(const u16* q, const u16* k, const u16* v, const u16* out,
-                            int64_t ob, int64_t oh, int64_t os, const u16* grad, int64_t gb,
-                            int64_t gh, int64_t gs, const float* lse, u16* dq, u16* dk, u16* dv,
+// The gradients of amx_attention_forward for q, k and v, into the rows of dq, dk and dv, from
+// its output and lse and the output's gradient; with `rope`, those of the unrotated q and k.
+void amx_attention_backward(Rows<const u16> q, Rows<const u16> k, Rows<const u16> v,
+                            const Rope* rope, Rows<const u16> out, Rows<const u16> grad,
+                            const float* lse, Rows<u16> dq, Rows<u16> dk, Rows<u16> dv,
                             int64_t batch, int64_t heads, int64_t seq, int64_t dim, float scale,
                             int threads) {
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -810,6 +916,10 @@ void amx_attention_backward(const u16* q, const u16* k, const u16* v, const u16*
     std::vector<u16> gt(static_cast<size_t>(tld * dim)), qt(gt.size());
     std::vector<float> delta(static_cast<size_t>(seq)), dqacc(n);
     std::vector<float> dkt(static_cast<size_t>(kBlock * dim)), dvt(dkt.size());
+    // a key block's key and value gradients, in rows (before rounding)
+    std::vector<float> dkrows(dkt.size()), dvrows(dkt.size());
+    // with RoPE: the rotated queries and keys
+    std::vector<u16> qrot(rope ? n : 0), krot(rope ? n : 0);
     // a key block's probabilities and score gradients against every query block, in the B
     // layout: its key and value gradients are then one product each, over all the queries
     std::vector<u16> probs_pairs(static_cast<size_t>(seq * kBlock)), dscores_pairs(probs_pairs.size());
@@ -826,10 +936,19 @@ void amx_attention_backward(const u16* q, const u16* k, const u16* v, const u16*
 #pragma omp for schedule(dynamic)
     for (int64_t bh = 0; bh < batch * heads; ++bh) {
       const int64_t b = bh / heads, h = bh % heads;
-      const u16* qh = q + bh * seq * dim;
-      const u16* kh = k + bh * seq * dim;
-      const u16* o = out + b * ob + h * oh;
-      const u16* gr = grad + b * gb + h * gh;
+      const u16* qh = q.at(b, h);
+      const u16* kh = k.at(b, h);
+      int64_t qpos = q.pos, kpos = k.pos;
+      if (rope) {
+        rotated_rows(qh, q.pos, seq, dim, *rope, b, 0, qrot.data());
+        rotated_rows(kh, k.pos, seq, dim, *rope, b, 0, krot.data());
+        qh = qrot.data();
+        kh = krot.data();
+        qpos = kpos = dim;
+      }
+      const u16* o = out.at(b, h);
+      const u16* gr = grad.at(b, h);
+      const int64_t os = out.pos, gs = grad.pos;
       // the output's gradient, dense, and delta = rowsum(grad * out)
       for (int64_t s = 0; s < seq; ++s) {
         __m512 sum = _mm512_setzero_ps();
@@ -839,17 +958,17 @@ void amx_attention_backward(const u16* q, const u16* k, const u16* v, const u16*
         }
         delta[s] = _mm512_reduce_add_ps(sum);
       }
-      pack_column_pairs(kh, dim, seq, dim, kp.data(), kld);
-      pack_column_pairs(v + bh * seq * dim, dim, seq, dim, vp.data(), kld);
+      pack_column_pairs(kh, kpos, seq, dim, kp.data(), kld);
+      pack_column_pairs(v.at(b, h), v.pos, seq, dim, vp.data(), kld);
       transpose_rows(g.data(), dim, seq, dim, scratch.data(), gt.data(), tld);
-      transpose_rows(qh, dim, seq, dim, scratch.data(), qt.data(), tld);
-      pack_row_pairs(kh, dim, seq, dim, kr.data());
+      transpose_rows(qh, qpos, seq, dim, scratch.data(), qt.data(), tld);
+      pack_row_pairs(kh, kpos, seq, dim, kr.data());
       for (int64_t band = 0; band < seq; band += kBand) {
         const int64_t band_end = std::min(band + kBand, seq);
         for (int64_t k0 = band; k0 < band_end; k0 += kBlock) {
           for (int64_t q0 = k0; q0 < seq; q0 += kBlock) {
             u16* ds = dscores.data() + q0 * wld + (k0 - band);
-            tiles_product(qh + q0 * dim, dim * 2, reinterpret_cast<const char*>(kp.data() + k0),
+            tiles_product(qh + q0 * qpos, qpos * 2, reinterpret_cast<const char*>(kp.data() + k0),
                           kld * 4, dim / 32, 16 * kld * 4, scores, kBlock * 4);
             tiles_product(g.data() + q0 * dim, dim * 2,
                           reinterpret_cast<const char*>(vp.data() + k0), kld * 4, dim / 32,
@@ -886,7 +1005,7 @@ void amx_attention_backward(const u16* q, const u16* k, const u16* v, const u16*
                           reinterpret_cast<const char*>(dscores_pairs.data()), 128, blocks,
                           kBlock * kBlock * 2, dkt.data() + d * kBlock, kBlock * 4);
           }
-          // the key block's rows, from the transposed sums
+          // the key block's rows, from the transposed sums, then rounded into dk and dv
           for (int64_t d0 = 0; d0 < dim; d0 += 16)
             for (int j0 = 0; j0 < kBlock; j0 += 16) {
               __m512i rk[16], rv[16];
@@ -897,11 +1016,16 @@ void amx_attention_backward(const u16* q, const u16* k, const u16* v, const u16*
               transpose16(rk);
               transpose16(rv);
               for (int j = 0; j < 16; ++j) {
-                const int64_t at = (bh * seq + k0 + j0 + j) * dim + d0;
-                store_bf16(dk + at, _mm512_castsi512_ps(rk[j]));
-                store_bf16(dv + at, _mm512_castsi512_ps(rv[j]));
+                const int64_t at = (j0 + j) * dim + d0;
+                _mm512_storeu_si512(dkrows.data() + at, rk[j]);
+                _mm512_storeu_si512(dvrows.data() + at, rv[j]);
               }
             }
+          for (int j = 0; j < kBlock; ++j) {
+            const int64_t s = k0 + j;
+            store_row(dkrows.data() + j * dim, dim, rope, b, s, dk.at(b, h) + s * dk.pos);
+            store_row(dvrows.data() + j * dim, dim, nullptr, b, s, dv.at(b, h) + s * dv.pos);
+          }
         }
         // dq += dscores k over the band's keys (up to the diagonal): the first band's sums
         // start each query's, the others' are added
@@ -913,8 +1037,8 @@ void amx_attention_backward(const u16* q, const u16* k, const u16* v, const u16*
                           16 * dim * 4, dqacc.data() + q0 * dim + d, dim * 4, band > 0);
         }
       }
-      for (size_t i = 0; i < n; i += 16)
-        store_bf16(dq + bh * seq * dim + i, _mm512_loadu_ps(dqacc.data() + i));
+      for (int64_t s = 0; s < seq; ++s)
+        store_row(dqacc.data() + s * dim, dim, rope, b, s, dq.at(b, h) + s * dq.pos);
     }
     _tile_release();
   }
@@ -1116,7 +1240,7 @@ void f32_attention_backward(const float* q, const float* k, const float* v, cons
 extern "C" {
 
 // Version of the entry points' signatures; the loader checks it.
-int hlat_model_abi(void) { return 9; }
+int hlat_model_abi(void) { return 10; }
 
 // `bf16`: 1 when every tensor argument is bf16 (held as uint16), 0 when fp32; rstd and part
 // are fp32. Rows are contiguous, `dim` (or 2 * `width`) elements each.
@@ -1283,9 +1407,12 @@ int hlat_attn_amx_forward(const void* q, const void* k, const void* v, void* out
                            int64_t seq, int64_t dim, float scale, int threads) {
   if (!hlat_attn_amx_ready()) return -1;
 #ifdef HLAT_AMX
-  amx_attention_forward(static_cast<const u16*>(q), static_cast<const u16*>(k),
-                        static_cast<const u16*>(v), static_cast<u16*>(out), ob, oh, os, lse,
-                        batch, heads, seq, dim, scale, threads);
+  const int64_t hs = seq * dim, bs = heads * hs;
+  amx_attention_forward({static_cast<const u16*>(q), bs, hs, dim},
+                        {static_cast<const u16*>(k), bs, hs, dim},
+                        {static_cast<const u16*>(v), bs, hs, dim}, nullptr,
+                        {static_cast<u16*>(out), ob, oh, os}, lse, batch, heads, seq, dim, scale,
+                        threads);
 #endif
   return 0;
 }
@@ -1298,11 +1425,59 @@ int hlat_attn_amx_backward(const void* q, const void* k, const void* v, const vo
                             float scale, int threads) {
   if (!hlat_attn_amx_ready()) return -1;
 #ifdef HLAT_AMX
-  amx_attention_backward(static_cast<const u16*>(q), static_cast<const u16*>(k),
-                         static_cast<const u16*>(v), static_cast<const u16*>(out), ob, oh, os,
-                         static_cast<const u16*>(grad), gb, gh, gs, lse, static_cast<u16*>(dq),
-                         static_cast<u16*>(dk), static_cast<u16*>(dv), batch, heads, seq, dim,
-                         scale, threads);
+  const int64_t hs = seq * dim, bs = heads * hs;
+  amx_attention_backward({static_cast<const u16*>(q), bs, hs, dim},
+                         {static_cast<const u16*>(k), bs, hs, dim},
+                         {static_cast<const u16*>(v), bs, hs, dim}, nullptr,
+                         {static_cast<const u16*>(out), ob, oh, os},
+                         {static_cast<const u16*>(grad), gb, gh, gs}, lse,
+                         {static_cast<u16*>(dq), bs, hs, dim}, {static_cast<u16*>(dk), bs, hs, dim},
+                         {static_cast<u16*>(dv), bs, hs, dim}, batch, heads, seq, dim, scale,
+                         threads);
+#endif
+  return 0;
+}
+
+// The AMX attention reading q, k and v from the fused product qkv [batch, seq, heads, 3, dim]
+// (each head's q, k and v rows side by side, heads side by side; batch and position any
+// strides), RoPE applied to q and k as they are read (tables as hlat_rope_heads's).
+// `table`: batch, seq, heads, dim, qkv's element strides over batch and position, and those
+// of cos and sin. Returns as hlat_attn_amx_forward.
+int hlat_attn_amx_rope_forward(const void* qkv, const int64_t* table, const float* cos,
+                                const float* sin, void* out, int64_t ob, int64_t oh, int64_t os,
+                                float* lse, float scale, int threads) {
+  if (!hlat_attn_amx_ready()) return -1;
+#ifdef HLAT_AMX
+  const int64_t batch = table[0], seq = table[1], heads = table[2], dim = table[3];
+  const int64_t bs = table[4], pos = table[5], hs = 3 * dim;
+  const u16* q = static_cast<const u16*>(qkv);
+  const Rope rope{cos, sin, table[6], table[7]};
+  amx_attention_forward({q, bs, hs, pos}, {q + dim, bs, hs, pos}, {q + 2 * dim, bs, hs, pos},
+                        &rope, {static_cast<u16*>(out), ob, oh, os}, lse, batch, heads, seq,
+                        dim, scale, threads);
+#endif
+  return 0;
+}
+
+// Its gradient for qkv (grad_qkv: the same strides), from its output, lse and the output's
+// gradient.
+int hlat_attn_amx_rope_backward(const void* qkv, const int64_t* table, const float* cos,
+                                 const float* sin, const void* out, int64_t ob, int64_t oh,
+                                 int64_t os, const void* grad, int64_t gb, int64_t gh,
+                                 int64_t gs, const float* lse, void* grad_qkv, float scale,
+                                 int threads) {
+  if (!hlat_attn_amx_ready()) return -1;
+#ifdef HLAT_AMX
+  const int64_t batch = table[0], seq = table[1], heads = table[2], dim = table[3];
+  const int64_t bs = table[4], pos = table[5], hs = 3 * dim;
+  const u16* q = static_cast<const u16*>(qkv);
+  u16* dq = static_cast<u16*>(grad_qkv);
+  const Rope rope{cos, sin, table[6], table[7]};
+  amx_attention_backward({q, bs, hs, pos}, {q + dim, bs, hs, pos}, {q + 2 * dim, bs, hs, pos},
+                         &rope, {static_cast<const u16*>(out), ob, oh, os},
+                         {static_cast<const u16*>(grad), gb, gh, gs}, lse, {dq, bs, hs, pos},
+                         {dq + dim, bs, hs, pos}, {dq + 2 * dim, bs, hs, pos}, batch, heads, seq,
+                         dim, scale, threads);
 #endif
   return 0;
 }

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).with_name("_fused_cpu.cpp")
-_ABI = 9
+_ABI = 10
 # -fno-trapping-math lets the compiler vectorise floor(); no -ffast-math: NaN and inf keep
 # their meaning.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
@@ -64,13 +64,19 @@ for _kind in ("amx", "f32"):
         + [_I64] * 4
         + [ctypes.c_float, _INT]
     )
+# the AMX kernel reading q, k and v from the fused product, RoPE applied as it reads them
+_SIGNATURES["hlat_attn_amx_rope_forward"] = [_P] * 5 + [_I64] * 3 + [_P, ctypes.c_float, _INT]
+_SIGNATURES["hlat_attn_amx_rope_backward"] = (
+    [_P] * 5 + [_I64] * 3 + [_P] + [_I64] * 3 + [_P, _P, ctypes.c_float, _INT]
+)
 _RETURNS: dict[str, type[ctypes.c_int64] | type[ctypes.c_int]] = {
     "hlat_xent_first_bad": ctypes.c_int64
 }
 _RETURNS.update(
     (f"hlat_attn_{kind}_{what}", _INT)
-    for kind in ("amx", "f32")
+    for kind in ("amx", "f32", "amx_rope")
     for what in ("ready", "forward", "backward")
+    if kind != "amx_rope" or what != "ready"
 )
 
 _PARTS = 64
@@ -502,6 +508,63 @@ def flash_attention_backward(
     if done != 0:
         raise RuntimeError(f"the {q.dtype} flash attention kernels cannot run here")
     return dq, dk, dv
+
+
+def _rope_attention_table(qkv: torch.Tensor, cos: torch.Tensor) -> ctypes.Array:
+    batch, seq, heads, _, head_dim = qkv.shape
+    cos_batch = cos.stride(0) if cos.shape[0] > 1 else 0
+    values = (batch, seq, heads, head_dim, qkv.stride(0), qkv.stride(1), cos_batch, cos.stride(1))
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+def rope_attention_forward(
+    lib: ctypes.CDLL, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of the q, k and v of a bf16 ``qkv`` [B, S, H, 3, D] (the fused
+    product, one key and value head per query head; S and D multiples of 32; dense over H,
+    3 and D, any strides over B and S: batch-first or sequence-first), RoPE
+    applied to q and k (tables as :func:`rope_heads_forward` reads them, which
+    :func:`rope_tables_usable` accepts): :func:`rope_heads_forward` and then
+    :func:`flash_attention_forward` in one kernel, on AMX tiles (only where
+    :func:`amx_attention_ready`). Returns what :func:`flash_attention_forward` does."""
+    batch, seq, heads, _, dim = qkv.shape
+    out = qkv.new_empty(batch, seq, heads, dim)
+    lse = qkv.new_empty(batch * heads, seq, dtype=torch.float32)
+    done = lib.hlat_attn_amx_rope_forward(
+        qkv.data_ptr(), _rope_attention_table(qkv, cos), cos.data_ptr(), sin.data_ptr(),
+        out.data_ptr(), *_row_strides(out, 1), lse.data_ptr(), dim**-0.5,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if done != 0:
+        raise RuntimeError("the AMX attention kernels cannot run here")
+    return out.transpose(1, 2), lse
+
+
+def rope_attention_backward(
+    lib: ctypes.CDLL,
+    grad: torch.Tensor,
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> torch.Tensor:
+    """The gradient of :func:`rope_attention_forward` for ``qkv`` (its layout), from its
+    output ``out`` and ``lse`` and the output's gradient ``grad`` ([B, H, S, D], any strides
+    with dense rows): the q and k gradients rotated back, each rounded once. It has
+    ``qkv``'s strides."""
+    dim = qkv.shape[-1]
+    if grad.stride(3) != 1:
+        grad = grad.contiguous()
+    grad_qkv = torch.empty_strided(qkv.shape, qkv.stride(), dtype=qkv.dtype)
+    done = lib.hlat_attn_amx_rope_backward(
+        qkv.data_ptr(), _rope_attention_table(qkv, cos), cos.data_ptr(), sin.data_ptr(),
+        out.data_ptr(), *_row_strides(out), grad.data_ptr(), *_row_strides(grad),
+        lse.data_ptr(), grad_qkv.data_ptr(), dim**-0.5, torch.get_num_threads(),
+    )  # fmt: skip
+    if done != 0:
+        raise RuntimeError("the AMX attention kernels cannot run here")
+    return grad_qkv
 
 
 def _row_strides(t: torch.Tensor, seq_dim: int = 2) -> tuple[int, int, int]:

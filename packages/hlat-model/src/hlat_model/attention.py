@@ -735,3 +735,72 @@ torch.library.register_autograd(
     _flash_attention_backward,
     setup_context=_flash_save_for_backward,
 )
+
+
+def rope_flash_attention_fits(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask
+) -> bool:
+    """Whether :func:`rope_flash_attention` takes the attention of this fused product ``qkv``
+    [B, S, H, 3, D] (one key and value head per query head) with these RoPE tables and
+    mask: plain causal attention that ``auto`` gave the flash kernels (``mask.flash``), bf16
+    on a CPU whose AMX attention runs (:func:`amx_attention_reason`), S and D multiples of
+    :data:`FLASH_BLOCK`, a plain CPU tensor computed op by op outside autocast, dense over
+    its last three dimensions (batch-first or sequence-first), and tables the kernel reads
+    (``hlat_model._native.rope_tables_usable``)."""
+    if qkv.dim() != 5:
+        return False
+    per_head, head_dim = qkv.shape[3:]
+    return (
+        getattr(mask, "flash", False)
+        and mask.backend == "causal"
+        and per_head == 3
+        and qkv.dtype == torch.bfloat16
+        and type(qkv) is torch.Tensor
+        and qkv.device.type == "cpu"
+        and qkv.stride()[2:] == (3 * head_dim, head_dim, 1)
+        and qkv.shape[1] % FLASH_BLOCK == 0
+        and head_dim % FLASH_BLOCK == 0
+        and not torch.compiler.is_compiling()
+        and not torch.is_autocast_enabled("cpu")
+        and _native.load() is not None
+        and _amx_attention()
+        and _native.rope_tables_usable(cos, sin, qkv.shape)
+    )
+
+
+class _RopeFlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
+        lib = _native.load()
+        assert lib is not None
+        out, lse = _native.rope_attention_forward(lib, qkv, cos, sin)
+        ctx.save_for_backward(qkv, cos, sin, out, lse)
+        ctx.lib = lib
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        qkv, cos, sin, out, lse = ctx.saved_tensors
+        return _native.rope_attention_backward(ctx.lib, grad, qkv, cos, sin, out, lse), None, None
+
+
+def rope_flash_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Causal attention of the heads of the fused product ``qkv`` [B, S, H, 3, D], RoPE
+    (``cos``, ``sin`` as :func:`hlat_model.model.rope_cos_sin` makes them) applied to q and
+    k: what splitting the heads with RoPE (``hlat_model.model._HeadsWithRope``) and then
+    :func:`blocked_causal_attention` compute, in one kernel on AMX tiles that reads q, k and
+    v where the product left them, rotating q and k as it reads them, and writes the
+    gradient into ``qkv``'s layout directly: no [B, H, S, D] copies of q, k and v forward,
+    nor of their gradients backward. Returns [B, H, S, D] (a view of a [B, S, H, D] tensor).
+    Only where :func:`rope_flash_attention_fits` says so.
+
+    Precision: the forward's numbers are those of the two steps (q and k rotated in fp32 and
+    rounded once, then the AMX kernel). Backward rotates the q and k gradients back from
+    their fp32 sums and rounds them once, where the two steps round the sums and then the
+    rotation: at least as close to float64 (tested).
+
+    Note: measured on a 2-core Intel Xeon with AMX, bf16, the benchmark model's attention
+    (4 x 512 tokens, 8 heads of 64, one layer's forward and backward): see
+    ``benchmarks/test_bench_train_step.py::test_rope_attention_against_heads_and_flash`` and
+    ``::test_rope_attention_in_the_model_step``."""
+    return _RopeFlashAttention.apply(qkv, cos, sin)

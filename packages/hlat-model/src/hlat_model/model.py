@@ -28,7 +28,13 @@ from torch.utils.checkpoint import checkpoint
 
 from hlat_model import _native
 from hlat_model._compiled_ops import compiled_cpu_kernels
-from hlat_model.attention import AttentionMask, attention, document_positions
+from hlat_model.attention import (
+    AttentionMask,
+    attention,
+    document_positions,
+    rope_flash_attention,
+    rope_flash_attention_fits,
+)
 from hlat_model.config import LlamaConfig
 from hlat_model.linear import Linear, linear, linear_permuted_rows
 from hlat_model.loss import cross_entropy_loss, eager_plain, fuses_head, linear_cross_entropy
@@ -321,6 +327,11 @@ class Attention(nn.Module):
     ``attend(q, k, v, mask)`` is the core attention function on [B, H, S, D] tensors
     (default :func:`hlat_model.attention.attention`); parallel wrappers may replace it, as
     context parallelism does to attend to keys and values gathered from other ranks.
+
+    With the default core and no selective checkpointing, eager bf16 attention that
+    :func:`hlat_model.attention.rope_flash_attention_fits` (CPUs with AMX, one key and value
+    head per query head) runs the head split, RoPE and the core as one kernel,
+    :func:`hlat_model.attention.rope_flash_attention`, on the fused product as it is.
     """
 
     def __init__(self, config: LlamaConfig):
@@ -342,6 +353,24 @@ class Attention(nn.Module):
             qkv = qkv.transpose(0, 1)
         batch, seq_len, _ = qkv.shape  # the full sequence, also when x is sequence-sharded
         qkv = qkv.reshape(batch, seq_len, -1, self.q_per_kv + 2, self.head_dim)
+        if (
+            self.attend is attention
+            and not self.selective
+            and eager_plain(qkv)
+            and rope_flash_attention_fits(qkv, cos, sin, mask)
+        ):
+            # the head split, RoPE and attention in one kernel (AMX CPUs)
+            out = rope_flash_attention(qkv, cos, sin)
+        else:
+            out = self._split_and_attend(qkv, cos, sin, mask)
+        out = out.permute(2, 0, 1, 3) if self.sequence_first else out.transpose(1, 2)
+        return self.o_proj(out.reshape(out.shape[0], out.shape[1], -1))
+
+    def _split_and_attend(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        """q, k and v out of the fused product ``qkv`` [B, S, G, P, D], RoPE applied, then
+        the core attention: [B, H, S, D]."""
         if eager_plain(qkv):
             q, k, v = _HeadsWithRope.apply(qkv, cos, sin)
         elif compiled_cpu_kernels(qkv) and _native.rope_tables_usable(cos, sin, qkv.shape):
@@ -354,11 +383,8 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.selective:
-            out = checkpoint(self.attend, q, k, v, mask, use_reentrant=False)
-        else:
-            out = self.attend(q, k, v, mask)
-        out = out.permute(2, 0, 1, 3) if self.sequence_first else out.transpose(1, 2)
-        return self.o_proj(out.reshape(out.shape[0], out.shape[1], -1))
+            return checkpoint(self.attend, q, k, v, mask, use_reentrant=False)
+        return self.attend(q, k, v, mask)
 
 
 class MLP(nn.Module):

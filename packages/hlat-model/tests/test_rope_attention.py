@@ -1,0 +1,182 @@
+"""The head split, RoPE and the AMX attention in one kernel (``rope_flash_attention``) against
+the two steps it replaces and against float64, and when the model takes it (the tests of the
+kernel skip on CPUs without AMX, saying why; those of when it runs run anywhere)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hlat_model import Llama, LlamaConfig
+from hlat_model import model as model_module
+from hlat_model.attention import (
+    AttentionMask,
+    amx_attention_reason,
+    blocked_causal_attention,
+    rope_flash_attention,
+    rope_flash_attention_fits,
+)
+from hlat_model.model import _HeadsWithRope, apply_rope, rope_cos_sin
+
+_AMX = amx_attention_reason()
+needs_amx = pytest.mark.skipif(_AMX is not None, reason=f"no AMX attention here: {_AMX}")
+
+CASES = {
+    # batch, sequence, heads, head dim, rows starting at other positions
+    "model-shape": (2, 512, 8, 64, False),
+    "small-heads": (2, 96, 3, 32, False),
+    "wide-heads": (1, 64, 2, 128, False),
+    "positions-per-row": (2, 128, 2, 64, True),
+    # backward takes the query gradients over bands of 256 keys: two, the second short
+    "uneven-key-bands": (1, 288, 2, 32, False),
+}
+
+
+def _inputs(batch, seq_len, heads, head_dim, per_row, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(batch, seq_len, heads, 3, head_dim, generator=generator).bfloat16()
+    positions = torch.arange(seq_len)[None]
+    if per_row:
+        positions = positions + 5 * torch.arange(batch)[:, None]
+    cos, sin = rope_cos_sin(positions, head_dim, 10000.0)
+    grad = torch.randn(batch, heads, seq_len, head_dim, generator=generator).bfloat16()
+    return qkv, cos, sin, grad
+
+
+def _two_steps(qkv, cos, sin):
+    """What the model ran before: the fused RoPE head split, then the AMX attention."""
+    return blocked_causal_attention(*_HeadsWithRope.apply(qkv, cos, sin))
+
+
+def _exact(qkv, cos, sin):
+    """The same function in float64: RoPE, then causal SDPA."""
+    q, k, v = (qkv[:, :, :, i] for i in range(3))
+    q, k = apply_rope(q, cos.double(), sin.double()), apply_rope(k, cos.double(), sin.double())
+    return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+
+
+def _run(fn, qkv, cos, sin, grad, dtype=torch.bfloat16):
+    x = qkv.to(dtype, copy=True).requires_grad_()
+    out = fn(x, cos, sin)
+    out.backward(grad.to(dtype))
+    return out.detach(), x.grad
+
+
+def _error(ours: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((ours.double() - exact).norm() / exact.norm()).item()
+
+
+@needs_amx
+@pytest.mark.parametrize("case", CASES)
+def test_the_numbers_of_the_two_steps_and_as_close_to_float64(case):
+    """Forward: the two steps' output bit for bit (the same rotation, rounded once, then the
+    same kernel). Backward: the value gradient bit for bit; the query and key gradients,
+    rotated back from their fp32 sums and rounded once (the two steps round twice), within
+    a bf16 rounding of the two steps' and at least as close to float64."""
+    qkv, cos, sin, grad = _inputs(*CASES[case])
+    out, dqkv = _run(rope_flash_attention, qkv, cos, sin, grad)
+    two_out, two_dqkv = _run(_two_steps, qkv, cos, sin, grad)
+    exact_out, exact_dqkv = _run(_exact, qkv, cos, sin, grad, torch.float64)
+    assert out.shape == two_out.shape and out.dtype == torch.bfloat16
+    assert torch.equal(out, two_out)
+    assert torch.equal(dqkv[:, :, :, 2], two_dqkv[:, :, :, 2])
+    for part in (0, 1):  # q, k
+        ours, theirs, exact = (
+            dqkv[:, :, :, part],
+            two_dqkv[:, :, :, part],
+            exact_dqkv[:, :, :, part],
+        )
+        torch.testing.assert_close(ours, theirs, rtol=2**-7, atol=2**-7 * theirs.abs().max())
+        assert _error(ours, exact) <= _error(theirs, exact) * 1.001, part
+    assert _error(out, exact_out) < 0.01
+
+
+@needs_amx
+def test_the_results_do_not_depend_on_the_thread_count(one_and_many_threads):
+    """Each (batch, head) runs whole on one thread: bit for bit the same with 1 thread."""
+    qkv, cos, sin, grad = _inputs(2, 128, 4, 64, True)
+    one, many = one_and_many_threads(lambda: _run(rope_flash_attention, qkv, cos, sin, grad))
+    for a, b in zip(one, many, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_it_fits_plain_causal_bf16_attention_of_whole_blocks_only(monkeypatch):
+    """Where the AMX attention runs, plain causal bf16 attention of one key and value head
+    per query head, sequence and head size multiples of 32, with the model's tables: yes;
+    grouped heads, fp32, other sizes, packed documents, a mask ``auto`` did not give the
+    flash kernels, a non-contiguous product or tables of another layout: no. Elsewhere
+    never."""
+    qkv, cos, sin, _ = _inputs(2, 64, 2, 32, False)
+    flash = AttentionMask("causal", kernel="blocked", flash=True)
+    assert rope_flash_attention_fits(qkv, cos, sin, flash) == (_AMX is None)
+    grouped = torch.zeros(2, 64, 1, 4, 32, dtype=torch.bfloat16)  # 2 query heads per group
+    short = torch.zeros(2, 48, 2, 3, 32, dtype=torch.bfloat16)
+    narrow = torch.zeros(2, 64, 2, 3, 48, dtype=torch.bfloat16)
+    narrow_tables = rope_cos_sin(torch.arange(64)[None], 48, 10000.0)
+    for args in (
+        (grouped, cos, sin, flash),
+        (qkv.float(), cos, sin, flash),
+        (short, *rope_cos_sin(torch.arange(48)[None], 32, 10000.0), flash),
+        (narrow, *narrow_tables, flash),
+        (qkv, cos, sin, AttentionMask("causal", kernel="blocked", flash=False)),
+        (qkv, cos, sin, AttentionMask("sdpa", mask=torch.ones(2, 1, 64, 64, dtype=torch.bool))),
+        (qkv.transpose(-1, -2).contiguous().transpose(-1, -2), cos, sin, flash),
+        (qkv, cos.double(), sin.double(), flash),
+    ):
+        assert not rope_flash_attention_fits(*args)
+    monkeypatch.setenv("HLAT_MODEL_FLASH_ATTENTION", "0")
+    assert not rope_flash_attention_fits(qkv, cos, sin, flash)
+
+
+def _graph_names(tensor: torch.Tensor) -> set[str]:
+    """The class names of every node of the autograd graph that computed ``tensor``."""
+    seen, todo = set(), [tensor.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(next_node for next_node, _ in node.next_functions)
+    return {type(node).__name__ for node in seen}
+
+
+def _step(config: LlamaConfig, fused: bool, monkeypatch) -> tuple[torch.Tensor, list, set]:
+    if not fused:
+        monkeypatch.setattr(model_module, "rope_flash_attention_fits", lambda *args: False)
+    torch.manual_seed(0)
+    model = Llama(config).to(torch.bfloat16)
+    tokens = torch.randint(0, config.vocab_size, (2, 65))
+    loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+    loss.backward()
+    monkeypatch.undo()
+    return loss.detach(), [p.grad for p in model.parameters()], _graph_names(loss)
+
+
+@needs_amx
+@pytest.mark.parametrize("sequence_first", [False, True])
+def test_the_model_takes_it_with_the_same_loss(sequence_first, monkeypatch):
+    """A bf16 Llama on a CPU with AMX runs its attention through the fused kernel: the loss
+    of the two steps bit for bit, and gradients within bf16 roundings of theirs."""
+    config = LlamaConfig(
+        vocab_size=256, dim=128, n_layers=2, n_heads=2, ffn_dim=256, max_seq_len=64,
+        sequence_first=sequence_first,
+    )  # fmt: skip
+    loss, grads, names = _step(config, True, monkeypatch)
+    two_loss, two_grads, two_names = _step(config, False, monkeypatch)
+    assert "_RopeFlashAttentionBackward" in names
+    assert "_RopeFlashAttentionBackward" not in two_names and "_HeadsWithRopeBackward" in two_names
+    assert torch.equal(loss, two_loss)
+    for ours, theirs in zip(grads, two_grads, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0.02, atol=0.02 * theirs.abs().max())
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "change", [{"n_kv_heads": 1}, {"checkpointing": "selective"}], ids=["gqa", "selective"]
+)
+def test_grouped_heads_and_selective_checkpointing_keep_the_two_steps(change, monkeypatch):
+    config = LlamaConfig(
+        vocab_size=256, dim=128, n_layers=1, n_heads=2, ffn_dim=256, max_seq_len=64, **change
+    )
+    _, _, names = _step(config, True, monkeypatch)
+    assert "_RopeFlashAttentionBackward" not in names and "_HeadsWithRopeBackward" in names

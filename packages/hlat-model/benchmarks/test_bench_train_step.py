@@ -477,15 +477,21 @@ def test_fused_head_against_logits(benchmark, shape, dtype):
     print(f"\n[{shape} {dtype} head + loss] {benchmark.extra_info}")
 
 
-def _alternating(benchmark, ours, theirs) -> tuple[float, float, str]:
+def _alternating(benchmark, ours, theirs) -> list[float]:
     """``ours`` timed by ``benchmark`` (``3 * ROUNDS`` rounds) and ``theirs`` in each round's
-    setup, so the two alternate, after one call of each: the medians of both (seconds) and
-    in how many rounds ours was faster."""
+    setup, so the two alternate, after one call of each: the times of ``theirs`` (seconds;
+    ours are the benchmark's)."""
     ours(), theirs()
     peer: list[float] = []
     benchmark.pedantic(
         ours, setup=lambda: peer.append(_timed(theirs)), rounds=3 * ROUNDS, iterations=1
     )
+    return peer
+
+
+def _medians(benchmark, peer: list[float]) -> tuple[float, float, str]:
+    """The medians of the benchmark's rounds and of ``peer``'s (seconds), and in how many
+    rounds the benchmark's was faster."""
     faster = sum(t > o for t, o in zip(peer, benchmark.stats.stats.data, strict=True))
     return benchmark.stats.stats.median, statistics.median(peer), f"{faster} of {len(peer)}"
 
@@ -508,7 +514,7 @@ def test_fused_head_in_the_model_step(benchmark, dtype):
         finally:
             hook.remove()
 
-    ours, theirs, faster = _alternating(benchmark, step, through_logits)
+    ours, theirs, faster = _medians(benchmark, _alternating(benchmark, step, through_logits))
     benchmark.extra_info.update(
         fused_path=fuses_head(
             torch.empty(1, config.dim, dtype=DTYPES[dtype]), model.lm_head.weight
@@ -552,11 +558,7 @@ def test_rope_attention_against_heads_and_flash(benchmark):
         blocked_causal_attention(*_HeadsWithRope.apply(qkv, cos, sin)).backward(grad)
         qkv.grad = None
 
-    fused(), two_steps()
-    peer: list[float] = []
-    benchmark.pedantic(
-        fused, setup=lambda: peer.append(_timed(two_steps)), rounds=3 * ROUNDS, iterations=1
-    )
+    peer = _alternating(benchmark, fused, two_steps)
     ours = benchmark.stats.stats.min
     benchmark.extra_info.update(
         fused_ms=round(ours * 1e3, 2),
@@ -583,7 +585,7 @@ def test_rope_attention_in_the_model_step(benchmark, monkeypatch):
             apart.setattr(model_module, "rope_flash_attention_fits", lambda *args: False)
             step()
 
-    ours, theirs, faster = _alternating(benchmark, step, two_steps)
+    ours, theirs, faster = _medians(benchmark, _alternating(benchmark, step, two_steps))
     benchmark.extra_info.update(
         fused_step_ms=round(ours * 1e3, 1),
         two_steps_step_ms=round(theirs * 1e3, 1),

@@ -319,6 +319,17 @@ inline float lane_sum(f32x16 v) {
   return (half[0] + half[2]) + (half[1] + half[3]);
 }
 
+// exp(r) for |r| <= ln(2) / 2 on 16 lanes, by exp_fast's (Cephes') polynomial.
+inline f32x16 exp_reduced16v(f32x16 r) {
+  f32x16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
+
 // exp_fast on 16 lanes: its steps, with n rounded to nearest by adding and subtracting
 // 1.5 * 2^23 (floor(x + 0.5) but at ties, where either n is as good).
 inline f32x16 exp16v(f32x16 x) {
@@ -328,14 +339,8 @@ inline f32x16 exp16v(f32x16 x) {
   const f32x16 n = (c * 1.44269504088896341f + shifter) - shifter;
   f32x16 r = c - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  f32x16 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
   const i32x16 scale = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  f32x16 e = (p * r * r + r + 1.0f) * same_bits<f32x16>(scale);
+  f32x16 e = exp_reduced16v(r) * same_bits<f32x16>(scale);
   e = x < -87.4f ? f32x16{} : e;
   return x > 88.72f ? splat(INFINITY) : e;
 }
@@ -553,15 +558,9 @@ void transpose_u32(const u32* src, int64_t ld, int64_t rows, int64_t cols, u32* 
     }
 }
 
-// exp(r) for |r| <= ln(2) / 2 on 16 lanes, by exp_fast's (Cephes') polynomial.
+// exp_reduced16v on an AVX-512 register.
 inline __m512 exp_reduced16(__m512 r) {
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  return _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  return same_bits<__m512>(exp_reduced16v(same_bits<f32x16>(r)));
 }
 
 // exp_fast on 16 lanes (scalef for 2^n).

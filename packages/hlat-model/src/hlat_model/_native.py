@@ -299,10 +299,15 @@ def rope_tables_usable(cos: torch.Tensor, sin: torch.Tensor, qkv_shape: torch.Si
     )
 
 
+def _table_strides(cos: torch.Tensor) -> tuple[int, int]:
+    """The element strides of RoPE's tables (``cos`` and ``sin`` alike) over batch (0 where
+    one row serves every batch) and position."""
+    return (cos.stride(0) if cos.shape[0] > 1 else 0), cos.stride(1)
+
+
 def _heads_table(shape: torch.Size, cos: torch.Tensor) -> ctypes.Array:
     batch, seq, groups, per_group, head_dim = shape
-    cos_batch = cos.stride(0) if cos.shape[0] > 1 else 0
-    values = (batch, seq, groups, per_group - 2, head_dim, cos_batch, cos.stride(1))
+    values = (batch, seq, groups, per_group - 2, head_dim, *_table_strides(cos))
     return (ctypes.c_int64 * len(values))(*values)
 
 
@@ -512,8 +517,7 @@ def flash_attention_backward(
 
 def _rope_attention_table(qkv: torch.Tensor, cos: torch.Tensor) -> ctypes.Array:
     batch, seq, heads, _, head_dim = qkv.shape
-    cos_batch = cos.stride(0) if cos.shape[0] > 1 else 0
-    values = (batch, seq, heads, head_dim, qkv.stride(0), qkv.stride(1), cos_batch, cos.stride(1))
+    values = (batch, seq, heads, head_dim, qkv.stride(0), qkv.stride(1), *_table_strides(cos))
     return (ctypes.c_int64 * len(values))(*values)
 
 

@@ -762,7 +762,6 @@ def rope_flash_attention_fits(
         and head_dim % FLASH_BLOCK == 0
         and not torch.compiler.is_compiling()
         and not torch.is_autocast_enabled("cpu")
-        and _native.load() is not None
         and _amx_attention()
         and _native.rope_tables_usable(cos, sin, qkv.shape)
     )

@@ -285,12 +285,27 @@ ATTENTION_SHAPES = {
 }
 
 
+def _flash_kernel(dtype: str) -> str:
+    """Which flash kernel plain causal attention of ``dtype`` runs here, or why none."""
+    from hlat_model.attention import (
+        amx_attention_reason,
+        bf16_flash_attention_reason,
+        fp32_flash_attention_reason,
+    )
+
+    if dtype == "fp32":
+        return fp32_flash_attention_reason() or "on"
+    if amx_attention_reason() is None:
+        return "on, AMX tiles"
+    return bf16_flash_attention_reason() or "on, AVX512-BF16 dot products"
+
+
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_kernels(benchmark, dtype, shape, monkeypatch):
     """Causal attention forward + backward: :func:`blocked_causal_attention` (what
     ``attention="auto"`` runs on CPUs: a flash kernel where one runs, bf16 on CPUs with AMX
-    tiles, fp32 on CPUs with AVX-512) against the blocked kernel with the flash kernels off
+    tiles or AVX512-BF16, fp32 on CPUs with AVX-512) against the blocked kernel with the flash kernels off
     and torch's
     ``scaled_dot_product_attention`` (its CPU flash kernel), in the same rounds, at the
     model's shape, at 1,024 and 2,048 tokens, and at 2,048 tokens with 7B-sized heads: what
@@ -298,11 +313,7 @@ def test_attention_kernels(benchmark, dtype, shape, monkeypatch):
     The benchmark's own figure is the first."""
     import torch.nn.functional as F
 
-    from hlat_model.attention import (
-        amx_attention_reason,
-        blocked_causal_attention,
-        fp32_flash_attention_reason,
-    )
+    from hlat_model.attention import blocked_causal_attention
 
     torch.manual_seed(0)
     q, k, v = (
@@ -332,8 +343,7 @@ def test_attention_kernels(benchmark, dtype, shape, monkeypatch):
     benchmark.pedantic(hlat, setup=setup, rounds=3 * ROUNDS, iterations=1)
     ours = benchmark.stats.stats.min
     benchmark.extra_info.update(
-        flash_kernel=(amx_attention_reason() if dtype == "bf16" else fp32_flash_attention_reason())
-        or "on",
+        flash_kernel=_flash_kernel(dtype),
         hlat_ms=round(ours * 1e3, 1),
         blocked_ms=round(min(times["blocked"]) * 1e3, 1),
         sdpa_ms=round(min(times["sdpa"]) * 1e3, 1),
@@ -527,20 +537,20 @@ def test_fused_head_in_the_model_step(benchmark, dtype):
     print(f"\n[{dtype} model step, head fused] {benchmark.extra_info}")
 
 
-def _rope_attention_or_skip() -> None:
-    from hlat_model.attention import amx_attention_reason
+def _bf16_flash_or_skip() -> None:
+    from hlat_model.attention import bf16_flash_attention_reason
 
-    reason = amx_attention_reason()
+    reason = bf16_flash_attention_reason()
     if reason is not None:
-        pytest.skip(f"the fused RoPE attention runs on the AMX attention kernel: {reason}")
+        pytest.skip(f"no bf16 flash attention here: {reason}")
 
 
 def test_rope_attention_against_heads_and_flash(benchmark):
     """One layer's head split, RoPE and causal attention, forward + backward, at the model's
     shape in bf16: :func:`hlat_model.attention.rope_flash_attention` (one kernel reading the
-    fused product) against the RoPE head split and then the AMX attention, in the same
-    rounds (CPUs with AMX only)."""
-    _rope_attention_or_skip()
+    fused product) against the RoPE head split and then the bf16 flash attention, in the same
+    rounds (CPUs where the bf16 flash attention runs: AMX or AVX512-BF16)."""
+    _bf16_flash_or_skip()
     from hlat_model.attention import blocked_causal_attention, rope_flash_attention
     from hlat_model.model import _HeadsWithRope, rope_cos_sin
 
@@ -570,9 +580,9 @@ def test_rope_attention_against_heads_and_flash(benchmark):
 
 def test_rope_attention_in_the_model_step(benchmark, monkeypatch):
     """The bf16 model step with the fused RoPE attention against the same step with the head
-    split and the attention kernel apart, in alternating steps of the same model (CPUs with
-    AMX only)."""
-    _rope_attention_or_skip()
+    split and the attention kernel apart, in alternating steps of the same model (CPUs where
+    the bf16 flash attention runs)."""
+    _bf16_flash_or_skip()
     import hlat_model.model as model_module
 
     torch.manual_seed(0)
@@ -593,6 +603,42 @@ def test_rope_attention_in_the_model_step(benchmark, monkeypatch):
         fused_faster_in=faster,
     )
     print(f"\n[bf16 model step, rope attention] {benchmark.extra_info}")
+
+
+def test_bf16_flash_attention_in_the_model_step(benchmark, monkeypatch):
+    """The bf16 model step with the bf16 flash attention (and its fused RoPE path) against
+    the same step with blocked attention (flash kernels off), in alternating steps of the
+    same model; on CPUs with AMX, also the flash kernel by AVX512-BF16 dot products (AMX
+    tiles off) in the same rounds."""
+    _bf16_flash_or_skip()
+    from hlat_model.attention import amx_attention_reason
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**CONFIG)
+    model = Llama(config).to(torch.bfloat16)
+    step = _model_step(model, torch.randint(0, config.vocab_size, (BATCH, SEQ + 1)))
+
+    def with_env(name: str):
+        def run() -> None:
+            with monkeypatch.context() as patched:
+                patched.setenv(name, "0")
+                step()
+
+        return run
+
+    blocked = with_env("HLAT_MODEL_FLASH_ATTENTION")
+    ours, theirs, faster = _medians(benchmark, _alternating(benchmark, step, blocked))
+    benchmark.extra_info.update(
+        flash_kernel=_flash_kernel("bf16"),
+        flash_step_ms=round(ours * 1e3, 1),
+        blocked_step_ms=round(theirs * 1e3, 1),
+        speedup=round(theirs / ours, 3),
+        flash_faster_in=faster,
+    )
+    if amx_attention_reason() is None:
+        dots = [_timed(with_env("HLAT_MODEL_AMX_ATTENTION")) for _ in range(5 * ROUNDS)]
+        benchmark.extra_info.update(dot_products_step_ms=round(statistics.median(dots) * 1e3, 1))
+    print(f"\n[bf16 model step, flash attention] {benchmark.extra_info}")
 
 
 def test_linear_paths_against_the_cpu_rule(benchmark):

@@ -68,12 +68,59 @@ def traced_targets():
     return trace
 
 
+FLASH_KERNELS = ("bf16-amx", "bf16-avx512bf16", "fp32-avx512")
+"""The fused kernels' flash attention kernels: bf16 on AMX tiles, bf16 by AVX512-BF16 dot
+products, fp32 on AVX-512."""
+
+
+@pytest.fixture
+def flash_on(monkeypatch):
+    """A function turning on one of :data:`FLASH_KERNELS` (skipping the test where it cannot
+    run, saying why) and returning its dtype. ``bf16-avx512bf16`` turns the AMX tiles off
+    (``HLAT_MODEL_AMX_ATTENTION=0``), so on CPUs with AMX it runs the dot products too."""
+    from hlat_model.attention import (
+        amx_attention_reason,
+        bf16_flash_attention_reason,
+        fp32_flash_attention_reason,
+    )
+
+    def turn_on(kernel: str) -> torch.dtype:
+        monkeypatch.delenv("HLAT_MODEL_FLASH_ATTENTION", raising=False)
+        monkeypatch.delenv("HLAT_MODEL_AMX_ATTENTION", raising=False)
+        if kernel == "bf16-avx512bf16":
+            monkeypatch.setenv("HLAT_MODEL_AMX_ATTENTION", "0")
+        reason = {
+            "bf16-amx": amx_attention_reason,
+            "bf16-avx512bf16": bf16_flash_attention_reason,
+            "fp32-avx512": fp32_flash_attention_reason,
+        }[kernel]()
+        if reason is not None:
+            pytest.skip(f"no {kernel} flash attention here: {reason}")
+        return torch.float32 if kernel == "fp32-avx512" else torch.bfloat16
+
+    return turn_on
+
+
+@pytest.fixture(params=FLASH_KERNELS)
+def flash(request, flash_on):
+    """Each flash kernel on (skipped where it cannot run), its dtype the fixture's value."""
+    return flash_on(request.param)
+
+
+@pytest.fixture(params=FLASH_KERNELS[:2])
+def bf16_flash(request, flash_on):
+    """The bf16 flash kernel on, on AMX tiles and by dot products (each skipped where it
+    cannot run); the value is the kernel's name."""
+    flash_on(request.param)
+    return request.param
+
+
 @pytest.fixture(params=["native", "composed"])
 def kernels(request, monkeypatch):
     """Each test using it runs twice: with the fused CPU kernels of ``hlat_model._native``
     (which must build here) and with them turned off (torch's operators). Attention keeps
-    its blocked kernel in both: the flash kernels are off (``test_blocked_attention.py``'s
-    ``amx`` and ``flash`` fixtures turn them on for their own tests)."""
+    its blocked kernel in both: the flash kernels are off (``flash_on`` turns one on for
+    the tests of its kernel)."""
     from hlat_model import _native
 
     _native.reset()

@@ -1,7 +1,7 @@
 """The blocked causal attention kernel against torch's SDPA, with float64 as the reference;
-and the flash-style kernels it hands plain causal attention to: bf16 on CPUs with AMX tiles,
-fp32 on CPUs with AVX-512 (the tests of a kernel skip elsewhere, saying why; those of when
-they run run anywhere)."""
+and the flash-style kernels it hands plain causal attention to: bf16 on CPUs with AMX tiles
+or AVX512-BF16, fp32 on CPUs with AVX-512 (the tests of a kernel skip elsewhere, saying why;
+those of when they run run anywhere)."""
 
 import pytest
 import torch
@@ -14,6 +14,7 @@ from hlat_model.attention import (
     SDPA_FROM_TOKENS_WITH_AMX,
     AttentionMask,
     amx_attention_reason,
+    bf16_flash_attention_reason,
     blocked_causal_attention,
     cpu_attention_rule,
     fp32_flash_attention_reason,
@@ -24,37 +25,12 @@ from hlat_model.attention import (
 @pytest.fixture(autouse=True)
 def _blocked_kernel(monkeypatch):
     """The blocked kernel's tests: the flash kernels, which would take their plain causal
-    cases (bf16 on CPUs with AMX, fp32 on CPUs with AVX-512), are off (the ``amx`` and
-    ``flash`` fixtures turn them on)."""
+    cases (bf16 on CPUs with AMX or AVX512-BF16, fp32 on CPUs with AVX-512), are off (the
+    ``flash_on`` fixture turns one on)."""
     monkeypatch.setenv("HLAT_MODEL_FLASH_ATTENTION", "0")
 
 
-_FLASH_REASONS = {
-    torch.bfloat16: amx_attention_reason(),
-    torch.float32: fp32_flash_attention_reason(),
-}
-
-
-def _flash_on(dtype, monkeypatch):
-    reason = _FLASH_REASONS[dtype]
-    if reason is not None:
-        pytest.skip(f"no {dtype} flash attention here: {reason}")
-    monkeypatch.delenv("HLAT_MODEL_FLASH_ATTENTION")
-    return dtype
-
-
-@pytest.fixture
-def amx(monkeypatch):
-    """The AMX attention (bf16) on, for the tests of its kernel (skipped where it cannot
-    run)."""
-    return _flash_on(torch.bfloat16, monkeypatch)
-
-
-@pytest.fixture(params=[torch.bfloat16, torch.float32], ids=["bf16-amx", "fp32-avx512"])
-def flash(request, monkeypatch):
-    """A flash kernel on, its dtype the fixture's value: bf16 on AMX tiles, fp32 on
-    AVX-512 (each skipped where it cannot run)."""
-    return _flash_on(request.param, monkeypatch)
+_FP32_FLASH = fp32_flash_attention_reason()
 
 
 def _inputs(batch, heads, kv_heads, seq_len, head_dim, dtype, seed=0):
@@ -347,11 +323,11 @@ def test_auto_on_cpus_follows_the_cpu_rule(amx, monkeypatch):
     assert (short.kernel, short.backend) == ("blocked", "causal")
 
 
-def test_an_fp32_llama_on_the_fp32_flash_kernel_trains_as_on_torchs(monkeypatch):
+def test_an_fp32_llama_on_the_fp32_flash_kernel_trains_as_on_torchs(flash_on):
     """Logits and every gradient of a small fp32 model whose attention runs the fp32 flash
     kernel, against SDPA: equal to fp32 rounding (relative to each tensor's largest
     value)."""
-    _flash_on(torch.float32, monkeypatch)
+    flash_on("fp32-avx512")
     torch.manual_seed(0)
     config = dict(vocab_size=256, dim=128, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=128)
     models = {name: Llama(LlamaConfig(**config, attention=name)) for name in ("sdpa", "blocked")}
@@ -367,16 +343,17 @@ def test_an_fp32_llama_on_the_fp32_flash_kernel_trains_as_on_torchs(monkeypatch)
 
 
 @pytest.mark.parametrize(
-    "kernel, documents", [("blocked", False), ("blocked", True), ("amx", False)]
+    "kernel, documents",
+    [("blocked", False), ("blocked", True), ("bf16-amx", False), ("bf16-avx512bf16", False)],
 )
-def test_a_bf16_llama_trains_on_blocked_attention_as_on_torchs(kernel, documents, request):
+def test_a_bf16_llama_trains_on_blocked_attention_as_on_torchs(kernel, documents, flash_on):
     """Logits and every gradient of a small bf16 model, blocked against SDPA: as close as
     two bf16 runs of different kernels get (relative to each tensor's largest value). With
-    ``amx``, heads of 32 that the AMX attention takes (where it runs)."""
-    if kernel == "amx":
-        request.getfixturevalue("amx")
+    a bf16 flash kernel, heads of 32 that it takes (where it runs)."""
+    if kernel != "blocked":
+        flash_on(kernel)
     torch.manual_seed(0)
-    dim = 128 if kernel == "amx" else 64
+    dim = 64 if kernel == "blocked" else 128
     config = dict(vocab_size=256, dim=dim, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=128)
     models = {
         name: Llama(LlamaConfig(**config, attention=name)).to(torch.bfloat16)
@@ -502,7 +479,7 @@ def test_compiled_attention_keeps_at_most_half_again_the_operators_bytes(monkeyp
     assert composed <= 1.5 * operator, (composed, operator)
 
 
-# The flash kernels: bf16 on AMX tiles, fp32 on AVX-512 ------------------------------------
+# The flash kernels: bf16 on AMX tiles or by AVX512-BF16 dot products, fp32 on AVX-512 ------
 
 FLASH_CASES = {
     # batch, heads, kv heads, sequence, head dim, scale of q
@@ -511,7 +488,7 @@ FLASH_CASES = {
     "gqa": (2, 4, 2, 256, 64, 1.0),
     "wide-heads": (1, 2, 2, 256, 128, 1.0),
     "peaked-softmax": (1, 4, 4, 256, 64, 8.0),
-    # the AMX backward takes the query gradients over bands of 256 keys: three, the last
+    # the bf16 backward takes the query gradients over bands of 256 keys: three, the last
     # one part of a band
     "uneven-key-bands": (1, 2, 2, 608, 32, 1.0),
 }
@@ -613,26 +590,31 @@ def test_auto_takes_a_flash_kernel_over_torchs_for_long_sequences(
 
 def test_flash_attention_says_why_it_does_not_run(monkeypatch):
     off = "turned off by HLAT_MODEL_FLASH_ATTENTION=0"
-    assert amx_attention_reason() == fp32_flash_attention_reason() == off
+    reasons = (amx_attention_reason, bf16_flash_attention_reason, fp32_flash_attention_reason)
+    assert [reason() for reason in reasons] == [off] * 3
     for dtype in (torch.bfloat16, torch.float32):
         q = torch.zeros(1, 1, FLASH_BLOCK, FLASH_BLOCK, dtype=dtype)
         assert not attention_module._on_flash_kernel(q, q, q)
     monkeypatch.delenv("HLAT_MODEL_FLASH_ATTENTION")
-    monkeypatch.setenv("HLAT_MODEL_AMX_ATTENTION", "0")  # the AMX kernel's own switch
+    monkeypatch.setenv("HLAT_MODEL_AMX_ATTENTION", "0")  # the AMX tiles' own switch
     assert amx_attention_reason() == "turned off by HLAT_MODEL_AMX_ATTENTION=0"
-    assert fp32_flash_attention_reason() == _FLASH_REASONS[torch.float32]
+    assert fp32_flash_attention_reason() == _FP32_FLASH
     monkeypatch.delenv("HLAT_MODEL_AMX_ATTENTION")
     monkeypatch.setenv("HLAT_MODEL_NATIVE", "0")
     _native.reset()
     try:
-        for reason in (amx_attention_reason(), fp32_flash_attention_reason()):
-            assert reason.startswith("no fused CPU kernels (turned off by")
+        for reason in reasons:
+            assert reason().startswith("no fused CPU kernels (turned off by")
     finally:
         _native.reset()
     monkeypatch.delenv("HLAT_MODEL_NATIVE")
     if _native.load() is not None:
-        monkeypatch.setattr(_native, "amx_attention_ready", lambda lib: False)
-        monkeypatch.setattr(_native, "f32_attention_ready", lambda lib: False)
+        for ready in ("amx_attention_ready", "bf16_attention_ready", "f32_attention_ready"):
+            monkeypatch.setattr(_native, ready, lambda lib: False)
         monkeypatch.setattr(attention_module, "_cpu_has_amx", lambda: False)
         assert amx_attention_reason() == "this CPU has no AMX tiles"
+        monkeypatch.setattr(attention_module, "cpu_has_native_bf16", lambda: False)
+        assert bf16_flash_attention_reason() == "this CPU has neither AMX tiles nor AVX512-BF16"
+        monkeypatch.setattr(attention_module, "cpu_has_native_bf16", lambda: True)
+        assert "without AVX512-BF16" in bf16_flash_attention_reason()
         assert "without AVX-512F" in fp32_flash_attention_reason()

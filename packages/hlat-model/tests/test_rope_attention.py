@@ -1,6 +1,7 @@
-"""The head split, RoPE and the AMX attention in one kernel (``rope_flash_attention``) against
-the two steps it replaces and against float64, and when the model takes it (the tests of the
-kernel skip on CPUs without AMX, saying why; those of when it runs run anywhere)."""
+"""The head split, RoPE and the bf16 flash attention in one kernel (``rope_flash_attention``)
+against the two steps it replaces and against float64, and when the model takes it. The tests
+of the kernel run on AMX tiles and by AVX512-BF16 dot products (the ``bf16_flash`` fixture),
+each skipped where it cannot run, saying why; those of when it runs run anywhere."""
 
 from __future__ import annotations
 
@@ -12,15 +13,14 @@ from hlat_model import Llama, LlamaConfig
 from hlat_model import model as model_module
 from hlat_model.attention import (
     AttentionMask,
-    amx_attention_reason,
+    bf16_flash_attention_reason,
     blocked_causal_attention,
     rope_flash_attention,
     rope_flash_attention_fits,
 )
 from hlat_model.model import _HeadsWithRope, apply_rope, rope_cos_sin
 
-_AMX = amx_attention_reason()
-needs_amx = pytest.mark.skipif(_AMX is not None, reason=f"no AMX attention here: {_AMX}")
+_BF16_FLASH = bf16_flash_attention_reason()
 
 CASES = {
     # batch, sequence, heads, head dim, rows starting at other positions
@@ -45,7 +45,7 @@ def _inputs(batch, seq_len, heads, head_dim, per_row, seed=0):
 
 
 def _two_steps(qkv, cos, sin):
-    """What the model ran before: the fused RoPE head split, then the AMX attention."""
+    """What the model ran before: the fused RoPE head split, then the flash attention."""
     return blocked_causal_attention(*_HeadsWithRope.apply(qkv, cos, sin))
 
 
@@ -67,9 +67,8 @@ def _error(ours: torch.Tensor, exact: torch.Tensor) -> float:
     return ((ours.double() - exact).norm() / exact.norm()).item()
 
 
-@needs_amx
 @pytest.mark.parametrize("case", CASES)
-def test_the_numbers_of_the_two_steps_and_as_close_to_float64(case):
+def test_the_numbers_of_the_two_steps_and_as_close_to_float64(case, bf16_flash):
     """Forward: the two steps' output bit for bit (the same rotation, rounded once, then the
     same kernel). Backward: the value gradient bit for bit; the query and key gradients,
     rotated back from their fp32 sums and rounded once (the two steps round twice), within
@@ -92,8 +91,7 @@ def test_the_numbers_of_the_two_steps_and_as_close_to_float64(case):
     assert _error(out, exact_out) < 0.01
 
 
-@needs_amx
-def test_the_results_do_not_depend_on_the_thread_count(one_and_many_threads):
+def test_the_results_do_not_depend_on_the_thread_count(one_and_many_threads, bf16_flash):
     """Each (batch, head) runs whole on one thread: bit for bit the same with 1 thread."""
     qkv, cos, sin, grad = _inputs(2, 128, 4, 64, True)
     one, many = one_and_many_threads(lambda: _run(rope_flash_attention, qkv, cos, sin, grad))
@@ -102,14 +100,14 @@ def test_the_results_do_not_depend_on_the_thread_count(one_and_many_threads):
 
 
 def test_it_fits_plain_causal_bf16_attention_of_whole_blocks_only(monkeypatch):
-    """Where the AMX attention runs, plain causal bf16 attention of one key and value head
+    """Where the bf16 flash attention runs, plain causal bf16 attention of one key and value head
     per query head, sequence and head size multiples of 32, with the model's tables: yes;
     grouped heads, fp32, other sizes, packed documents, a mask ``auto`` did not give the
     flash kernels, a non-contiguous product or tables of another layout: no. Elsewhere
     never."""
     qkv, cos, sin, _ = _inputs(2, 64, 2, 32, False)
     flash = AttentionMask("causal", kernel="blocked", flash=True)
-    assert rope_flash_attention_fits(qkv, cos, sin, flash) == (_AMX is None)
+    assert rope_flash_attention_fits(qkv, cos, sin, flash) == (_BF16_FLASH is None)
     grouped = torch.zeros(2, 64, 1, 4, 32, dtype=torch.bfloat16)  # 2 query heads per group
     short = torch.zeros(2, 48, 2, 3, 32, dtype=torch.bfloat16)
     narrow = torch.zeros(2, 64, 2, 3, 48, dtype=torch.bfloat16)
@@ -141,22 +139,22 @@ def _graph_names(tensor: torch.Tensor) -> set[str]:
 
 
 def _step(config: LlamaConfig, fused: bool, monkeypatch) -> tuple[torch.Tensor, list, set]:
-    if not fused:
-        monkeypatch.setattr(model_module, "rope_flash_attention_fits", lambda *args: False)
-    torch.manual_seed(0)
-    model = Llama(config).to(torch.bfloat16)
-    tokens = torch.randint(0, config.vocab_size, (2, 65))
-    loss = model(tokens[:, :-1], labels=tokens[:, 1:])
-    loss.backward()
-    monkeypatch.undo()
+    with monkeypatch.context() as patched:  # undoes only its own patch
+        if not fused:
+            patched.setattr(model_module, "rope_flash_attention_fits", lambda *args: False)
+        torch.manual_seed(0)
+        model = Llama(config).to(torch.bfloat16)
+        tokens = torch.randint(0, config.vocab_size, (2, 65))
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+        loss.backward()
     return loss.detach(), [p.grad for p in model.parameters()], _graph_names(loss)
 
 
-@needs_amx
 @pytest.mark.parametrize("sequence_first", [False, True])
-def test_the_model_takes_it_with_the_same_loss(sequence_first, monkeypatch):
-    """A bf16 Llama on a CPU with AMX runs its attention through the fused kernel: the loss
-    of the two steps bit for bit, and gradients within bf16 roundings of theirs."""
+def test_the_model_takes_it_with_the_same_loss(sequence_first, bf16_flash, monkeypatch):
+    """A bf16 Llama on a CPU whose bf16 flash attention runs takes its attention through the
+    fused kernel: the loss of the two steps bit for bit, and gradients within bf16 roundings
+    of theirs."""
     config = LlamaConfig(
         vocab_size=256, dim=128, n_layers=2, n_heads=2, ffn_dim=256, max_seq_len=64,
         sequence_first=sequence_first,
@@ -170,11 +168,12 @@ def test_the_model_takes_it_with_the_same_loss(sequence_first, monkeypatch):
         torch.testing.assert_close(ours, theirs, rtol=0.02, atol=0.02 * theirs.abs().max())
 
 
-@needs_amx
 @pytest.mark.parametrize(
     "change", [{"n_kv_heads": 1}, {"checkpointing": "selective"}], ids=["gqa", "selective"]
 )
-def test_grouped_heads_and_selective_checkpointing_keep_the_two_steps(change, monkeypatch):
+def test_grouped_heads_and_selective_checkpointing_keep_the_two_steps(
+    change, bf16_flash, monkeypatch
+):
     config = LlamaConfig(
         vocab_size=256, dim=128, n_layers=1, n_heads=2, ffn_dim=256, max_seq_len=64, **change
     )

@@ -5,12 +5,16 @@
 """
 
 from hlat_model._native import fused_cpu_kernels_reason
-from hlat_model.attention import amx_attention_reason, fp32_flash_attention_reason
+from hlat_model.attention import (
+    amx_attention_reason,
+    bf16_flash_attention_reason,
+    fp32_flash_attention_reason,
+)
 from hlat_model.config import PRESETS, ConfigError, LlamaConfig
 from hlat_model.loss import cross_entropy_loss, linear_cross_entropy
 from hlat_model.model import Llama, block_inputs, flops_per_token
 
-__version__ = "0.21.0"
+__version__ = "0.22.0"
 
 __all__ = [
     "PRESETS",
@@ -18,6 +22,7 @@ __all__ = [
     "Llama",
     "LlamaConfig",
     "amx_attention_reason",
+    "bf16_flash_attention_reason",
     "block_inputs",
     "cross_entropy_loss",
     "flops_per_token",

@@ -1,8 +1,9 @@
 // Fused CPU kernels of hlat_model: RMSNorm, SwiGLU, the RoPE head split, the cross entropy
 // of rows of logits and blocked attention's softmax, forward and backward, each one pass over
 // its rows where torch's eager operators make one pass per operation; and causal attention
-// flash style (bf16 on AMX tiles, fp32 on AVX-512), written with intrinsics, the AMX one also
-// reading q, k and v from the fused qkv product with RoPE applied as it reads them.
+// flash style (bf16 on AMX tiles or with AVX512-BF16 dot products, fp32 on AVX-512), written
+// with intrinsics, the bf16 one also reading q, k and v from the fused qkv product with RoPE
+// applied as it reads them.
 //
 // Built on first use by hlat_model._native (the host compiler, -O3 -march=native) and called
 // through ctypes on the raw data of contiguous fp32 or bf16 tensors. All arithmetic is fp32;
@@ -16,16 +17,18 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
 #define HLAT_AVX512 1
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512BW__) && defined(__linux__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HLAT_BF16 1
+#endif
+#if defined(HLAT_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define HLAT_AMX 1
-#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -618,23 +621,28 @@ inline int64_t padded_u16(int64_t seq) { return seq + 32; }
 
 #endif  // HLAT_AVX512
 
-#ifdef HLAT_AMX
+#ifdef HLAT_BF16
 // ---------------------------------------------------------------------------------------
-// Causal attention on AMX tiles (bf16), forward and backward, flash style: each (batch,
-// head) runs on one thread, through blocks of 32 queries and 32 keys, so the scores never
-// leave the core's caches. Forward takes a block of 32 queries against all the keys it sees
-// at once: their scores (32 rows of fp32, 66 KiB at 512 tokens, 1 MiB at 8,192), an exact
-// softmax of each row (no running maximum to rescale by), and the output as one product
-// over all the keys, its sums staying in the tiles. It keeps each query's log-sum-exp for
+// Causal attention in bf16, forward and backward, flash style: each (batch, head) runs on
+// one thread, through blocks of 32 queries and 32 keys, so the scores never leave the
+// core's caches. Forward takes a block of 32 queries against all the keys it sees at once:
+// their scores (32 rows of fp32, 66 KiB at 512 tokens, 1 MiB at 8,192), an exact softmax of
+// each row (no running maximum to rescale by), and the output as one product over all the
+// keys, its sums staying in the tiles (or registers). It keeps each query's log-sum-exp for
 // backward, which recomputes the probabilities, goes through the keys block by block (each
 // key block's gradients one product over all the queries), and sums the queries' gradients
 // over bands of kBand keys (one product per query block and band, not one per key block).
-// Products accumulate in fp32 (the tiles' own); the probabilities and the scores' gradients
-// are rounded to bf16 for the products that read them, as blocked attention rounds them;
-// the output and the three gradients are rounded once at the end. Built where the compiler
-// targets AMX-BF16 (with -march=native: CPUs that have it); elsewhere hlat_attn_amx_ready
-// says 0 and the caller keeps blocked attention.
+// Products accumulate in fp32; the probabilities and the scores' gradients are rounded to
+// bf16 for the products that read them, as blocked attention rounds them; the output and
+// the three gradients are rounded once at the end.
+//
+// Its products are 32 x 32 blocks of bf16 pairs (the layout of AMX's tile product) summed
+// into fp32, run on AMX tiles (kTiles: built where the compiler targets AMX-BF16, with
+// -march=native CPUs that have it) or by AVX512-BF16 dot products of pairs (where it targets
+// AVX512-BF16: AMX CPUs too, and AMD's Zen 4 and later); the rest of the kernel is the same
+// code for both. Elsewhere hlat_attn_bf16_ready says 0 and the caller keeps blocked attention.
 
+#ifdef HLAT_AMX
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -653,6 +661,24 @@ void configure_tiles() {
   }
   _tile_loadconfig(&config);
 }
+#endif  // HLAT_AMX
+
+// The tiles configured for this thread while it runs a kernel's loop (kTiles), else nothing.
+template <bool kTiles>
+struct TileScope {
+  TileScope() {
+#ifdef HLAT_AMX
+    if constexpr (kTiles) configure_tiles();
+#endif
+  }
+  ~TileScope() {
+#ifdef HLAT_AMX
+    if constexpr (kTiles) _tile_release();
+#endif
+  }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
 
 // dst[i][s] = (src[s][2i], src[s][2i + 1]) as one u32: the B layout of a product against
 // src transposed (src [rows][dim], row stride ld, both even; dst's row stride ldd u32).
@@ -705,9 +731,11 @@ inline __m512 load_bf16(const u16* src) {
 
 // c (32 x 32 fp32, rows ldc bytes apart) = (c if `add`, else 0) + the sum over `steps` of
 // a_i (32 x 32 bf16 at a + 32 i, rows lda bytes apart) times b_i (16 pairs of rows x 32
-// columns at b + i * bstep bytes, rows ldb bytes apart, columns 16-31 64 bytes after 0-15).
-inline void tiles_product(const u16* a, int64_t lda, const char* b, int64_t ldb, int64_t steps,
-                          int64_t bstep, float* c, int64_t ldc, bool add = false) {
+// columns at b + i * bstep bytes, rows ldb bytes apart, columns 16-31 64 bytes after 0-15):
+// c[r][n] += a_i[r][2p] b_i[p][n][0] + a_i[r][2p + 1] b_i[p][n][1] over the 16 pairs p.
+#ifdef HLAT_AMX
+inline void amx_product(const u16* a, int64_t lda, const char* b, int64_t ldb, int64_t steps,
+                        int64_t bstep, float* c, int64_t ldc, bool add) {
   char* cc = reinterpret_cast<char*>(c);
   if (add) {
     _tile_loadd(0, cc, ldc);
@@ -737,6 +765,59 @@ inline void tiles_product(const u16* a, int64_t lda, const char* b, int64_t ldb,
   _tile_stored(2, cc + 16 * ldc, ldc);
   _tile_stored(3, cc + 16 * ldc + 64, ldc);
 }
+#endif  // HLAT_AMX
+
+// The same product by AVX512-BF16 dot products: 8 rows of c at a time in 16 registers, each
+// pair of a's row broadcast against b's row of pairs (read once per 8 rows, from L1).
+inline void dot_product(const u16* a, int64_t lda, const char* b, int64_t ldb, int64_t steps,
+                        int64_t bstep, float* c, int64_t ldc, bool add) {
+  constexpr int kRows = 8;
+  char* cc = reinterpret_cast<char*>(c);
+  const char* ab = reinterpret_cast<const char*>(a);
+  for (int r0 = 0; r0 < kBlock; r0 += kRows) {
+    __m512 acc[kRows][2];
+    for (int r = 0; r < kRows; ++r) {
+      const float* row = reinterpret_cast<const float*>(cc + (r0 + r) * ldc);
+      acc[r][0] = add ? _mm512_loadu_ps(row) : _mm512_setzero_ps();
+      acc[r][1] = add ? _mm512_loadu_ps(row + 16) : _mm512_setzero_ps();
+    }
+    for (int64_t i = 0; i < steps; ++i) {
+      const char* ai = ab + r0 * lda + 64 * i;
+      const char* bi = b + i * bstep;
+#pragma GCC unroll 4
+      for (int p = 0; p < 16; ++p) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(bi + p * ldb);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(bi + p * ldb + 64);
+#pragma GCC unroll 8
+        for (int r = 0; r < kRows; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, ai + r * lda + 4 * p, 4);
+          const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+        }
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      float* row = reinterpret_cast<float*>(cc + (r0 + r) * ldc);
+      _mm512_storeu_ps(row, acc[r][0]);
+      _mm512_storeu_ps(row + 16, acc[r][1]);
+    }
+  }
+}
+
+// The product on AMX tiles (kTiles) or by dot products.
+template <bool kTiles>
+inline void tiles_product(const u16* a, int64_t lda, const char* b, int64_t ldb, int64_t steps,
+                          int64_t bstep, float* c, int64_t ldc, bool add = false) {
+#ifdef HLAT_AMX
+  if constexpr (kTiles) {
+    amx_product(a, lda, b, ldb, steps, bstep, c, ldc, add);
+    return;
+  }
+#endif
+  dot_product(a, lda, b, ldb, steps, bstep, c, ldc, add);
+}
 
 // 32 floats (lo: 0-15, hi: 16-31) rounded to bf16 (nearest even) and stored at dst; lo and
 // hi become the rounded values.
@@ -756,7 +837,7 @@ inline void interleave_row_pairs(const u16* rows, int64_t ld, u16* pairs) {
     interleave32(rows + 2 * i * ld, rows + (2 * i + 1) * ld, pairs + i * 2 * kBlock);
 }
 
-// The softmax of amx_attention_forward's query block over its keys (scores: the products,
+// The softmax of bf16_attention_forward's query block over its keys (scores: the products,
 // unscaled, kBlock rows ld floats apart, keys 0 .. keys - 1, the last block diagonal): the
 // probabilities rounded to bf16 into probs (rows as far apart), each row's log-sum-exp into
 // lse and the inverse of its sum (of the rounded probabilities, which the output sums) into
@@ -835,12 +916,13 @@ void store_row(const float* src, int64_t dim, const Rope* rope, int64_t b, int64
 
 // Causal attention of q, k, v (as many heads each) into out's rows; lse [batch * heads][seq]
 // fp32. seq and dim multiples of 32. With `rope`, q and k are rotated as they are read.
-void amx_attention_forward(Rows<const u16> q, Rows<const u16> k, Rows<const u16> v,
-                           const Rope* rope, Rows<u16> out, float* lse, int64_t batch,
-                           int64_t heads, int64_t seq, int64_t dim, float scale, int threads) {
+template <bool kTiles>
+void bf16_attention_forward(Rows<const u16> q, Rows<const u16> k, Rows<const u16> v,
+                            const Rope* rope, Rows<u16> out, float* lse, int64_t batch,
+                            int64_t heads, int64_t seq, int64_t dim, float scale, int threads) {
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    configure_tiles();
+    const TileScope<kTiles> tiles;
     const int64_t kld = padded_u32(seq), sld = padded_u32(seq);
     std::vector<u32> kp(static_cast<size_t>(kld * dim / 2));
     std::vector<u16> vp(static_cast<size_t>(seq * dim));
@@ -879,12 +961,13 @@ void amx_attention_forward(Rows<const u16> q, Rows<const u16> k, Rows<const u16>
           qpos = dim;
         }
         for (int64_t k0 = 0; k0 < end; k0 += kBlock)
-          tiles_product(qb, qpos * 2, keys + k0 * 4, kld * 4, dim / 32, 16 * kld * 4,
-                        scores.data() + k0, sld * 4);
+          tiles_product<kTiles>(qb, qpos * 2, keys + k0 * 4, kld * 4, dim / 32, 16 * kld * 4,
+                                scores.data() + k0, sld * 4);
         softmax_rows(scores.data(), sld, end, scale, probs.data(), lse + bh * seq + q0, inv);
         for (int64_t d = 0; d < dim; d += 32)
-          tiles_product(probs.data(), sld * 2, reinterpret_cast<const char*>(vp.data()) + 4 * d,
-                        dim * 4, end / kBlock, 16 * dim * 4, block.data() + d, dim * 4);
+          tiles_product<kTiles>(probs.data(), sld * 2,
+                                reinterpret_cast<const char*>(vp.data()) + 4 * d, dim * 4,
+                                end / kBlock, 16 * dim * 4, block.data() + d, dim * 4);
         for (int r = 0; r < kBlock; ++r) {
           const __m512 scale_r = _mm512_set1_ps(inv[r]);
           const float* o = block.data() + r * dim;
@@ -894,20 +977,20 @@ void amx_attention_forward(Rows<const u16> q, Rows<const u16> k, Rows<const u16>
         }
       }
     }
-    _tile_release();
   }
 }
 
-// The gradients of amx_attention_forward for q, k and v, into the rows of dq, dk and dv, from
+// The gradients of bf16_attention_forward for q, k and v, into the rows of dq, dk and dv, from
 // its output and lse and the output's gradient; with `rope`, those of the unrotated q and k.
-void amx_attention_backward(Rows<const u16> q, Rows<const u16> k, Rows<const u16> v,
-                            const Rope* rope, Rows<const u16> out, Rows<const u16> grad,
-                            const float* lse, Rows<u16> dq, Rows<u16> dk, Rows<u16> dv,
-                            int64_t batch, int64_t heads, int64_t seq, int64_t dim, float scale,
-                            int threads) {
+template <bool kTiles>
+void bf16_attention_backward(Rows<const u16> q, Rows<const u16> k, Rows<const u16> v,
+                             const Rope* rope, Rows<const u16> out, Rows<const u16> grad,
+                             const float* lse, Rows<u16> dq, Rows<u16> dk, Rows<u16> dv,
+                             int64_t batch, int64_t heads, int64_t seq, int64_t dim,
+                             float scale, int threads) {
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    configure_tiles();
+    const TileScope<kTiles> tiles;
     const size_t n = static_cast<size_t>(seq * dim);
     const int64_t kld = padded_u32(seq), tld = padded_u16(seq);
     std::vector<u32> kp(static_cast<size_t>(kld * dim / 2)), vp(kp.size());
@@ -967,11 +1050,12 @@ void amx_attention_backward(Rows<const u16> q, Rows<const u16> k, Rows<const u16
         for (int64_t k0 = band; k0 < band_end; k0 += kBlock) {
           for (int64_t q0 = k0; q0 < seq; q0 += kBlock) {
             u16* ds = dscores.data() + q0 * wld + (k0 - band);
-            tiles_product(qh + q0 * qpos, qpos * 2, reinterpret_cast<const char*>(kp.data() + k0),
-                          kld * 4, dim / 32, 16 * kld * 4, scores, kBlock * 4);
-            tiles_product(g.data() + q0 * dim, dim * 2,
-                          reinterpret_cast<const char*>(vp.data() + k0), kld * 4, dim / 32,
-                          16 * kld * 4, dprobs, kBlock * 4);
+            tiles_product<kTiles>(qh + q0 * qpos, qpos * 2,
+                                  reinterpret_cast<const char*>(kp.data() + k0), kld * 4,
+                                  dim / 32, 16 * kld * 4, scores, kBlock * 4);
+            tiles_product<kTiles>(g.data() + q0 * dim, dim * 2,
+                                  reinterpret_cast<const char*>(vp.data() + k0), kld * 4,
+                                  dim / 32, 16 * kld * 4, dprobs, kBlock * 4);
             // the probabilities recomputed in base 2 (as forward's), and the scores'
             // gradients p (dp - delta) scale, the scale applied to dp - delta
             for (int r = 0; r < kBlock; ++r) {
@@ -997,12 +1081,14 @@ void amx_attention_backward(Rows<const u16> q, Rows<const u16> k, Rows<const u16
           // dv^T = grad^T probs, dk^T = q^T dscores
           const int64_t blocks = (seq - k0) / kBlock;
           for (int64_t d = 0; d < dim; d += 32) {
-            tiles_product(gt.data() + d * tld + k0, tld * 2,
-                          reinterpret_cast<const char*>(probs_pairs.data()), 128, blocks,
-                          kBlock * kBlock * 2, dvt.data() + d * kBlock, kBlock * 4);
-            tiles_product(qt.data() + d * tld + k0, tld * 2,
-                          reinterpret_cast<const char*>(dscores_pairs.data()), 128, blocks,
-                          kBlock * kBlock * 2, dkt.data() + d * kBlock, kBlock * 4);
+            tiles_product<kTiles>(gt.data() + d * tld + k0, tld * 2,
+                                  reinterpret_cast<const char*>(probs_pairs.data()), 128,
+                                  blocks, kBlock * kBlock * 2, dvt.data() + d * kBlock,
+                                  kBlock * 4);
+            tiles_product<kTiles>(qt.data() + d * tld + k0, tld * 2,
+                                  reinterpret_cast<const char*>(dscores_pairs.data()), 128,
+                                  blocks, kBlock * kBlock * 2, dkt.data() + d * kBlock,
+                                  kBlock * 4);
           }
           // the key block's rows, from the transposed sums, then rounded into dk and dv
           for (int64_t d0 = 0; d0 < dim; d0 += 16)
@@ -1032,17 +1118,17 @@ void amx_attention_backward(Rows<const u16> q, Rows<const u16> k, Rows<const u16
         for (int64_t q0 = band; q0 < seq; q0 += kBlock) {
           const int64_t steps = (std::min(q0 + kBlock, band_end) - band) / kBlock;
           for (int64_t d = 0; d < dim; d += 32)
-            tiles_product(dscores.data() + q0 * wld, wld * 2, kb + 4 * d, dim * 4, steps,
-                          16 * dim * 4, dqacc.data() + q0 * dim + d, dim * 4, band > 0);
+            tiles_product<kTiles>(dscores.data() + q0 * wld, wld * 2, kb + 4 * d, dim * 4,
+                                  steps, 16 * dim * 4, dqacc.data() + q0 * dim + d, dim * 4,
+                                  band > 0);
         }
       }
       for (int64_t s = 0; s < seq; ++s)
         store_row(dqacc.data() + s * dim, dim, rope, b, s, dq.at(b, h) + s * dq.pos);
     }
-    _tile_release();
   }
 }
-#endif  // HLAT_AMX
+#endif  // HLAT_BF16
 
 #ifdef HLAT_AVX512
 // ---------------------------------------------------------------------------------------
@@ -1239,7 +1325,7 @@ void f32_attention_backward(const float* q, const float* k, const float* v, cons
 extern "C" {
 
 // Version of the entry points' signatures; the loader checks it.
-int hlat_model_abi(void) { return 10; }
+int hlat_model_abi(void) { return 11; }
 
 // `bf16`: 1 when every tensor argument is bf16 (held as uint16), 0 when fp32; rstd and part
 // are fp32. Rows are contiguous, `dim` (or 2 * `width`) elements each.
@@ -1398,85 +1484,125 @@ int hlat_attn_amx_ready(void) {
 #endif
 }
 
-// Causal attention of bf16 q, k, v [batch * heads][seq][dim] on AMX tiles (see
-// amx_attention_forward); seq and dim multiples of 32. Returns 0, or -1 (nothing done)
-// where hlat_attn_amx_ready says 0.
-int hlat_attn_amx_forward(const void* q, const void* k, const void* v, void* out, int64_t ob,
-                           int64_t oh, int64_t os, float* lse, int64_t batch, int64_t heads,
-                           int64_t seq, int64_t dim, float scale, int threads) {
-  if (!hlat_attn_amx_ready()) return -1;
+// 1 where the bf16 attention kernels were built with AVX512-BF16 dot products (the compiler
+// targets AVX512-BF16), else 0.
+int hlat_attn_bf16_ready(void) {
+#ifdef HLAT_BF16
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+}  // extern "C"
+
+namespace {
+// Whether the bf16 kernels can run on AMX tiles (`tiles`) or dot products.
+bool bf16_ready(int tiles) { return tiles ? hlat_attn_amx_ready() : hlat_attn_bf16_ready(); }
+
+#ifdef HLAT_BF16
+// bf16_attention_forward or _backward (`fn`, a generic lambda taking the product's kind as
+// std::bool_constant) on AMX tiles where `tiles`, else by dot products.
+template <typename Fn>
+void on_products(int tiles, Fn&& fn) {
 #ifdef HLAT_AMX
+  if (tiles) {
+    fn(std::true_type{});
+    return;
+  }
+#endif
+  fn(std::false_type{});
+}
+#endif
+}  // namespace
+
+extern "C" {
+
+// Causal attention of bf16 q, k, v [batch * heads][seq][dim] (see bf16_attention_forward),
+// on AMX tiles where `tiles` is 1, else by AVX512-BF16 dot products; seq and dim multiples of
+// 32. Returns 0, or -1 (nothing done) where hlat_attn_amx_ready (`tiles`) or
+// hlat_attn_bf16_ready says 0.
+int hlat_attn_bf16_forward(int tiles, const void* q, const void* k, const void* v, void* out,
+                           int64_t ob, int64_t oh, int64_t os, float* lse, int64_t batch,
+                           int64_t heads, int64_t seq, int64_t dim, float scale, int threads) {
+  if (!bf16_ready(tiles)) return -1;
+#ifdef HLAT_BF16
   const int64_t hs = seq * dim, bs = heads * hs;
-  amx_attention_forward({static_cast<const u16*>(q), bs, hs, dim},
-                        {static_cast<const u16*>(k), bs, hs, dim},
-                        {static_cast<const u16*>(v), bs, hs, dim}, nullptr,
-                        {static_cast<u16*>(out), ob, oh, os}, lse, batch, heads, seq, dim, scale,
-                        threads);
+  on_products(tiles, [&](auto kind) {
+    bf16_attention_forward<decltype(kind)::value>(
+        {static_cast<const u16*>(q), bs, hs, dim}, {static_cast<const u16*>(k), bs, hs, dim},
+        {static_cast<const u16*>(v), bs, hs, dim}, nullptr, {static_cast<u16*>(out), ob, oh, os},
+        lse, batch, heads, seq, dim, scale, threads);
+  });
 #endif
   return 0;
 }
 
-// The gradients of hlat_attn_amx_forward's inputs; returns as it does.
-int hlat_attn_amx_backward(const void* q, const void* k, const void* v, const void* out,
-                            int64_t ob, int64_t oh, int64_t os, const void* grad, int64_t gb,
-                            int64_t gh, int64_t gs, const float* lse, void* dq, void* dk,
-                            void* dv, int64_t batch, int64_t heads, int64_t seq, int64_t dim,
-                            float scale, int threads) {
-  if (!hlat_attn_amx_ready()) return -1;
-#ifdef HLAT_AMX
+// The gradients of hlat_attn_bf16_forward's inputs; returns as it does.
+int hlat_attn_bf16_backward(int tiles, const void* q, const void* k, const void* v,
+                            const void* out, int64_t ob, int64_t oh, int64_t os,
+                            const void* grad, int64_t gb, int64_t gh, int64_t gs,
+                            const float* lse, void* dq, void* dk, void* dv, int64_t batch,
+                            int64_t heads, int64_t seq, int64_t dim, float scale, int threads) {
+  if (!bf16_ready(tiles)) return -1;
+#ifdef HLAT_BF16
   const int64_t hs = seq * dim, bs = heads * hs;
-  amx_attention_backward({static_cast<const u16*>(q), bs, hs, dim},
-                         {static_cast<const u16*>(k), bs, hs, dim},
-                         {static_cast<const u16*>(v), bs, hs, dim}, nullptr,
-                         {static_cast<const u16*>(out), ob, oh, os},
-                         {static_cast<const u16*>(grad), gb, gh, gs}, lse,
-                         {static_cast<u16*>(dq), bs, hs, dim}, {static_cast<u16*>(dk), bs, hs, dim},
-                         {static_cast<u16*>(dv), bs, hs, dim}, batch, heads, seq, dim, scale,
-                         threads);
+  on_products(tiles, [&](auto kind) {
+    bf16_attention_backward<decltype(kind)::value>(
+        {static_cast<const u16*>(q), bs, hs, dim}, {static_cast<const u16*>(k), bs, hs, dim},
+        {static_cast<const u16*>(v), bs, hs, dim}, nullptr,
+        {static_cast<const u16*>(out), ob, oh, os}, {static_cast<const u16*>(grad), gb, gh, gs},
+        lse, {static_cast<u16*>(dq), bs, hs, dim}, {static_cast<u16*>(dk), bs, hs, dim},
+        {static_cast<u16*>(dv), bs, hs, dim}, batch, heads, seq, dim, scale, threads);
+  });
 #endif
   return 0;
 }
 
-// The AMX attention reading q, k and v from the fused product qkv [batch, seq, heads, 3, dim]
-// (each head's q, k and v rows side by side, heads side by side; batch and position any
+// The bf16 attention reading q, k and v from the fused product qkv [batch, seq, heads, 3,
+// dim] (each head's q, k and v rows side by side, heads side by side; batch and position any
 // strides), RoPE applied to q and k as they are read (tables as hlat_rope_heads's).
 // `table`: batch, seq, heads, dim, qkv's element strides over batch and position, and those
-// of cos and sin. Returns as hlat_attn_amx_forward.
-int hlat_attn_amx_rope_forward(const void* qkv, const int64_t* table, const float* cos,
-                                const float* sin, void* out, int64_t ob, int64_t oh, int64_t os,
-                                float* lse, float scale, int threads) {
-  if (!hlat_attn_amx_ready()) return -1;
-#ifdef HLAT_AMX
+// of cos and sin. Returns as hlat_attn_bf16_forward.
+int hlat_attn_bf16_rope_forward(int tiles, const void* qkv, const int64_t* table,
+                                const float* cos, const float* sin, void* out, int64_t ob,
+                                int64_t oh, int64_t os, float* lse, float scale, int threads) {
+  if (!bf16_ready(tiles)) return -1;
+#ifdef HLAT_BF16
   const int64_t batch = table[0], seq = table[1], heads = table[2], dim = table[3];
   const int64_t bs = table[4], pos = table[5], hs = 3 * dim;
   const u16* q = static_cast<const u16*>(qkv);
   const Rope rope{cos, sin, table[6], table[7]};
-  amx_attention_forward({q, bs, hs, pos}, {q + dim, bs, hs, pos}, {q + 2 * dim, bs, hs, pos},
-                        &rope, {static_cast<u16*>(out), ob, oh, os}, lse, batch, heads, seq,
-                        dim, scale, threads);
+  on_products(tiles, [&](auto kind) {
+    bf16_attention_forward<decltype(kind)::value>(
+        {q, bs, hs, pos}, {q + dim, bs, hs, pos}, {q + 2 * dim, bs, hs, pos}, &rope,
+        {static_cast<u16*>(out), ob, oh, os}, lse, batch, heads, seq, dim, scale, threads);
+  });
 #endif
   return 0;
 }
 
 // Its gradient for qkv (grad_qkv: the same strides), from its output, lse and the output's
 // gradient.
-int hlat_attn_amx_rope_backward(const void* qkv, const int64_t* table, const float* cos,
-                                 const float* sin, const void* out, int64_t ob, int64_t oh,
-                                 int64_t os, const void* grad, int64_t gb, int64_t gh,
-                                 int64_t gs, const float* lse, void* grad_qkv, float scale,
-                                 int threads) {
-  if (!hlat_attn_amx_ready()) return -1;
-#ifdef HLAT_AMX
+int hlat_attn_bf16_rope_backward(int tiles, const void* qkv, const int64_t* table,
+                                 const float* cos, const float* sin, const void* out,
+                                 int64_t ob, int64_t oh, int64_t os, const void* grad,
+                                 int64_t gb, int64_t gh, int64_t gs, const float* lse,
+                                 void* grad_qkv, float scale, int threads) {
+  if (!bf16_ready(tiles)) return -1;
+#ifdef HLAT_BF16
   const int64_t batch = table[0], seq = table[1], heads = table[2], dim = table[3];
   const int64_t bs = table[4], pos = table[5], hs = 3 * dim;
   const u16* q = static_cast<const u16*>(qkv);
   u16* dq = static_cast<u16*>(grad_qkv);
   const Rope rope{cos, sin, table[6], table[7]};
-  amx_attention_backward({q, bs, hs, pos}, {q + dim, bs, hs, pos}, {q + 2 * dim, bs, hs, pos},
-                         &rope, {static_cast<const u16*>(out), ob, oh, os},
-                         {static_cast<const u16*>(grad), gb, gh, gs}, lse, {dq, bs, hs, pos},
-                         {dq + dim, bs, hs, pos}, {dq + 2 * dim, bs, hs, pos}, batch, heads, seq,
-                         dim, scale, threads);
+  on_products(tiles, [&](auto kind) {
+    bf16_attention_backward<decltype(kind)::value>(
+        {q, bs, hs, pos}, {q + dim, bs, hs, pos}, {q + 2 * dim, bs, hs, pos}, &rope,
+        {static_cast<const u16*>(out), ob, oh, os}, {static_cast<const u16*>(grad), gb, gh, gs},
+        lse, {dq, bs, hs, pos}, {dq + dim, bs, hs, pos}, {dq + 2 * dim, bs, hs, pos}, batch,
+        heads, seq, dim, scale, threads);
+  });
 #endif
   return 0;
 }

@@ -16,6 +16,7 @@ way the model computes the same functions with torch's operators.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -25,11 +26,12 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
 _SOURCE = Path(__file__).with_name("_fused_cpu.cpp")
-_ABI = 10
+_ABI = 11
 # -fno-trapping-math lets the compiler vectorise floor(); no -ffast-math: NaN and inf keep
 # their meaning.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
@@ -51,32 +53,37 @@ _SIGNATURES = {
     "hlat_attn_softmax_backward": [_INT, _P, _P, _I64, _I64, _I64, _I64, _INT],
     "hlat_add_bf16_into_fp32": [_P, _I64, _P, _I64, _I64, _INT],
     "hlat_attn_amx_ready": [],
+    "hlat_attn_bf16_ready": [],
     "hlat_attn_f32_ready": [],
 }
-# the flash attention kernels: bf16 on AMX tiles, fp32 on AVX-512, the same arguments
-for _kind in ("amx", "f32"):
-    _SIGNATURES[f"hlat_attn_{_kind}_forward"] = (
-        [_P, _P, _P, _P, _I64, _I64, _I64, _P] + [_I64] * 4 + [ctypes.c_float, _INT]
-    )
-    _SIGNATURES[f"hlat_attn_{_kind}_backward"] = (
-        [_P, _P, _P, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64]
-        + [_P] * 4
-        + [_I64] * 4
-        + [ctypes.c_float, _INT]
-    )
-# the AMX kernel reading q, k and v from the fused product, RoPE applied as it reads them
-_SIGNATURES["hlat_attn_amx_rope_forward"] = [_P] * 5 + [_I64] * 3 + [_P, ctypes.c_float, _INT]
-_SIGNATURES["hlat_attn_amx_rope_backward"] = (
-    [_P] * 5 + [_I64] * 3 + [_P] + [_I64] * 3 + [_P, _P, ctypes.c_float, _INT]
+# the flash attention kernels: fp32 on AVX-512, and bf16 (the same arguments after the first:
+# 1 for AMX tiles, 0 for AVX512-BF16 dot products)
+_FLASH_FORWARD = [_P, _P, _P, _P, _I64, _I64, _I64, _P] + [_I64] * 4 + [ctypes.c_float, _INT]
+_FLASH_BACKWARD = (
+    [_P, _P, _P, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64]
+    + [_P] * 4
+    + [_I64] * 4
+    + [ctypes.c_float, _INT]
+)
+_SIGNATURES["hlat_attn_f32_forward"] = _FLASH_FORWARD
+_SIGNATURES["hlat_attn_f32_backward"] = _FLASH_BACKWARD
+_SIGNATURES["hlat_attn_bf16_forward"] = [_INT, *_FLASH_FORWARD]
+_SIGNATURES["hlat_attn_bf16_backward"] = [_INT, *_FLASH_BACKWARD]
+# the bf16 kernel reading q, k and v from the fused product, RoPE applied as it reads them
+_SIGNATURES["hlat_attn_bf16_rope_forward"] = (
+    [_INT] + [_P] * 5 + [_I64] * 3 + [_P, ctypes.c_float, _INT]
+)
+_SIGNATURES["hlat_attn_bf16_rope_backward"] = (
+    [_INT] + [_P] * 5 + [_I64] * 3 + [_P] + [_I64] * 3 + [_P, _P, ctypes.c_float, _INT]
 )
 _RETURNS: dict[str, type[ctypes.c_int64] | type[ctypes.c_int]] = {
     "hlat_xent_first_bad": ctypes.c_int64
 }
 _RETURNS.update(
-    (f"hlat_attn_{kind}_{what}", _INT)
-    for kind in ("amx", "f32", "amx_rope")
+    (name, _INT)
+    for kind in ("amx", "bf16", "f32", "bf16_rope")
     for what in ("ready", "forward", "backward")
-    if kind != "amx_rope" or what != "ready"
+    if (name := f"hlat_attn_{kind}_{what}") in _SIGNATURES
 )
 
 _PARTS = 64
@@ -456,30 +463,41 @@ def amx_attention_ready(lib: ctypes.CDLL) -> bool:
     return bool(lib.hlat_attn_amx_ready())
 
 
+def bf16_attention_ready(lib: ctypes.CDLL) -> bool:
+    """Whether the library holds the bf16 flash attention kernels with AVX512-BF16 dot
+    products (built where the compiler targets AVX512-BF16)."""
+    return bool(lib.hlat_attn_bf16_ready())
+
+
 def f32_attention_ready(lib: ctypes.CDLL) -> bool:
     """Whether the library holds the fp32 flash attention kernels (built where the compiler
     targets AVX-512F)."""
     return bool(lib.hlat_attn_f32_ready())
 
 
-def _flash_kind(t: torch.Tensor) -> str:
-    if t.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"the flash attention kernels take bf16 or fp32, not {t.dtype}")
-    return "amx" if t.dtype == torch.bfloat16 else "f32"
+def _flash_entry(lib: ctypes.CDLL, t: torch.Tensor, what: str, tiles: bool) -> Any:
+    """The flash kernel's entry point ``what`` (forward, backward) for ``t``'s dtype: fp32,
+    or bf16 on AMX tiles (``tiles``) or by dot products."""
+    if t.dtype == torch.float32:
+        return getattr(lib, f"hlat_attn_f32_{what}")
+    if t.dtype == torch.bfloat16:
+        return functools.partial(getattr(lib, f"hlat_attn_bf16_{what}"), int(tiles))
+    raise ValueError(f"the flash attention kernels take bf16 or fp32, not {t.dtype}")
 
 
 def flash_attention_forward(
-    lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of contiguous [B, H, S, D] ``q``, ``k``, ``v`` (S and D multiples
-    of 32): bf16 on AMX tiles (only where :func:`amx_attention_ready`), fp32 on AVX-512
+    of 32): bf16 on AMX tiles with ``tiles`` (only where :func:`amx_attention_ready`) or
+    by AVX512-BF16 dot products (only where :func:`bf16_attention_ready`), fp32 on AVX-512
     (only where :func:`f32_attention_ready`). Returns (the output, a [B, H, S, D] view of a
     [B, S, H, D] tensor; each query's fp32 log-sum-exp of its scaled scores [B * H, S])."""
-    kind = _flash_kind(q)
     batch, heads, seq, dim = q.shape
+    entry = _flash_entry(lib, q, "forward", tiles)
     out = q.new_empty(batch, seq, heads, dim)
     lse = q.new_empty(batch * heads, seq, dtype=torch.float32)
-    done = getattr(lib, f"hlat_attn_{kind}_forward")(
+    done = entry(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *_row_strides(out, 1),
         lse.data_ptr(), batch, heads, seq, dim, dim**-0.5, torch.get_num_threads(),
     )  # fmt: skip
@@ -496,16 +514,17 @@ def flash_attention_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    tiles: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of :func:`flash_attention_forward` for ``q``, ``k`` and ``v``, from its
     output ``out`` and ``lse`` and the output's gradient ``grad`` ([B, H, S, D], any strides
-    with dense rows)."""
-    kind = _flash_kind(q)
+    with dense rows); ``tiles`` as forward's."""
+    entry = _flash_entry(lib, q, "backward", tiles)
     batch, heads, seq, dim = q.shape
     if grad.stride(3) != 1:
         grad = grad.contiguous()
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
-    done = getattr(lib, f"hlat_attn_{kind}_backward")(
+    done = entry(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *_row_strides(out),
         grad.data_ptr(), *_row_strides(grad), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(),
         dv.data_ptr(), batch, heads, seq, dim, dim**-0.5, torch.get_num_threads(),
@@ -522,25 +541,26 @@ def _rope_attention_table(qkv: torch.Tensor, cos: torch.Tensor) -> ctypes.Array:
 
 
 def rope_attention_forward(
-    lib: ctypes.CDLL, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    lib: ctypes.CDLL, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tiles: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of the q, k and v of a bf16 ``qkv`` [B, S, H, 3, D] (the fused
     product, one key and value head per query head; S and D multiples of 32; dense over H,
     3 and D, any strides over B and S: batch-first or sequence-first), RoPE
     applied to q and k (tables as :func:`rope_heads_forward` reads them, which
     :func:`rope_tables_usable` accepts): :func:`rope_heads_forward` and then
-    :func:`flash_attention_forward` in one kernel, on AMX tiles (only where
-    :func:`amx_attention_ready`). Returns what :func:`flash_attention_forward` does."""
+    :func:`flash_attention_forward` in one kernel, on AMX tiles with ``tiles`` or by dot
+    products (where :func:`flash_attention_forward` runs them). Returns what
+    :func:`flash_attention_forward` does."""
     batch, seq, heads, _, dim = qkv.shape
     out = qkv.new_empty(batch, seq, heads, dim)
     lse = qkv.new_empty(batch * heads, seq, dtype=torch.float32)
-    done = lib.hlat_attn_amx_rope_forward(
-        qkv.data_ptr(), _rope_attention_table(qkv, cos), cos.data_ptr(), sin.data_ptr(),
+    done = lib.hlat_attn_bf16_rope_forward(
+        int(tiles), qkv.data_ptr(), _rope_attention_table(qkv, cos), cos.data_ptr(), sin.data_ptr(),
         out.data_ptr(), *_row_strides(out, 1), lse.data_ptr(), dim**-0.5,
         torch.get_num_threads(),
     )  # fmt: skip
     if done != 0:
-        raise RuntimeError("the AMX attention kernels cannot run here")
+        raise RuntimeError("the bf16 flash attention kernels cannot run here")
     return out.transpose(1, 2), lse
 
 
@@ -552,22 +572,23 @@ def rope_attention_backward(
     sin: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    tiles: bool = False,
 ) -> torch.Tensor:
     """The gradient of :func:`rope_attention_forward` for ``qkv`` (its layout), from its
     output ``out`` and ``lse`` and the output's gradient ``grad`` ([B, H, S, D], any strides
     with dense rows): the q and k gradients rotated back, each rounded once. It has
-    ``qkv``'s strides."""
+    ``qkv``'s strides; ``tiles`` as forward's."""
     dim = qkv.shape[-1]
     if grad.stride(3) != 1:
         grad = grad.contiguous()
     grad_qkv = torch.empty_strided(qkv.shape, qkv.stride(), dtype=qkv.dtype)
-    done = lib.hlat_attn_amx_rope_backward(
-        qkv.data_ptr(), _rope_attention_table(qkv, cos), cos.data_ptr(), sin.data_ptr(),
+    done = lib.hlat_attn_bf16_rope_backward(
+        int(tiles), qkv.data_ptr(), _rope_attention_table(qkv, cos), cos.data_ptr(), sin.data_ptr(),
         out.data_ptr(), *_row_strides(out), grad.data_ptr(), *_row_strides(grad),
         lse.data_ptr(), grad_qkv.data_ptr(), dim**-0.5, torch.get_num_threads(),
     )  # fmt: skip
     if done != 0:
-        raise RuntimeError("the AMX attention kernels cannot run here")
+        raise RuntimeError("the bf16 flash attention kernels cannot run here")
     return grad_qkv
 
 

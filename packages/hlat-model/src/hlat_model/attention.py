@@ -56,7 +56,7 @@ class AttentionMask:
     tensor, True where a query may attend to a key) or ``flex`` (a flex block mask).
     ``kernel`` is what runs a ``causal`` or ``sdpa`` mask: ``sdpa`` or ``blocked``.
     ``flash``: ``auto`` chose on a CPU where one of the fused kernels' flash attention
-    kernels runs (bf16 on AMX tiles, fp32 on AVX-512), which then takes plain causal
+    kernels runs (bf16 on AMX tiles or AVX512-BF16, fp32 on AVX-512), which then takes plain causal
     attention it fits (:func:`blocked_causal_attention`) whatever ``kernel`` says.
 
     Note: forward + backward on a 2-core Intel Xeon with AMX
@@ -95,7 +95,7 @@ class AttentionMask:
         )
         kernel = "blocked" if backend == "blocked" else "sdpa"
         if doc_lens is None:
-            flash = asked == "auto" and device.type == "cpu" and (_amx_attention() or _f32_flash())
+            flash = asked == "auto" and device.type == "cpu" and (_bf16_flash() or _f32_flash())
             return cls("causal", kernel=kernel, flash=flash)
         doc_ids = document_ids(doc_lens.to(device), seq_len)
         if backend == "flex":
@@ -137,7 +137,8 @@ def cpu_attention_rule(amx: bool, seq_len: int | None, documents: bool) -> str:
     """``auto``'s attention backend on a CPU: ``sdpa`` for plain causal attention over at
     least :data:`SDPA_FROM_TOKENS_WITH_AMX` tokens on a CPU with AMX tiles, else
     ``blocked`` (packed documents too: their masked flash kernel has not been measured).
-    Where the fused kernels' flash attention runs (bf16 on AMX tiles, fp32 on AVX-512),
+    Where the fused kernels' flash attention runs (bf16 on AMX tiles or AVX512-BF16, fp32 on
+    AVX-512),
     ``auto`` takes it over either for plain causal attention it fits
     (:attr:`AttentionMask.flash`)."""
     long = seq_len is not None and seq_len >= SDPA_FROM_TOKENS_WITH_AMX
@@ -258,9 +259,10 @@ def blocked_causal_attention(
     backward are theirs, in place, skipping the keys a causal row does not see, and bf16
     key and value gradients are added into their fp32 sums in one pass.
 
-    On CPUs with AMX tiles, plain causal bf16 attention whose sequence and head size are
-    multiples of 32 runs the fused kernels' AMX attention instead (:func:`amx_attention_reason`):
-    flash style, blocks of 32 queries against 32 keys in the tiles, each query's
+    On CPUs with AMX tiles or AVX512-BF16, plain causal bf16 attention whose sequence and
+    head size are multiples of 32 runs the fused kernels' bf16 flash attention instead
+    (:func:`bf16_flash_attention_reason`): flash style, blocks of 32 queries against 32 keys
+    multiplied on the tiles or by AVX512-BF16 dot products, each query's
     log-sum-exp kept for backward (linear in the sequence) rather than the probabilities;
     the same roundings (probabilities and score gradients rounded to bf16 for the products
     that read them), but scores kept in fp32. On CPUs with AVX-512, plain causal fp32
@@ -611,7 +613,9 @@ _FLASH_OFF = "turned off by HLAT_MODEL_FLASH_ATTENTION=0"
 
 def amx_attention_reason() -> str | None:
     """``None`` where plain causal bf16 attention runs on this CPU's AMX tiles (the fused
-    CPU kernels' flash-style kernel, :func:`blocked_causal_attention`), else why not."""
+    CPU kernels' bf16 flash-style kernel, :func:`blocked_causal_attention`), else why not
+    (``HLAT_MODEL_AMX_ATTENTION=0`` turns the tiles off: the kernel then runs by AVX512-BF16
+    dot products, :func:`bf16_flash_attention_reason`)."""
     if os.environ.get("HLAT_MODEL_FLASH_ATTENTION", "1") == "0":
         return _FLASH_OFF
     if os.environ.get("HLAT_MODEL_AMX_ATTENTION", "1") == "0":
@@ -623,6 +627,26 @@ def amx_attention_reason() -> str | None:
         if not _cpu_has_amx():
             return "this CPU has no AMX tiles"
         return "the kernels were built without AMX, or the OS refused the tiles"
+    return None
+
+
+def bf16_flash_attention_reason() -> str | None:
+    """``None`` where plain causal bf16 attention runs the fused CPU kernels' bf16
+    flash-style kernel (:func:`blocked_causal_attention`): on AMX tiles where
+    :func:`amx_attention_reason` says yes, else by AVX512-BF16 dot products where the
+    kernels were built for them (AMD's Zen 4 and later, Intel's AVX512-BF16 CPUs); else why
+    not."""
+    if amx_attention_reason() is None:
+        return None
+    if os.environ.get("HLAT_MODEL_FLASH_ATTENTION", "1") == "0":
+        return _FLASH_OFF
+    lib = _native.load()
+    if lib is None:
+        return f"no fused CPU kernels ({_native.unavailable_reason()})"
+    if not _native.bf16_attention_ready(lib):
+        if not cpu_has_native_bf16():
+            return "this CPU has neither AMX tiles nor AVX512-BF16"
+        return "the kernels were built without AVX512-BF16 (the compiler's target, -march=native)"
     return None
 
 
@@ -646,6 +670,13 @@ def _amx_attention() -> bool:
 
 
 @torch.compiler.assume_constant_result
+def _bf16_flash() -> bool:
+    """Whether :func:`bf16_flash_attention_reason` says yes, a constant for
+    ``torch.compile``."""
+    return bf16_flash_attention_reason() is None
+
+
+@torch.compiler.assume_constant_result
 def _f32_flash() -> bool:
     """Whether :func:`fp32_flash_attention_reason` says yes, a constant for
     ``torch.compile``."""
@@ -655,8 +686,8 @@ def _f32_flash() -> bool:
 def _on_flash_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether causal attention of these [B, H, S, D] tensors (as many heads each) runs a
     flash kernel: plain CPU tensors, S and D multiples of :data:`FLASH_BLOCK`, bf16 where
-    :func:`amx_attention_reason` says yes or fp32 where :func:`fp32_flash_attention_reason`
-    does."""
+    :func:`bf16_flash_attention_reason` says yes or fp32 where
+    :func:`fp32_flash_attention_reason` does."""
     if not (
         q.dtype == k.dtype == v.dtype
         and q.device.type == "cpu"
@@ -666,7 +697,7 @@ def _on_flash_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     ):
         return False
     if q.dtype == torch.bfloat16:
-        return _amx_attention()
+        return _bf16_flash()
     return q.dtype == torch.float32 and _f32_flash()
 
 
@@ -683,7 +714,9 @@ def _flash_forward(
     log-sum-exp [B*H, S])."""
     lib = _native.load()
     assert lib is not None
-    return _native.flash_attention_forward(lib, q.contiguous(), k.contiguous(), v.contiguous())
+    return _native.flash_attention_forward(
+        lib, q.contiguous(), k.contiguous(), v.contiguous(), tiles=_amx_attention()
+    )
 
 
 @_flash_forward.register_fake
@@ -710,8 +743,9 @@ def _flash_backward(
     lib = _native.load()
     assert lib is not None
     return _native.flash_attention_backward(
-        lib, grad, q.contiguous(), k.contiguous(), v.contiguous(), out, lse.contiguous()
-    )
+        lib, grad, q.contiguous(), k.contiguous(), v.contiguous(), out, lse.contiguous(),
+        tiles=_amx_attention(),
+    )  # fmt: skip
 
 
 @_flash_backward.register_fake
@@ -743,7 +777,8 @@ def rope_flash_attention_fits(
     """Whether :func:`rope_flash_attention` takes the attention of this fused product ``qkv``
     [B, S, H, 3, D] (one key and value head per query head) with these RoPE tables and
     mask: plain causal attention that ``auto`` gave the flash kernels (``mask.flash``), bf16
-    on a CPU whose AMX attention runs (:func:`amx_attention_reason`), S and D multiples of
+    on a CPU whose bf16 flash attention runs (:func:`bf16_flash_attention_reason`), S and D
+    multiples of
     :data:`FLASH_BLOCK`, a plain CPU tensor computed op by op outside autocast, dense over
     its last three dimensions (batch-first or sequence-first), and tables the kernel reads
     (``hlat_model._native.rope_tables_usable``)."""
@@ -762,7 +797,7 @@ def rope_flash_attention_fits(
         and head_dim % FLASH_BLOCK == 0
         and not torch.compiler.is_compiling()
         and not torch.is_autocast_enabled("cpu")
-        and _amx_attention()
+        and _bf16_flash()
         and _native.rope_tables_usable(cos, sin, qkv.shape)
     )
 
@@ -772,29 +807,33 @@ class _RopeFlashAttention(torch.autograd.Function):
     def forward(ctx: Any, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
         lib = _native.load()
         assert lib is not None
-        out, lse = _native.rope_attention_forward(lib, qkv, cos, sin)
+        tiles = _amx_attention()
+        out, lse = _native.rope_attention_forward(lib, qkv, cos, sin, tiles=tiles)
         ctx.save_for_backward(qkv, cos, sin, out, lse)
-        ctx.lib = lib
+        ctx.lib, ctx.tiles = lib, tiles
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         qkv, cos, sin, out, lse = ctx.saved_tensors
-        return _native.rope_attention_backward(ctx.lib, grad, qkv, cos, sin, out, lse), None, None
+        grad_qkv = _native.rope_attention_backward(
+            ctx.lib, grad, qkv, cos, sin, out, lse, tiles=ctx.tiles
+        )
+        return grad_qkv, None, None
 
 
 def rope_flash_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Causal attention of the heads of the fused product ``qkv`` [B, S, H, 3, D], RoPE
     (``cos``, ``sin`` as :func:`hlat_model.model.rope_cos_sin` makes them) applied to q and
     k: what splitting the heads with RoPE (``hlat_model.model._HeadsWithRope``) and then
-    :func:`blocked_causal_attention` compute, in one kernel on AMX tiles that reads q, k and
-    v where the product left them, rotating q and k as it reads them, and writes the
+    :func:`blocked_causal_attention` compute, in one kernel (the bf16 flash kernel, on AMX
+    tiles or AVX512-BF16 dot products) that reads q, k and v where the product left them, rotating q and k as it reads them, and writes the
     gradient into ``qkv``'s layout directly: no [B, H, S, D] copies of q, k and v forward,
     nor of their gradients backward. Returns [B, H, S, D] (a view of a [B, S, H, D] tensor).
     Only where :func:`rope_flash_attention_fits` says so.
 
     Precision: the forward's numbers are those of the two steps (q and k rotated in fp32 and
-    rounded once, then the AMX kernel). Backward rotates the q and k gradients back from
+    rounded once, then the flash kernel). Backward rotates the q and k gradients back from
     their fp32 sums and rounds them once, where the two steps round the sums and then the
     rotation: at least as close to float64 (tested).
 

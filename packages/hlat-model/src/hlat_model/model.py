@@ -329,8 +329,8 @@ class Attention(nn.Module):
     context parallelism does to attend to keys and values gathered from other ranks.
 
     With the default core and no selective checkpointing, eager bf16 attention that
-    :func:`hlat_model.attention.rope_flash_attention_fits` (CPUs with AMX, one key and value
-    head per query head) runs the head split, RoPE and the core as one kernel,
+    :func:`hlat_model.attention.rope_flash_attention_fits` (CPUs with AMX or AVX512-BF16, one
+    key and value head per query head) runs the head split, RoPE and the core as one kernel,
     :func:`hlat_model.attention.rope_flash_attention`, on the fused product as it is.
     """
 
@@ -359,7 +359,7 @@ class Attention(nn.Module):
             and eager_plain(qkv)
             and rope_flash_attention_fits(qkv, cos, sin, mask)
         ):
-            # the head split, RoPE and attention in one kernel (AMX CPUs)
+            # the head split, RoPE and attention in one kernel (AMX or AVX512-BF16 CPUs)
             out = rope_flash_attention(qkv, cos, sin)
         else:
             out = self._split_and_attend(qkv, cos, sin, mask)

@@ -203,6 +203,7 @@ class Trainer:
         from hlat_model import (
             Llama,
             amx_attention_reason,
+            bf16_flash_attention_reason,
             fp32_flash_attention_reason,
             fused_cpu_kernels_reason,
         )
@@ -275,8 +276,12 @@ class Trainer:
             self._log(
                 f"fused CPU kernels (RMSNorm, SwiGLU, RoPE, attention softmax, loss): {state}"
             )
+            products = "AMX tiles" if amx_attention_reason() is None else "AVX512-BF16"
             for kernel, why in (
-                ("AMX attention (plain causal bf16, flash style)", amx_attention_reason()),
+                (
+                    f"bf16 flash attention (plain causal bf16, {products})",
+                    bf16_flash_attention_reason(),
+                ),
                 (
                     "fp32 flash attention (plain causal fp32, AVX-512)",
                     fp32_flash_attention_reason(),

@@ -545,18 +545,22 @@ def _bf16_flash_or_skip() -> None:
         pytest.skip(f"no bf16 flash attention here: {reason}")
 
 
-def test_rope_attention_against_heads_and_flash(benchmark):
+@pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
+def test_rope_attention_against_heads_and_flash(benchmark, kv_heads):
     """One layer's head split, RoPE and causal attention, forward + backward, at the model's
-    shape in bf16: :func:`hlat_model.attention.rope_flash_attention` (one kernel reading the
-    fused product) against the RoPE head split and then the bf16 flash attention, in the same
-    rounds (CPUs where the bf16 flash attention runs: AMX or AVX512-BF16)."""
+    shape in bf16 (and with 2 key and value heads for its 8 query heads):
+    :func:`hlat_model.attention.rope_flash_attention` (one kernel reading the fused product)
+    against the RoPE head split and then the bf16 flash attention (keys and values repeated
+    for each query head with grouped heads), in the same rounds (CPUs where the bf16 flash
+    attention runs: AMX or AVX512-BF16)."""
     _bf16_flash_or_skip()
     from hlat_model.attention import blocked_causal_attention, rope_flash_attention
     from hlat_model.model import _HeadsWithRope, rope_cos_sin
 
     torch.manual_seed(0)
     heads, head_dim = CONFIG["n_heads"], CONFIG["dim"] // CONFIG["n_heads"]
-    qkv = torch.randn(BATCH, SEQ, heads, 3, head_dim, dtype=torch.bfloat16, requires_grad=True)
+    shape = (BATCH, SEQ, kv_heads, heads // kv_heads + 2, head_dim)
+    qkv = torch.randn(shape, dtype=torch.bfloat16, requires_grad=True)
     cos, sin = rope_cos_sin(torch.arange(SEQ)[None], head_dim, 10000.0)
     grad = torch.randn(BATCH, heads, SEQ, head_dim, dtype=torch.bfloat16)
 
@@ -575,7 +579,7 @@ def test_rope_attention_against_heads_and_flash(benchmark):
         two_steps_ms=round(min(peer) * 1e3, 2),
         speedup=round(min(peer) / ours, 3),
     )
-    print(f"\n[bf16 rope + attention, one layer] {benchmark.extra_info}")
+    print(f"\n[bf16 rope + attention, one layer, {kv_heads} kv heads] {benchmark.extra_info}")
 
 
 def test_rope_attention_in_the_model_step(benchmark, monkeypatch):

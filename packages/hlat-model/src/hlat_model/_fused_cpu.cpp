@@ -914,12 +914,22 @@ void store_row(const float* src, int64_t dim, const Rope* rope, int64_t b, int64
   for (int64_t d = 0; d < dim; d += 16) store_bf16(dst + d, _mm512_loadu_ps(src + d));
 }
 
-// Causal attention of q, k, v (as many heads each) into out's rows; lse [batch * heads][seq]
-// fp32. seq and dim multiples of 32. With `rope`, q and k are rotated as they are read.
+// The heads of one call: `groups` key and value heads of `per` query heads each (grouped-query
+// attention where per > 1). Query head h = g * per + j of group g reads k and v rows (b, g);
+// its q (and dq) rows are those of q (b, g) moved by j * qstep, its out (and lse, and the
+// output's gradient) rows (b, h).
+struct HeadGroups {
+  int64_t groups, per, qstep;
+  int64_t count() const { return groups * per; }
+};
+
+// Causal attention of q, k, v into out's rows; lse [batch * heads][seq] fp32. seq and dim
+// multiples of 32. With `rope`, q and k are rotated as they are read. Each (batch, group) runs
+// on one thread: its keys and values are packed once for all its query heads.
 template <bool kTiles>
 void bf16_attention_forward(Rows<const u16> q, Rows<const u16> k, Rows<const u16> v,
                             const Rope* rope, Rows<u16> out, float* lse, int64_t batch,
-                            int64_t heads, int64_t seq, int64_t dim, float scale, int threads) {
+                            HeadGroups heads, int64_t seq, int64_t dim, float scale, int threads) {
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     const TileScope<kTiles> tiles;
@@ -935,45 +945,49 @@ void bf16_attention_forward(Rows<const u16> q, Rows<const u16> k, Rows<const u16
     std::vector<u16> qrot(rope ? static_cast<size_t>(kBlock * dim) : 0);
     float inv[kBlock];
 #pragma omp for schedule(dynamic)
-    for (int64_t bh = 0; bh < batch * heads; ++bh) {
-      const int64_t b = bh / heads, h = bh % heads;
-      const u16* qh = q.at(b, h);
-      const u16* kh = k.at(b, h);
+    for (int64_t bg = 0; bg < batch * heads.groups; ++bg) {
+      const int64_t b = bg / heads.groups, g = bg % heads.groups;
+      const u16* kh = k.at(b, g);
       int64_t kpos = k.pos;
       if (rope) {
         rotated_rows(kh, k.pos, seq, dim, *rope, b, 0, krot.data());
         kh = krot.data();
         kpos = dim;
       }
-      u16* outh = out.at(b, h);
       pack_column_pairs(kh, kpos, seq, dim, kp.data(), kld);
-      pack_row_pairs(v.at(b, h), v.pos, seq, dim, vp.data());
+      pack_row_pairs(v.at(b, g), v.pos, seq, dim, vp.data());
       const char* keys = reinterpret_cast<const char*>(kp.data());
-      for (int64_t q0 = 0; q0 < seq; q0 += kBlock) {
-        // keys 0 .. q0 + 31, the last block diagonal: scores, softmax, then the output's
-        // products over all the keys at once (the sums stay in the tiles)
-        const int64_t end = q0 + kBlock;
-        const u16* qb = qh + q0 * q.pos;
-        int64_t qpos = q.pos;
-        if (rope) {
-          rotated_rows(qb, q.pos, kBlock, dim, *rope, b, q0, qrot.data());
-          qb = qrot.data();
-          qpos = dim;
-        }
-        for (int64_t k0 = 0; k0 < end; k0 += kBlock)
-          tiles_product<kTiles>(qb, qpos * 2, keys + k0 * 4, kld * 4, dim / 32, 16 * kld * 4,
-                                scores.data() + k0, sld * 4);
-        softmax_rows(scores.data(), sld, end, scale, probs.data(), lse + bh * seq + q0, inv);
-        for (int64_t d = 0; d < dim; d += 32)
-          tiles_product<kTiles>(probs.data(), sld * 2,
-                                reinterpret_cast<const char*>(vp.data()) + 4 * d, dim * 4,
-                                end / kBlock, 16 * dim * 4, block.data() + d, dim * 4);
-        for (int r = 0; r < kBlock; ++r) {
-          const __m512 scale_r = _mm512_set1_ps(inv[r]);
-          const float* o = block.data() + r * dim;
-          u16* dst = outh + (q0 + r) * out.pos;
-          for (int64_t d = 0; d < dim; d += 16)
-            store_bf16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), scale_r));
+      for (int64_t j = 0; j < heads.per; ++j) {
+        const int64_t h = g * heads.per + j;
+        const u16* qh = q.at(b, g) + j * heads.qstep;
+        u16* outh = out.at(b, h);
+        float* lseh = lse + (b * heads.count() + h) * seq;
+        for (int64_t q0 = 0; q0 < seq; q0 += kBlock) {
+          // keys 0 .. q0 + 31, the last block diagonal: scores, softmax, then the output's
+          // products over all the keys at once (the sums stay in the tiles)
+          const int64_t end = q0 + kBlock;
+          const u16* qb = qh + q0 * q.pos;
+          int64_t qpos = q.pos;
+          if (rope) {
+            rotated_rows(qb, q.pos, kBlock, dim, *rope, b, q0, qrot.data());
+            qb = qrot.data();
+            qpos = dim;
+          }
+          for (int64_t k0 = 0; k0 < end; k0 += kBlock)
+            tiles_product<kTiles>(qb, qpos * 2, keys + k0 * 4, kld * 4, dim / 32,
+                                  16 * kld * 4, scores.data() + k0, sld * 4);
+          softmax_rows(scores.data(), sld, end, scale, probs.data(), lseh + q0, inv);
+          for (int64_t d = 0; d < dim; d += 32)
+            tiles_product<kTiles>(probs.data(), sld * 2,
+                                  reinterpret_cast<const char*>(vp.data()) + 4 * d, dim * 4,
+                                  end / kBlock, 16 * dim * 4, block.data() + d, dim * 4);
+          for (int r = 0; r < kBlock; ++r) {
+            const __m512 scale_r = _mm512_set1_ps(inv[r]);
+            const float* o = block.data() + r * dim;
+            u16* dst = outh + (q0 + r) * out.pos;
+            for (int64_t d = 0; d < dim; d += 16)
+              store_bf16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), scale_r));
+          }
         }
       }
     }
@@ -982,11 +996,12 @@ void bf16_attention_forward(Rows<const u16> q, Rows<const u16> k, Rows<const u16
 
 // The gradients of bf16_attention_forward for q, k and v, into the rows of dq, dk and dv, from
 // its output and lse and the output's gradient; with `rope`, those of the unrotated q and k.
+// A group's key and value gradients are summed over its query heads in fp32 and rounded once.
 template <bool kTiles>
 void bf16_attention_backward(Rows<const u16> q, Rows<const u16> k, Rows<const u16> v,
                              const Rope* rope, Rows<const u16> out, Rows<const u16> grad,
                              const float* lse, Rows<u16> dq, Rows<u16> dk, Rows<u16> dv,
-                             int64_t batch, int64_t heads, int64_t seq, int64_t dim,
+                             int64_t batch, HeadGroups heads, int64_t seq, int64_t dim,
                              float scale, int threads) {
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
@@ -997,14 +1012,17 @@ void bf16_attention_backward(Rows<const u16> q, Rows<const u16> k, Rows<const u1
     std::vector<u16> g(n), kr(n), scratch(n);
     std::vector<u16> gt(static_cast<size_t>(tld * dim)), qt(gt.size());
     std::vector<float> delta(static_cast<size_t>(seq)), dqacc(n);
-    std::vector<float> dkt(static_cast<size_t>(kBlock * dim)), dvt(dkt.size());
+    // every key block's key and value gradients, transposed ([seq / 32][dim][32]), summed
+    // over the group's query heads
+    std::vector<float> dkt(n), dvt(n);
     // a key block's key and value gradients, in rows (before rounding)
-    std::vector<float> dkrows(dkt.size()), dvrows(dkt.size());
+    std::vector<float> dkrows(static_cast<size_t>(kBlock * dim)), dvrows(dkrows.size());
     // with RoPE: the rotated queries and keys
     std::vector<u16> qrot(rope ? n : 0), krot(rope ? n : 0);
     // a key block's probabilities and score gradients against every query block, in the B
     // layout: its key and value gradients are then one product each, over all the queries
-    std::vector<u16> probs_pairs(static_cast<size_t>(seq * kBlock)), dscores_pairs(probs_pairs.size());
+    std::vector<u16> probs_pairs(static_cast<size_t>(seq * kBlock));
+    std::vector<u16> dscores_pairs(probs_pairs.size());
     // the score gradients of a band of kBand keys against every query, rows wld apart
     // (288 KiB at 512 tokens, 4.5 MiB at 8,192): the queries' gradients then take the band
     // in one product each
@@ -1016,115 +1034,130 @@ void bf16_attention_backward(Rows<const u16> q, Rows<const u16> k, Rows<const u1
     const __m512 vscale = _mm512_set1_ps(scale);
     const __m512 vscale2 = _mm512_set1_ps(scale * kLog2e);
 #pragma omp for schedule(dynamic)
-    for (int64_t bh = 0; bh < batch * heads; ++bh) {
-      const int64_t b = bh / heads, h = bh % heads;
-      const u16* qh = q.at(b, h);
-      const u16* kh = k.at(b, h);
-      int64_t qpos = q.pos, kpos = k.pos;
+    for (int64_t bg = 0; bg < batch * heads.groups; ++bg) {
+      const int64_t b = bg / heads.groups, grp = bg % heads.groups;
+      const u16* kh = k.at(b, grp);
+      int64_t kpos = k.pos;
       if (rope) {
-        rotated_rows(qh, q.pos, seq, dim, *rope, b, 0, qrot.data());
         rotated_rows(kh, k.pos, seq, dim, *rope, b, 0, krot.data());
-        qh = qrot.data();
         kh = krot.data();
-        qpos = kpos = dim;
-      }
-      const u16* o = out.at(b, h);
-      const u16* gr = grad.at(b, h);
-      const int64_t os = out.pos, gs = grad.pos;
-      // the output's gradient, dense, and delta = rowsum(grad * out)
-      for (int64_t s = 0; s < seq; ++s) {
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t d = 0; d < dim; d += 16) {
-          std::memcpy(g.data() + s * dim + d, gr + s * gs + d, 32);
-          sum = _mm512_fmadd_ps(load_bf16(gr + s * gs + d), load_bf16(o + s * os + d), sum);
-        }
-        delta[s] = _mm512_reduce_add_ps(sum);
+        kpos = dim;
       }
       pack_column_pairs(kh, kpos, seq, dim, kp.data(), kld);
-      pack_column_pairs(v.at(b, h), v.pos, seq, dim, vp.data(), kld);
-      transpose_rows(g.data(), dim, seq, dim, scratch.data(), gt.data(), tld);
-      transpose_rows(qh, qpos, seq, dim, scratch.data(), qt.data(), tld);
+      pack_column_pairs(v.at(b, grp), v.pos, seq, dim, vp.data(), kld);
       pack_row_pairs(kh, kpos, seq, dim, kr.data());
-      for (int64_t band = 0; band < seq; band += kBand) {
-        const int64_t band_end = std::min(band + kBand, seq);
-        for (int64_t k0 = band; k0 < band_end; k0 += kBlock) {
-          for (int64_t q0 = k0; q0 < seq; q0 += kBlock) {
-            u16* ds = dscores.data() + q0 * wld + (k0 - band);
-            tiles_product<kTiles>(qh + q0 * qpos, qpos * 2,
-                                  reinterpret_cast<const char*>(kp.data() + k0), kld * 4,
-                                  dim / 32, 16 * kld * 4, scores, kBlock * 4);
-            tiles_product<kTiles>(g.data() + q0 * dim, dim * 2,
-                                  reinterpret_cast<const char*>(vp.data() + k0), kld * 4,
-                                  dim / 32, 16 * kld * 4, dprobs, kBlock * 4);
-            // the probabilities recomputed in base 2 (as forward's), and the scores'
-            // gradients p (dp - delta) scale, the scale applied to dp - delta
-            for (int r = 0; r < kBlock; ++r) {
-              const __m512 shift = _mm512_set1_ps(lse[bh * seq + q0 + r] * kLog2e);
-              const __m512 dl = _mm512_set1_ps(delta[q0 + r] * scale);
-              __m512 x0 = _mm512_fmsub_ps(_mm512_load_ps(scores + r * kBlock), vscale2, shift);
-              __m512 x1 = _mm512_fmsub_ps(_mm512_load_ps(scores + r * kBlock + 16), vscale2, shift);
-              if (k0 == q0) hide_unseen(x0, x1, r);
-              __m512 p0 = exp2_shifted16(x0), p1 = exp2_shifted16(x1);
-              round_to_bf16(p0, p1, probs + r * kBlock);
-              const __m512 dp0 = _mm512_fmsub_ps(_mm512_load_ps(dprobs + r * kBlock), vscale, dl);
-              const __m512 dp1 =
-                  _mm512_fmsub_ps(_mm512_load_ps(dprobs + r * kBlock + 16), vscale, dl);
-              __m512 ds0 = _mm512_mul_ps(p0, dp0);
-              __m512 ds1 = _mm512_mul_ps(p1, dp1);
-              round_to_bf16(ds0, ds1, ds + r * wld);
-            }
-            const int64_t j = (q0 - k0) / kBlock;
-            interleave_row_pairs(probs, kBlock, probs_pairs.data() + j * kBlock * kBlock);
-            interleave_row_pairs(ds, wld, dscores_pairs.data() + j * kBlock * kBlock);
+      for (int64_t j = 0; j < heads.per; ++j) {
+        const int64_t h = grp * heads.per + j;
+        const u16* qh = q.at(b, grp) + j * heads.qstep;
+        int64_t qpos = q.pos;
+        if (rope) {
+          rotated_rows(qh, q.pos, seq, dim, *rope, b, 0, qrot.data());
+          qh = qrot.data();
+          qpos = dim;
+        }
+        const float* lseh = lse + (b * heads.count() + h) * seq;
+        const u16* o = out.at(b, h);
+        const u16* gr = grad.at(b, h);
+        const int64_t os = out.pos, gs = grad.pos;
+        // the output's gradient, dense, and delta = rowsum(grad * out)
+        for (int64_t s = 0; s < seq; ++s) {
+          __m512 sum = _mm512_setzero_ps();
+          for (int64_t d = 0; d < dim; d += 16) {
+            std::memcpy(g.data() + s * dim + d, gr + s * gs + d, 32);
+            sum = _mm512_fmadd_ps(load_bf16(gr + s * gs + d), load_bf16(o + s * os + d), sum);
           }
-          // the key block's gradients, transposed ([dim][32]), over all its query blocks:
-          // dv^T = grad^T probs, dk^T = q^T dscores
-          const int64_t blocks = (seq - k0) / kBlock;
-          for (int64_t d = 0; d < dim; d += 32) {
-            tiles_product<kTiles>(gt.data() + d * tld + k0, tld * 2,
-                                  reinterpret_cast<const char*>(probs_pairs.data()), 128,
-                                  blocks, kBlock * kBlock * 2, dvt.data() + d * kBlock,
-                                  kBlock * 4);
-            tiles_product<kTiles>(qt.data() + d * tld + k0, tld * 2,
-                                  reinterpret_cast<const char*>(dscores_pairs.data()), 128,
-                                  blocks, kBlock * kBlock * 2, dkt.data() + d * kBlock,
-                                  kBlock * 4);
-          }
-          // the key block's rows, from the transposed sums, then rounded into dk and dv
-          for (int64_t d0 = 0; d0 < dim; d0 += 16)
-            for (int j0 = 0; j0 < kBlock; j0 += 16) {
-              __m512i rk[16], rv[16];
-              for (int i = 0; i < 16; ++i) {
-                rk[i] = _mm512_loadu_si512(dkt.data() + (d0 + i) * kBlock + j0);
-                rv[i] = _mm512_loadu_si512(dvt.data() + (d0 + i) * kBlock + j0);
+          delta[s] = _mm512_reduce_add_ps(sum);
+        }
+        transpose_rows(g.data(), dim, seq, dim, scratch.data(), gt.data(), tld);
+        transpose_rows(qh, qpos, seq, dim, scratch.data(), qt.data(), tld);
+        for (int64_t band = 0; band < seq; band += kBand) {
+          const int64_t band_end = std::min(band + kBand, seq);
+          for (int64_t k0 = band; k0 < band_end; k0 += kBlock) {
+            for (int64_t q0 = k0; q0 < seq; q0 += kBlock) {
+              u16* ds = dscores.data() + q0 * wld + (k0 - band);
+              tiles_product<kTiles>(qh + q0 * qpos, qpos * 2,
+                                    reinterpret_cast<const char*>(kp.data() + k0), kld * 4,
+                                    dim / 32, 16 * kld * 4, scores, kBlock * 4);
+              tiles_product<kTiles>(g.data() + q0 * dim, dim * 2,
+                                    reinterpret_cast<const char*>(vp.data() + k0), kld * 4,
+                                    dim / 32, 16 * kld * 4, dprobs, kBlock * 4);
+              // the probabilities recomputed in base 2 (as forward's), and the scores'
+              // gradients p (dp - delta) scale, the scale applied to dp - delta
+              for (int r = 0; r < kBlock; ++r) {
+                const __m512 shift = _mm512_set1_ps(lseh[q0 + r] * kLog2e);
+                const __m512 dl = _mm512_set1_ps(delta[q0 + r] * scale);
+                __m512 x0 = _mm512_fmsub_ps(_mm512_load_ps(scores + r * kBlock), vscale2, shift);
+                __m512 x1 =
+                    _mm512_fmsub_ps(_mm512_load_ps(scores + r * kBlock + 16), vscale2, shift);
+                if (k0 == q0) hide_unseen(x0, x1, r);
+                __m512 p0 = exp2_shifted16(x0), p1 = exp2_shifted16(x1);
+                round_to_bf16(p0, p1, probs + r * kBlock);
+                const __m512 dp0 =
+                    _mm512_fmsub_ps(_mm512_load_ps(dprobs + r * kBlock), vscale, dl);
+                const __m512 dp1 =
+                    _mm512_fmsub_ps(_mm512_load_ps(dprobs + r * kBlock + 16), vscale, dl);
+                __m512 ds0 = _mm512_mul_ps(p0, dp0);
+                __m512 ds1 = _mm512_mul_ps(p1, dp1);
+                round_to_bf16(ds0, ds1, ds + r * wld);
               }
-              transpose16(rk);
-              transpose16(rv);
-              for (int j = 0; j < 16; ++j) {
-                const int64_t at = (j0 + j) * dim + d0;
-                _mm512_storeu_si512(dkrows.data() + at, rk[j]);
-                _mm512_storeu_si512(dvrows.data() + at, rv[j]);
-              }
+              const int64_t i = (q0 - k0) / kBlock;
+              interleave_row_pairs(probs, kBlock, probs_pairs.data() + i * kBlock * kBlock);
+              interleave_row_pairs(ds, wld, dscores_pairs.data() + i * kBlock * kBlock);
             }
-          for (int j = 0; j < kBlock; ++j) {
-            const int64_t s = k0 + j;
-            store_row(dkrows.data() + j * dim, dim, rope, b, s, dk.at(b, h) + s * dk.pos);
-            store_row(dvrows.data() + j * dim, dim, nullptr, b, s, dv.at(b, h) + s * dv.pos);
+            // the key block's gradients, transposed ([dim][32]), over all its query blocks
+            // (added to the group's earlier heads'): dv^T = grad^T probs, dk^T = q^T dscores
+            const int64_t blocks = (seq - k0) / kBlock;
+            for (int64_t d = 0; d < dim; d += 32) {
+              tiles_product<kTiles>(gt.data() + d * tld + k0, tld * 2,
+                                    reinterpret_cast<const char*>(probs_pairs.data()), 128,
+                                    blocks, kBlock * kBlock * 2,
+                                    dvt.data() + k0 * dim + d * kBlock, kBlock * 4, j > 0);
+              tiles_product<kTiles>(qt.data() + d * tld + k0, tld * 2,
+                                    reinterpret_cast<const char*>(dscores_pairs.data()), 128,
+                                    blocks, kBlock * kBlock * 2,
+                                    dkt.data() + k0 * dim + d * kBlock, kBlock * 4, j > 0);
+            }
+          }
+          // dq += dscores k over the band's keys (up to the diagonal): the first band's sums
+          // start each query's, the others' are added
+          const char* kb = reinterpret_cast<const char*>(kr.data() + (band / 2) * 2 * dim);
+          for (int64_t q0 = band; q0 < seq; q0 += kBlock) {
+            const int64_t steps = (std::min(q0 + kBlock, band_end) - band) / kBlock;
+            for (int64_t d = 0; d < dim; d += 32)
+              tiles_product<kTiles>(dscores.data() + q0 * wld, wld * 2, kb + 4 * d, dim * 4,
+                                    steps, 16 * dim * 4, dqacc.data() + q0 * dim + d,
+                                    dim * 4, band > 0);
           }
         }
-        // dq += dscores k over the band's keys (up to the diagonal): the first band's sums
-        // start each query's, the others' are added
-        const char* kb = reinterpret_cast<const char*>(kr.data() + (band / 2) * 2 * dim);
-        for (int64_t q0 = band; q0 < seq; q0 += kBlock) {
-          const int64_t steps = (std::min(q0 + kBlock, band_end) - band) / kBlock;
-          for (int64_t d = 0; d < dim; d += 32)
-            tiles_product<kTiles>(dscores.data() + q0 * wld, wld * 2, kb + 4 * d, dim * 4,
-                                  steps, 16 * dim * 4, dqacc.data() + q0 * dim + d, dim * 4,
-                                  band > 0);
+        u16* dqh = dq.at(b, grp) + j * heads.qstep;
+        for (int64_t s = 0; s < seq; ++s)
+          store_row(dqacc.data() + s * dim, dim, rope, b, s, dqh + s * dq.pos);
+      }
+      // the key blocks' rows, from the transposed sums, then rounded into dk and dv
+      for (int64_t k0 = 0; k0 < seq; k0 += kBlock) {
+        const float* dkb = dkt.data() + k0 * dim;
+        const float* dvb = dvt.data() + k0 * dim;
+        for (int64_t d0 = 0; d0 < dim; d0 += 16)
+          for (int j0 = 0; j0 < kBlock; j0 += 16) {
+            __m512i rk[16], rv[16];
+            for (int i = 0; i < 16; ++i) {
+              rk[i] = _mm512_loadu_si512(dkb + (d0 + i) * kBlock + j0);
+              rv[i] = _mm512_loadu_si512(dvb + (d0 + i) * kBlock + j0);
+            }
+            transpose16(rk);
+            transpose16(rv);
+            for (int r = 0; r < 16; ++r) {
+              const int64_t at = (j0 + r) * dim + d0;
+              _mm512_storeu_si512(dkrows.data() + at, rk[r]);
+              _mm512_storeu_si512(dvrows.data() + at, rv[r]);
+            }
+          }
+        for (int r = 0; r < kBlock; ++r) {
+          const int64_t s = k0 + r;
+          store_row(dkrows.data() + r * dim, dim, rope, b, s, dk.at(b, grp) + s * dk.pos);
+          store_row(dvrows.data() + r * dim, dim, nullptr, b, s, dv.at(b, grp) + s * dv.pos);
         }
       }
-      for (int64_t s = 0; s < seq; ++s)
-        store_row(dqacc.data() + s * dim, dim, rope, b, s, dq.at(b, h) + s * dq.pos);
     }
   }
 }
@@ -1532,7 +1565,7 @@ int hlat_attn_bf16_forward(int tiles, const void* q, const void* k, const void* 
     bf16_attention_forward<decltype(kind)::value>(
         {static_cast<const u16*>(q), bs, hs, dim}, {static_cast<const u16*>(k), bs, hs, dim},
         {static_cast<const u16*>(v), bs, hs, dim}, nullptr, {static_cast<u16*>(out), ob, oh, os},
-        lse, batch, heads, seq, dim, scale, threads);
+        lse, batch, HeadGroups{heads, 1, 0}, seq, dim, scale, threads);
   });
 #endif
   return 0;
@@ -1553,30 +1586,35 @@ int hlat_attn_bf16_backward(int tiles, const void* q, const void* k, const void*
         {static_cast<const u16*>(v), bs, hs, dim}, nullptr,
         {static_cast<const u16*>(out), ob, oh, os}, {static_cast<const u16*>(grad), gb, gh, gs},
         lse, {static_cast<u16*>(dq), bs, hs, dim}, {static_cast<u16*>(dk), bs, hs, dim},
-        {static_cast<u16*>(dv), bs, hs, dim}, batch, heads, seq, dim, scale, threads);
+        {static_cast<u16*>(dv), bs, hs, dim}, batch, HeadGroups{heads, 1, 0}, seq, dim, scale,
+        threads);
   });
 #endif
   return 0;
 }
 
-// The bf16 attention reading q, k and v from the fused product qkv [batch, seq, heads, 3,
-// dim] (each head's q, k and v rows side by side, heads side by side; batch and position any
-// strides), RoPE applied to q and k as they are read (tables as hlat_rope_heads's).
-// `table`: batch, seq, heads, dim, qkv's element strides over batch and position, and those
-// of cos and sin. Returns as hlat_attn_bf16_forward.
+// The bf16 attention reading q, k and v from the fused product qkv [batch, seq, groups,
+// per + 2, dim] (each group's `per` query heads, then its key and value head, rows side by
+// side; groups side by side; batch and position any strides), RoPE applied to q and k as
+// they are read (tables as hlat_rope_heads's). `table`: batch, seq, groups, per, dim, qkv's
+// element strides over batch and position, and those of cos and sin. out's heads are the
+// query heads, group by group. Returns as hlat_attn_bf16_forward.
 int hlat_attn_bf16_rope_forward(int tiles, const void* qkv, const int64_t* table,
                                 const float* cos, const float* sin, void* out, int64_t ob,
                                 int64_t oh, int64_t os, float* lse, float scale, int threads) {
   if (!bf16_ready(tiles)) return -1;
 #ifdef HLAT_BF16
-  const int64_t batch = table[0], seq = table[1], heads = table[2], dim = table[3];
-  const int64_t bs = table[4], pos = table[5], hs = 3 * dim;
+  const int64_t batch = table[0], seq = table[1], per = table[3], dim = table[4];
+  const int64_t bs = table[5], pos = table[6], stride = (per + 2) * dim;
+  const HeadGroups heads{table[2], per, dim};
   const u16* q = static_cast<const u16*>(qkv);
-  const Rope rope{cos, sin, table[6], table[7]};
+  const Rope rope{cos, sin, table[7], table[8]};
   on_products(tiles, [&](auto kind) {
     bf16_attention_forward<decltype(kind)::value>(
-        {q, bs, hs, pos}, {q + dim, bs, hs, pos}, {q + 2 * dim, bs, hs, pos}, &rope,
-        {static_cast<u16*>(out), ob, oh, os}, lse, batch, heads, seq, dim, scale, threads);
+        {q, bs, stride, pos}, {q + per * dim, bs, stride, pos},
+        {q + (per + 1) * dim, bs, stride, pos},
+        &rope, {static_cast<u16*>(out), ob, oh, os}, lse, batch, heads, seq, dim, scale,
+        threads);
   });
 #endif
   return 0;
@@ -1591,17 +1629,19 @@ int hlat_attn_bf16_rope_backward(int tiles, const void* qkv, const int64_t* tabl
                                  void* grad_qkv, float scale, int threads) {
   if (!bf16_ready(tiles)) return -1;
 #ifdef HLAT_BF16
-  const int64_t batch = table[0], seq = table[1], heads = table[2], dim = table[3];
-  const int64_t bs = table[4], pos = table[5], hs = 3 * dim;
+  const int64_t batch = table[0], seq = table[1], per = table[3], dim = table[4];
+  const int64_t bs = table[5], pos = table[6], stride = (per + 2) * dim;
+  const HeadGroups heads{table[2], per, dim};
   const u16* q = static_cast<const u16*>(qkv);
   u16* dq = static_cast<u16*>(grad_qkv);
-  const Rope rope{cos, sin, table[6], table[7]};
+  const Rope rope{cos, sin, table[7], table[8]};
   on_products(tiles, [&](auto kind) {
     bf16_attention_backward<decltype(kind)::value>(
-        {q, bs, hs, pos}, {q + dim, bs, hs, pos}, {q + 2 * dim, bs, hs, pos}, &rope,
+        {q, bs, stride, pos}, {q + per * dim, bs, stride, pos},
+        {q + (per + 1) * dim, bs, stride, pos}, &rope,
         {static_cast<const u16*>(out), ob, oh, os}, {static_cast<const u16*>(grad), gb, gh, gs},
-        lse, {dq, bs, hs, pos}, {dq + dim, bs, hs, pos}, {dq + 2 * dim, bs, hs, pos}, batch,
-        heads, seq, dim, scale, threads);
+        lse, {dq, bs, stride, pos}, {dq + per * dim, bs, stride, pos},
+        {dq + (per + 1) * dim, bs, stride, pos}, batch, heads, seq, dim, scale, threads);
   });
 #endif
   return 0;

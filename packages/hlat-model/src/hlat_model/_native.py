@@ -535,23 +535,27 @@ def flash_attention_backward(
 
 
 def _rope_attention_table(qkv: torch.Tensor, cos: torch.Tensor) -> ctypes.Array:
-    batch, seq, heads, _, head_dim = qkv.shape
-    values = (batch, seq, heads, head_dim, qkv.stride(0), qkv.stride(1), *_table_strides(cos))
+    batch, seq, groups, per_group, head_dim = qkv.shape
+    values = (
+        batch, seq, groups, per_group - 2, head_dim, qkv.stride(0), qkv.stride(1),
+        *_table_strides(cos),
+    )  # fmt: skip
     return (ctypes.c_int64 * len(values))(*values)
 
 
 def rope_attention_forward(
     lib: ctypes.CDLL, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tiles: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of the q, k and v of a bf16 ``qkv`` [B, S, H, 3, D] (the fused
-    product, one key and value head per query head; S and D multiples of 32; dense over H,
-    3 and D, any strides over B and S: batch-first or sequence-first), RoPE
+    """Causal attention of the q, k and v of a bf16 ``qkv`` [B, S, G, P, D] (the fused
+    product: G groups of P - 2 query heads, a key and a value head; S and D multiples of 32;
+    dense over G, P and D, any strides over B and S: batch-first or sequence-first), RoPE
     applied to q and k (tables as :func:`rope_heads_forward` reads them, which
     :func:`rope_tables_usable` accepts): :func:`rope_heads_forward` and then
     :func:`flash_attention_forward` in one kernel, on AMX tiles with ``tiles`` or by dot
     products (where :func:`flash_attention_forward` runs them). Returns what
     :func:`flash_attention_forward` does."""
-    batch, seq, heads, _, dim = qkv.shape
+    batch, seq, groups, per_group, dim = qkv.shape
+    heads = groups * (per_group - 2)
     out = qkv.new_empty(batch, seq, heads, dim)
     lse = qkv.new_empty(batch * heads, seq, dtype=torch.float32)
     done = lib.hlat_attn_bf16_rope_forward(

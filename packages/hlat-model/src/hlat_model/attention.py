@@ -775,8 +775,8 @@ def rope_flash_attention_fits(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask
 ) -> bool:
     """Whether :func:`rope_flash_attention` takes the attention of this fused product ``qkv``
-    [B, S, H, 3, D] (one key and value head per query head) with these RoPE tables and
-    mask: plain causal attention that ``auto`` gave the flash kernels (``mask.flash``), bf16
+    [B, S, G, P, D] (G groups of P - 2 query heads, a key and a value head) with these RoPE
+    tables and mask: plain causal attention that ``auto`` gave the flash kernels (``mask.flash``), bf16
     on a CPU whose bf16 flash attention runs (:func:`bf16_flash_attention_reason`), S and D
     multiples of
     :data:`FLASH_BLOCK`, a plain CPU tensor computed op by op outside autocast, dense over
@@ -788,11 +788,11 @@ def rope_flash_attention_fits(
     return (
         getattr(mask, "flash", False)
         and mask.backend == "causal"
-        and per_head == 3
+        and per_head >= 3
         and qkv.dtype == torch.bfloat16
         and type(qkv) is torch.Tensor
         and qkv.device.type == "cpu"
-        and qkv.stride()[2:] == (3 * head_dim, head_dim, 1)
+        and qkv.stride()[2:] == (per_head * head_dim, head_dim, 1)
         and qkv.shape[1] % FLASH_BLOCK == 0
         and head_dim % FLASH_BLOCK == 0
         and not torch.compiler.is_compiling()
@@ -823,19 +823,23 @@ class _RopeFlashAttention(torch.autograd.Function):
 
 
 def rope_flash_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Causal attention of the heads of the fused product ``qkv`` [B, S, H, 3, D], RoPE
-    (``cos``, ``sin`` as :func:`hlat_model.model.rope_cos_sin` makes them) applied to q and
-    k: what splitting the heads with RoPE (``hlat_model.model._HeadsWithRope``) and then
+    """Causal attention of the heads of the fused product ``qkv`` [B, S, G, P, D] (G groups
+    of P - 2 query heads sharing a key and a value head), RoPE (``cos``, ``sin`` as
+    :func:`hlat_model.model.rope_cos_sin` makes them) applied to q and k: what splitting the
+    heads with RoPE (``hlat_model.model._HeadsWithRope``) and then
     :func:`blocked_causal_attention` compute, in one kernel (the bf16 flash kernel, on AMX
-    tiles or AVX512-BF16 dot products) that reads q, k and v where the product left them, rotating q and k as it reads them, and writes the
-    gradient into ``qkv``'s layout directly: no [B, H, S, D] copies of q, k and v forward,
-    nor of their gradients backward. Returns [B, H, S, D] (a view of a [B, S, H, D] tensor).
-    Only where :func:`rope_flash_attention_fits` says so.
+    tiles or AVX512-BF16 dot products) that reads q, k and v where the product left them,
+    rotating q and k as it reads them, and writes the gradient into ``qkv``'s layout
+    directly: no [B, H, S, D] copies of q, k and v forward, nor of their gradients backward,
+    and with grouped heads no copies of k and v for each query head. Returns [B, H, S, D] (a
+    view of a [B, S, H, D] tensor). Only where :func:`rope_flash_attention_fits` says so.
 
     Precision: the forward's numbers are those of the two steps (q and k rotated in fp32 and
     rounded once, then the flash kernel). Backward rotates the q and k gradients back from
     their fp32 sums and rounds them once, where the two steps round the sums and then the
-    rotation: at least as close to float64 (tested).
+    rotation; with grouped heads it sums a group's key and value gradients over its query
+    heads in fp32 and rounds them once, where the two steps round each head's and then
+    their sum: at least as close to float64 (tested).
 
     Note: measured on a 2-core Intel Xeon with AMX, bf16, the benchmark model's attention
     (4 x 512 tokens, 8 heads of 64, one layer's forward and backward): see

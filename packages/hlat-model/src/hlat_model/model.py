@@ -329,8 +329,8 @@ class Attention(nn.Module):
     context parallelism does to attend to keys and values gathered from other ranks.
 
     With the default core and no selective checkpointing, eager bf16 attention that
-    :func:`hlat_model.attention.rope_flash_attention_fits` (CPUs with AMX or AVX512-BF16, one
-    key and value head per query head) runs the head split, RoPE and the core as one kernel,
+    :func:`hlat_model.attention.rope_flash_attention_fits` (CPUs with AMX or AVX512-BF16)
+    runs the head split, RoPE and the core as one kernel,
     :func:`hlat_model.attention.rope_flash_attention`, on the fused product as it is.
     """
 

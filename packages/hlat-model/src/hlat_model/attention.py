@@ -611,18 +611,27 @@ AMX_BLOCK = FLASH_BLOCK
 _FLASH_OFF = "turned off by HLAT_MODEL_FLASH_ATTENTION=0"
 
 
+def _flash_kernels() -> tuple[Any, str | None]:
+    """(the fused CPU kernels' library, None) where the flash kernels may run, else (None,
+    why not: turned off, or no kernels)."""
+    if os.environ.get("HLAT_MODEL_FLASH_ATTENTION", "1") == "0":
+        return None, _FLASH_OFF
+    lib = _native.load()
+    if lib is None:
+        return None, f"no fused CPU kernels ({_native.unavailable_reason()})"
+    return lib, None
+
+
 def amx_attention_reason() -> str | None:
     """``None`` where plain causal bf16 attention runs on this CPU's AMX tiles (the fused
     CPU kernels' bf16 flash-style kernel, :func:`blocked_causal_attention`), else why not
     (``HLAT_MODEL_AMX_ATTENTION=0`` turns the tiles off: the kernel then runs by AVX512-BF16
     dot products, :func:`bf16_flash_attention_reason`)."""
-    if os.environ.get("HLAT_MODEL_FLASH_ATTENTION", "1") == "0":
-        return _FLASH_OFF
+    lib, why = _flash_kernels()
+    if lib is None:
+        return why
     if os.environ.get("HLAT_MODEL_AMX_ATTENTION", "1") == "0":
         return "turned off by HLAT_MODEL_AMX_ATTENTION=0"
-    lib = _native.load()
-    if lib is None:
-        return f"no fused CPU kernels ({_native.unavailable_reason()})"
     if not _native.amx_attention_ready(lib):
         if not _cpu_has_amx():
             return "this CPU has no AMX tiles"
@@ -638,11 +647,9 @@ def bf16_flash_attention_reason() -> str | None:
     not."""
     if amx_attention_reason() is None:
         return None
-    if os.environ.get("HLAT_MODEL_FLASH_ATTENTION", "1") == "0":
-        return _FLASH_OFF
-    lib = _native.load()
+    lib, why = _flash_kernels()
     if lib is None:
-        return f"no fused CPU kernels ({_native.unavailable_reason()})"
+        return why
     if not _native.bf16_attention_ready(lib):
         if not cpu_has_native_bf16():
             return "this CPU has neither AMX tiles nor AVX512-BF16"
@@ -653,11 +660,9 @@ def bf16_flash_attention_reason() -> str | None:
 def fp32_flash_attention_reason() -> str | None:
     """``None`` where plain causal fp32 attention runs the fused CPU kernels' fp32 flash
     kernel (AVX-512F; :func:`blocked_causal_attention`), else why not."""
-    if os.environ.get("HLAT_MODEL_FLASH_ATTENTION", "1") == "0":
-        return _FLASH_OFF
-    lib = _native.load()
+    lib, why = _flash_kernels()
     if lib is None:
-        return f"no fused CPU kernels ({_native.unavailable_reason()})"
+        return why
     if not _native.f32_attention_ready(lib):
         return "the kernels were built without AVX-512F (the compiler's target, -march=native)"
     return None

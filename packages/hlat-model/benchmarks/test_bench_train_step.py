@@ -305,11 +305,11 @@ def _flash_kernel(dtype: str) -> str:
 def test_attention_kernels(benchmark, dtype, shape, monkeypatch):
     """Causal attention forward + backward: :func:`blocked_causal_attention` (what
     ``attention="auto"`` runs on CPUs: a flash kernel where one runs, bf16 on CPUs with AMX
-    tiles or AVX512-BF16, fp32 on CPUs with AVX-512) against the blocked kernel with the flash kernels off
-    and torch's
-    ``scaled_dot_product_attention`` (its CPU flash kernel), in the same rounds, at the
-    model's shape, at 1,024 and 2,048 tokens, and at 2,048 tokens with 7B-sized heads: what
-    ``auto``'s CPU rule (:func:`hlat_model.attention.cpu_attention_rule`) is chosen from.
+    tiles or AVX512-BF16, fp32 on CPUs with AVX-512) against the blocked kernel with the
+    flash kernels off and torch's ``scaled_dot_product_attention`` (its CPU flash kernel), in
+    the same rounds, at the model's shape, at 1,024 and 2,048 tokens, and at 2,048 tokens
+    with 7B-sized heads: what ``auto``'s CPU rule
+    (:func:`hlat_model.attention.cpu_attention_rule`) is chosen from.
     The benchmark's own figure is the first."""
     import torch.nn.functional as F
 

@@ -56,8 +56,8 @@ class AttentionMask:
     tensor, True where a query may attend to a key) or ``flex`` (a flex block mask).
     ``kernel`` is what runs a ``causal`` or ``sdpa`` mask: ``sdpa`` or ``blocked``.
     ``flash``: ``auto`` chose on a CPU where one of the fused kernels' flash attention
-    kernels runs (bf16 on AMX tiles or AVX512-BF16, fp32 on AVX-512), which then takes plain causal
-    attention it fits (:func:`blocked_causal_attention`) whatever ``kernel`` says.
+    kernels runs (bf16 on AMX tiles or AVX512-BF16, fp32 on AVX-512), which then takes plain
+    causal attention it fits (:func:`blocked_causal_attention`) whatever ``kernel`` says.
 
     Note: forward + backward on a 2-core Intel Xeon with AMX
     (``benchmarks/test_bench_train_step.py::test_attention_kernels``, fastest of 9 rounds),
@@ -781,11 +781,11 @@ def rope_flash_attention_fits(
 ) -> bool:
     """Whether :func:`rope_flash_attention` takes the attention of this fused product ``qkv``
     [B, S, G, P, D] (G groups of P - 2 query heads, a key and a value head) with these RoPE
-    tables and mask: plain causal attention that ``auto`` gave the flash kernels (``mask.flash``), bf16
-    on a CPU whose bf16 flash attention runs (:func:`bf16_flash_attention_reason`), S and D
-    multiples of
-    :data:`FLASH_BLOCK`, a plain CPU tensor computed op by op outside autocast, dense over
-    its last three dimensions (batch-first or sequence-first), and tables the kernel reads
+    tables and mask: plain causal attention that ``auto`` gave the flash kernels
+    (``mask.flash``), bf16 on a CPU whose bf16 flash attention runs
+    (:func:`bf16_flash_attention_reason`), S and D multiples of :data:`FLASH_BLOCK`, a plain
+    CPU tensor computed op by op outside autocast, dense over its last three dimensions
+    (batch-first or sequence-first), and tables the kernel reads
     (``hlat_model._native.rope_tables_usable``)."""
     if qkv.dim() != 5:
         return False

@@ -3,6 +3,8 @@ above max_norm, non-finite norms, no host read. Sharded, replicated and pipeline
 layouts run in real gloo groups: tests/test_distributed.py here, and hlat-parallel's
 parity and pipeline tests."""
 
+import math
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -182,13 +184,18 @@ def test_a_norm_takes_three_operators_for_whole_rows_or_less_than_a_row(monkeypa
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_cpu_squares_come_from_the_kernel_in_one_read_as_exact_as_before(threads):
     """A bf16 CPU tensor's rows are summed by hlat-optim's library (no fp32 copy of them):
-    within 1e-7 of the float64 sum of squares, the same for any thread count, and as close
-    as torch's fp32 row norms."""
+    within 4 units in the last place of the fp32 result from the float64 sum of squares, the
+    same for any thread count, and as close as torch's fp32 row norms (up to 1e-7).
+
+    Note: over 300 seeds of these inputs the result was at most 3.16 units from float64
+    (2.3e-7 relative; torch's row norms up to 2.6e-7), so a bound of 1e-7 relative, which
+    this test had, failed for about one input in seven."""
     import hlat_optim.clip as clip_module
     from hlat_optim import _native
 
     assert _native.load() is not None, _native.unavailable_reason()
-    t = (torch.randn(3000, 1000) * 3).to(torch.bfloat16)  # whole rows and a tail
+    generator = torch.Generator().manual_seed(threads)
+    t = (torch.randn(3000, 1000, generator=generator) * 3).to(torch.bfloat16)  # and a tail
     flat = t.reshape(-1)
     assert clip_module._bf16_cpu_kernel(flat) is not None
     exact = t.double().square().sum()
@@ -199,7 +206,8 @@ def test_bf16_cpu_squares_come_from_the_kernel_in_one_read_as_exact_as_before(th
     finally:
         torch.set_num_threads(before)
     assert ours.dtype == torch.float32
-    assert abs(ours.double() - exact) <= 1e-7 * exact
+    unit = 2.0 ** (math.floor(math.log2(exact.item())) - 23)  # of the fp32 result
+    assert abs(ours.double() - exact) <= 4 * unit
     whole = flat.numel() - flat.numel() % 1024
     rows = torch.linalg.vector_norm(flat[:whole].view(-1, 1024), dim=1, dtype=torch.float32)
     torch_way = rows.square().sum() + flat[whole:].float().square().sum()

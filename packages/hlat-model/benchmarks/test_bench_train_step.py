@@ -9,7 +9,10 @@ figure is the matrix products alone (the model's own GEMM shapes, forward and ba
 through the same ``Linear`` and through torch's ``nn.Linear``), the ceiling that the rest of
 the step (attention, norms, RoPE, loss) eats into.
 
-Run: ``nox -s bench -- packages/hlat-model/benchmarks``.
+Run: ``nox -s bench -- packages/hlat-model/benchmarks``. To run what an AVX2-only CPU runs on a
+newer one, hold every instruction-set choice to AVX2: ``ONEDNN_MAX_CPU_ISA=AVX2
+ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 HLAT_MODEL_CXXFLAGS=-march=x86-64-v3
+HLAT_OPTIM_CXXFLAGS=-march=x86-64-v3`` (the core, caches and memory stay the newer CPU's).
 """
 
 from __future__ import annotations
@@ -353,6 +356,45 @@ def test_attention_kernels(benchmark, dtype, shape, monkeypatch):
     print(f"\n[{dtype} {shape} attention] {benchmark.extra_info}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flash_grouped_heads_against_repeated(benchmark, dtype):
+    """Causal attention forward + backward of 8 query heads over 2 key and value heads at the
+    model's shape: the flash kernel reading the grouped heads as they are (what
+    :func:`hlat_model.attention.blocked_causal_attention` gives it) against the same kernel on
+    keys and values repeated for each query head, in the same rounds (CPUs where the flash
+    kernel of the dtype runs)."""
+    from hlat_model.attention import _on_flash_kernel, blocked_causal_attention
+
+    torch.manual_seed(0)
+    batch, heads, seq_len, head_dim = ATTENTION_SHAPES["model"]
+    kv_heads, torch_dtype = 2, DTYPES[dtype]
+    q = torch.randn(batch, heads, seq_len, head_dim, dtype=torch_dtype, requires_grad=True)
+    k, v = (
+        torch.randn(batch, kv_heads, seq_len, head_dim, dtype=torch_dtype, requires_grad=True)
+        for _ in range(2)
+    )
+    if not _on_flash_kernel(q, k, v):
+        pytest.skip(f"no {dtype} flash attention here: {_flash_kernel(dtype)}")
+    grad = torch.randn_like(q)
+
+    def grouped() -> None:
+        blocked_causal_attention(q, k, v).backward(grad)
+
+    def repeated() -> None:
+        group = heads // kv_heads
+        kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        torch.ops.hlat.flash_causal_attention(q, kr, vr)[0].backward(grad)
+
+    peer = _alternating(benchmark, grouped, repeated)
+    ours = benchmark.stats.stats.min
+    benchmark.extra_info.update(
+        grouped_ms=round(ours * 1e3, 2),
+        repeated_ms=round(min(peer) * 1e3, 2),
+        speedup=round(min(peer) / ours, 3),
+    )
+    print(f"\n[{dtype} attention, {heads} heads over {kv_heads}] {benchmark.extra_info}")
+
+
 BLOCK_SIZES = {
     "model": (64, 128, 256),
     "s1024": (128, 256, 512),
@@ -550,9 +592,10 @@ def test_rope_attention_against_heads_and_flash(benchmark, kv_heads):
     """One layer's head split, RoPE and causal attention, forward + backward, at the model's
     shape in bf16 (and with 2 key and value heads for its 8 query heads):
     :func:`hlat_model.attention.rope_flash_attention` (one kernel reading the fused product)
-    against the RoPE head split and then the bf16 flash attention (keys and values repeated
-    for each query head with grouped heads), in the same rounds (CPUs where the bf16 flash
-    attention runs: AMX or AVX512-BF16)."""
+    against the RoPE head split and then the bf16 flash attention, in the same rounds (CPUs
+    where the bf16 flash attention runs: AMX or AVX512-BF16). With grouped heads, a third
+    form in the same rounds: the two steps with the keys and values repeated for each query
+    head (what the flash kernel was given before it read grouped heads)."""
     _bf16_flash_or_skip()
     from hlat_model.attention import blocked_causal_attention, rope_flash_attention
     from hlat_model.model import _HeadsWithRope, rope_cos_sin
@@ -572,13 +615,34 @@ def test_rope_attention_against_heads_and_flash(benchmark, kv_heads):
         blocked_causal_attention(*_HeadsWithRope.apply(qkv, cos, sin)).backward(grad)
         qkv.grad = None
 
-    peer = _alternating(benchmark, fused, two_steps)
+    def repeated() -> None:
+        q, k, v = _HeadsWithRope.apply(qkv, cos, sin)
+        group = heads // kv_heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        torch.ops.hlat.flash_causal_attention(q, k, v)[0].backward(grad)
+        qkv.grad = None
+
+    peer: list[float] = []
+    copies: list[float] = []
+
+    def setup() -> None:
+        peer.append(_timed(two_steps))
+        if kv_heads < heads:
+            copies.append(_timed(repeated))
+
+    fused(), two_steps(), repeated()
+    benchmark.pedantic(fused, setup=setup, rounds=3 * ROUNDS, iterations=1)
     ours = benchmark.stats.stats.min
     benchmark.extra_info.update(
         fused_ms=round(ours * 1e3, 2),
         two_steps_ms=round(min(peer) * 1e3, 2),
         speedup=round(min(peer) / ours, 3),
     )
+    if copies:
+        benchmark.extra_info.update(
+            repeated_kv_ms=round(min(copies) * 1e3, 2),
+            two_steps_vs_repeated=round(min(copies) / min(peer), 3),
+        )
     print(f"\n[bf16 rope + attention, one layer, {kv_heads} kv heads] {benchmark.extra_info}")
 
 
@@ -650,8 +714,8 @@ def test_linear_paths_against_the_cpu_rule(benchmark):
     one) and of the attention core (bf16 SDPA, and SDPA on fp32 copies), forward + backward
     at the model's shapes, on this CPU; and which one :func:`cpu_bf16_reason` picks. Run it
     with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE`` (or ``AVX2``) to see the CPU kinds without bf16
-    instructions: oneDNN then uses the kernels it would use there. The rule reads the CPU's
-    flags, so it still answers for this CPU. Beside them, the fp32 products through
+    instructions: oneDNN then uses the kernels it would use there, and the rule (which
+    follows that limit) says emulated. Beside them, the fp32 products through
     ``Linear`` (oneDNN's where :func:`cpu_fp32_onednn_reason` says so) and through
     ``nn.Linear`` (torch's, MKL)."""
     import torch.nn.functional as F

@@ -327,7 +327,7 @@ def test_an_fp32_llama_on_the_fp32_flash_kernel_trains_as_on_torchs(flash_on):
     """Logits and every gradient of a small fp32 model whose attention runs the fp32 flash
     kernel, against SDPA: equal to fp32 rounding (relative to each tensor's largest
     value)."""
-    flash_on("fp32-avx512")
+    flash_on("fp32")
     torch.manual_seed(0)
     config = dict(vocab_size=256, dim=128, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=128)
     models = {name: Llama(LlamaConfig(**config, attention=name)) for name in ("sdpa", "blocked")}
@@ -479,7 +479,7 @@ def test_compiled_attention_keeps_at_most_half_again_the_operators_bytes(monkeyp
     assert composed <= 1.5 * operator, (composed, operator)
 
 
-# The flash kernels: bf16 on AMX tiles or by AVX512-BF16 dot products, fp32 on AVX-512 ------
+# The flash kernels: bf16 on AMX tiles or by AVX512-BF16 dot products, fp32 (AVX-512, AVX2) -
 
 FLASH_CASES = {
     # batch, heads, kv heads, sequence, head dim, scale of q
@@ -533,6 +533,42 @@ def test_flash_runs_where_it_should_and_keeps_only_linear_memory(flash, saved_fo
     assert not attention_module._on_flash_kernel(q, k.to(other), v)
 
 
+@pytest.mark.parametrize("shape", [(2, 8, 2, 256, 64), (1, 6, 3, 320, 32)], ids=["4-per", "2-per"])
+def test_flash_reads_grouped_heads_without_copies(shape, flash, saved_for_backward):
+    """Grouped key and value heads go to the flash kernels as they are: they keep them at
+    their own size for backward; the output and the query gradient are those of the heads
+    repeated for each query head bit for bit; the key and value gradients are summed over
+    each group's query heads in fp32: in bf16 rounded once, at least as close to float64 as
+    the repeated heads' (rounded per head, then summed in bf16 by autograd); in fp32 within
+    1e-5 of float64 and of the repeated heads'."""
+    q, k, v, grad = _inputs(*shape, flash, seed=3)
+    batch, heads, _, seq_len, _ = shape
+    group = heads // shape[2]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with saved_for_backward() as saved:
+        blocked_causal_attention(*leaves)
+    kept = sorted(t.numel() for t in saved)
+    assert kept == sorted([k.numel()] * 2 + [q.numel()] * 2 + [batch * heads * seq_len])
+
+    def repeated(q, k, v):
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        return torch.ops.hlat.flash_causal_attention(q, k, v)[0]
+
+    ours = _run(blocked_causal_attention, q, k, v, grad)
+    theirs = _run(repeated, q, k, v, grad)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    reference = _run(_sdpa(None, True), q, k, v, grad, torch.float64)
+    mine, copies = _normwise_errors(ours, reference), _normwise_errors(theirs, reference)
+    for name, a, b, x, y in zip(
+        ("dk", "dv"), mine[2:], copies[2:], ours[2:], theirs[2:], strict=True
+    ):
+        if flash == torch.bfloat16:
+            assert a <= b, (name, a, b)
+        else:
+            assert a < 1e-5, (name, a)
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5 * y.abs().max().item())
+
+
 def test_flash_results_do_not_depend_on_the_thread_count(flash, one_and_many_threads):
     """Each (batch, head) runs whole on one thread: bit for bit the same with 1 thread."""
     q, k, v, grad = _inputs(2, 4, 4, 256, 64, flash)
@@ -556,9 +592,11 @@ def test_flash_takes_a_strided_output_gradient(flash):
 
 
 def test_flash_operator_passes_torchs_checks(flash):
-    q, k, v, _ = _inputs(1, 2, 2, 64, 32, flash)
-    args = tuple(t.requires_grad_() for t in (q, k, v))
-    torch.library.opcheck(torch.ops.hlat.flash_causal_attention.default, args)
+    # also with grouped key and value heads, which the kernels read as they are
+    for kv_heads in (2, 1):
+        q, k, v, _ = _inputs(1, 2, kv_heads, 64, 32, flash)
+        args = tuple(t.requires_grad_() for t in (q, k, v))
+        torch.library.opcheck(torch.ops.hlat.flash_causal_attention.default, args)
 
 
 @pytest.mark.compile
@@ -614,7 +652,13 @@ def test_flash_attention_says_why_it_does_not_run(monkeypatch):
         monkeypatch.setattr(attention_module, "_cpu_has_amx", lambda: False)
         assert amx_attention_reason() == "this CPU has no AMX tiles"
         monkeypatch.setattr(attention_module, "cpu_has_native_bf16", lambda: False)
-        assert bf16_flash_attention_reason() == "this CPU has neither AMX tiles nor AVX512-BF16"
+        assert bf16_flash_attention_reason().startswith("bf16 products are emulated here")
         monkeypatch.setattr(attention_module, "cpu_has_native_bf16", lambda: True)
         assert "without AVX512-BF16" in bf16_flash_attention_reason()
-        assert "without AVX-512F" in fp32_flash_attention_reason()
+        # AMX tiles the kernels can use, but bf16 emulated (oneDNN held below bf16): the
+        # attention runs in fp32, so no bf16 kernel runs
+        monkeypatch.setattr(_native, "amx_attention_ready", lambda lib: True)
+        assert amx_attention_reason() is None
+        monkeypatch.setattr(attention_module, "cpu_has_native_bf16", lambda: False)
+        assert bf16_flash_attention_reason().startswith("bf16 products are emulated here")
+        assert "without AVX-512F or AVX2" in fp32_flash_attention_reason()

@@ -4,7 +4,10 @@ accumulation, one rounding to bf16)."""
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -36,7 +39,8 @@ def _cpu_flags() -> set[str]:
     platform.machine() != "x86_64" or not _cpu_flags(), reason="reads x86 flags from /proc"
 )
 def test_the_rule_on_this_cpu_follows_the_flags_the_kernel_reports():
-    native = bool({"avx512_bf16", "amx_tile", "amx_bf16"} & _cpu_flags())
+    held = linear_module.onednn_max_isa() in linear_module._ONEDNN_BELOW_BF16
+    native = bool({"avx512_bf16", "amx_tile", "amx_bf16"} & _cpu_flags()) and not held
     assert (cpu_bf16_reason() is not None) == native
     assert linear_module.cpu_has_native_bf16() == native
 
@@ -49,6 +53,8 @@ def test_the_rule_on_this_cpu_follows_the_flags_the_kernel_reports():
 def test_on_x86_only_bf16_instructions_count(avx512_bf16, amx, native, monkeypatch):
     """A plain AVX-512 CPU is 'emulated' although oneDNN's own check says yes there: its bf16
     kernels convert in software (see ``cpu_bf16_reason``)."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
@@ -56,6 +62,61 @@ def test_on_x86_only_bf16_instructions_count(avx512_bf16, amx, native, monkeypat
     assert (reason is not None) == native
     if native:
         assert ("AMX" if amx else "AVX512-BF16") in reason
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "native"),
+    [
+        ("ONEDNN_MAX_CPU_ISA", "AVX2", False),
+        ("ONEDNN_MAX_CPU_ISA", "avx512_core", False),
+        ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI", False),
+        ("DNNL_MAX_CPU_ISA", "AVX2_VNNI_2", False),
+        ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16", True),
+        ("ONEDNN_MAX_CPU_ISA", "AVX10_1_512_AMX", True),
+        ("ONEDNN_MAX_CPU_ISA", "ALL", True),
+        ("ONEDNN_MAX_CPU_ISA", "", True),
+    ],
+)
+def test_onednn_held_below_bf16_makes_bf16_emulated(variable, value, native, monkeypatch):
+    """oneDNN's instruction-set limit decides, whatever the CPU has: below AVX512-BF16 its
+    bf16 kernels convert in software."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv(variable, value)
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert (cpu_bf16_reason() is not None) == native
+    # the fp32 rule leaves oneDNN only below AVX-512
+    fp32 = linear_module.fp32_onednn_rule(
+        "x86_64", "AuthenticAMD", "AVX512", True, linear_module.onednn_max_isa()
+    )
+    assert (fp32 is None) == value.upper().startswith(("AVX2", "SSE"))
+
+
+def test_a_process_with_onednn_held_to_avx2_takes_the_fp32_accumulating_path():
+    """A fresh interpreter with ``ONEDNN_MAX_CPU_ISA=AVX2``: the rule asked at import says
+    emulated, ``Linear`` in bf16 accumulates in fp32, and its result is the fp32 product
+    rounded once, on any CPU."""
+    script = (
+        "import torch, torch.nn.functional as F\n"
+        "import hlat_model.linear as m\n"
+        "assert not m.cpu_has_native_bf16(), m.cpu_bf16_reason()\n"
+        "layer = m.Linear(64, 48).to(torch.bfloat16)\n"
+        "x = torch.randn(5, 64, dtype=torch.bfloat16, requires_grad=True)\n"
+        "out = layer(x)\n"
+        "name = type(out.grad_fn).__name__\n"
+        "assert name.startswith('_Fp32AccumulateLinear'), name\n"
+        "ref = F.linear(x.detach().float(), layer.weight.detach().float()).to(torch.bfloat16)\n"
+        "assert torch.equal(out, ref)\n"
+        "print('emulated')\n"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "emulated"
 
 
 def _linear_case(seed: int = 0) -> tuple[Linear, torch.Tensor]:

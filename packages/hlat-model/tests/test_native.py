@@ -8,8 +8,9 @@ import platform
 import pytest
 import torch
 
+import hlat_model.attention as attention_module
 from hlat_model import Llama, LlamaConfig, _native, fused_cpu_kernels_reason
-from hlat_model.attention import blocked_causal_attention
+from hlat_model.attention import blocked_causal_attention, fp32_flash_attention_reason
 from hlat_model.model import RMSNorm, _HeadsWithRope, _SwiGLUFunction, rope_cos_sin
 
 
@@ -84,6 +85,61 @@ def test_a_build_for_an_older_cpu_gives_the_same_numbers(fresh, monkeypatch, lev
     unit = 2**-7 if dtype == torch.bfloat16 else 1e-5
     for a, b in zip(older, native, strict=True):
         torch.testing.assert_close(a, b, rtol=unit, atol=unit * b.abs().max().item())
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _attention_run(q, k, v, grad, dtype=None) -> list[torch.Tensor]:
+    leaves = [t.detach().to(dtype or t.dtype).requires_grad_() for t in (q, k, v)]
+    out = blocked_causal_attention(*leaves)
+    out.backward(grad.to(out.dtype))
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+@pytest.mark.skipif(
+    not {"avx2", "fma"} <= _cpu_flags(), reason="runs a build for AVX2 with FMA (x86 Linux)"
+)
+@pytest.mark.parametrize(
+    "shape, kv_heads, scale",
+    [((2, 3, 96, 32), 3, 1.0), ((1, 4, 320, 64), 2, 6.0)],
+    ids=["small", "grouped-peaked"],
+)
+def test_the_fp32_flash_kernel_built_for_avx2_matches_float64(
+    fresh, monkeypatch, shape, kv_heads, scale
+):
+    """Built for AVX2-only CPUs (``-march=x86-64-v3``: 8-lane vectors, its own exponential and
+    transposes), the fp32 flash attention runs and its output and gradients are within 1e-5
+    of float64 (norm-wise) and of this CPU's own build (fused multiply-adds and sums in
+    another order), with grouped key and value heads too."""
+    monkeypatch.delenv("HLAT_MODEL_FLASH_ATTENTION", raising=False)
+    generator = torch.Generator().manual_seed(1)
+    q, grad = (torch.randn(shape, generator=generator) for _ in range(2))
+    k, v = (torch.randn(shape[0], kv_heads, *shape[2:], generator=generator) for _ in range(2))
+    q = q * scale
+    assert _native.load() is not None, _native.unavailable_reason()
+    own = _attention_run(q, k, v, grad)
+    monkeypatch.setenv("HLAT_MODEL_CXXFLAGS", "-march=x86-64-v3")
+    _native.reset()
+    assert _native.load() is not None, _native.unavailable_reason()
+    assert fp32_flash_attention_reason() is None
+    assert attention_module._on_flash_kernel(q, k, v)
+    avx2 = _attention_run(q, k, v, grad)
+    reference = _attention_run(q, k, v, grad, torch.float64)  # the blocked kernel
+    for name, mine, theirs, exact in zip(
+        ("out", "dq", "dk", "dv"), avx2, own, reference, strict=True
+    ):
+        error = ((mine.double() - exact).norm() / exact.norm()).item()
+        assert error < 1e-5, (name, error)
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
 
 
 def _trains(config: LlamaConfig) -> None:

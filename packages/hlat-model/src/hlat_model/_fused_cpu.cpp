@@ -1,9 +1,9 @@
 // Fused CPU kernels of hlat_model: RMSNorm, SwiGLU, the RoPE head split, the cross entropy
 // of rows of logits and blocked attention's softmax, forward and backward, each one pass over
 // its rows where torch's eager operators make one pass per operation; and causal attention
-// flash style (bf16 on AMX tiles or with AVX512-BF16 dot products, fp32 on AVX-512), written
-// with intrinsics, the bf16 one also reading q, k and v from the fused qkv product with RoPE
-// applied as it reads them.
+// flash style (bf16 on AMX tiles or with AVX512-BF16 dot products, fp32 on AVX-512 or AVX2),
+// written with intrinsics, the bf16 one also reading q, k and v from the fused qkv product
+// with RoPE applied as it reads them.
 //
 // Built on first use by hlat_model._native (the host compiler, -O3 -march=native) and called
 // through ctypes on the raw data of contiguous fp32 or bf16 tensors. All arithmetic is fp32;
@@ -23,6 +23,12 @@
 #if defined(__AVX512F__)
 #define HLAT_AVX512 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HLAT_AVX2 1
+#include <immintrin.h>
+#endif
+#if defined(HLAT_AVX512) || defined(HLAT_AVX2)
+#define HLAT_F32_FLASH 1  // the fp32 flash attention: AVX-512F, or AVX2 with FMA
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define HLAT_BF16 1
@@ -511,13 +517,31 @@ void add_into(float* acc, int64_t stride, const u16* x, int64_t batches, int64_t
 
 
 // ---------------------------------------------------------------------------------------
+// What the flash attention kernels share.
+
+constexpr int kBlock = 32;  // queries and keys per block (on AMX: two tiles of 16 rows)
+
+// Row strides of the transposed operands of the attention kernels: a row more than the
+// sequence, so that the rows of a tile (a power of two apart otherwise) fall in different
+// sets of the L1 cache instead of evicting each other between the products reusing them.
+inline int64_t padded_u32(int64_t seq) { return seq + 16; }
+inline int64_t padded_u16(int64_t seq) { return seq + 32; }
+
+// The heads of one call: `groups` key and value heads of `per` query heads each (grouped-query
+// attention where per > 1). Query head h = g * per + j of group g reads k and v rows (b, g);
+// its q (and dq) rows are those of q (b, g) moved by j * qstep, its out (and lse, and the
+// output's gradient) rows (b, h).
+struct HeadGroups {
+  int64_t groups, per, qstep;
+  int64_t count() const { return groups * per; }
+};
+
 #ifdef HLAT_AVX512
 // ---------------------------------------------------------------------------------------
 // What the attention kernels share (AVX-512F).
 
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr int64_t kBand = 256;  // keys whose score gradients the AMX backward keeps for dq
-constexpr int kBlock = 32;  // queries and keys per block (on AMX: two tiles of 16 rows)
 
 // r[j] = column j of the 16 x 16 u32 matrix whose rows are r[0..15], by shuffles: pairs
 // of rows interleaved (32-bit, then 64-bit, within 128-bit lanes), then the 4 x 4 matrix of
@@ -612,12 +636,6 @@ inline void hide_unseen(__m512& lo, __m512& hi, int r) {
   lo = _mm512_mask_blend_ps(seen_low(r), _mm512_set1_ps(-INFINITY), lo);
   hi = _mm512_mask_blend_ps(seen_high(r), _mm512_set1_ps(-INFINITY), hi);
 }
-
-// Row strides of the transposed operands of the attention kernels: a row more than the
-// sequence, so that the rows of a tile (a power of two apart otherwise) fall in different
-// sets of the L1 cache instead of evicting each other between the products reusing them.
-inline int64_t padded_u32(int64_t seq) { return seq + 16; }
-inline int64_t padded_u16(int64_t seq) { return seq + 32; }
 
 #endif  // HLAT_AVX512
 
@@ -914,14 +932,6 @@ void store_row(const float* src, int64_t dim, const Rope* rope, int64_t b, int64
   for (int64_t d = 0; d < dim; d += 16) store_bf16(dst + d, _mm512_loadu_ps(src + d));
 }
 
-// The heads of one call: `groups` key and value heads of `per` query heads each (grouped-query
-// attention where per > 1). Query head h = g * per + j of group g reads k and v rows (b, g);
-// its q (and dq) rows are those of q (b, g) moved by j * qstep, its out (and lse, and the
-// output's gradient) rows (b, h).
-struct HeadGroups {
-  int64_t groups, per, qstep;
-  int64_t count() const { return groups * per; }
-};
 
 // Causal attention of q, k, v into out's rows; lse [batch * heads][seq] fp32. seq and dim
 // multiples of 32. With `rope`, q and k are rotated as they are read. Each (batch, group) runs
@@ -1163,128 +1173,279 @@ void bf16_attention_backward(Rows<const u16> q, Rows<const u16> k, Rows<const u1
 }
 #endif  // HLAT_BF16
 
-#ifdef HLAT_AVX512
+#ifdef HLAT_F32_FLASH
 // ---------------------------------------------------------------------------------------
-// Causal attention in fp32 (AVX-512F), forward and backward, flash style as the AMX kernel
-// above: each (batch, head) on one thread, blocks of 32 queries against 32 keys, an online
-// softmax forward, probabilities recomputed from each query's log-sum-exp backward. All in
-// fp32. The products are register blocks of fused multiply-adds whose first operand is
-// read by broadcasts at any strides, so the transposed products of backward need no
-// transposed copies; only the keys and values are transposed once per head (the second
-// operand of the products against them).
+// Causal attention in fp32 (AVX-512F, or AVX2 with FMA), forward and backward, flash style as
+// the AMX kernel above: each (batch, head) on one thread, blocks of 32 queries against 32
+// keys, an online softmax forward, probabilities recomputed from each query's log-sum-exp
+// backward. All in fp32. The products are register blocks of fused multiply-adds whose first
+// operand is read by broadcasts at any strides, so the transposed products of backward need
+// no transposed copies; only the keys and values are transposed once per head (the second
+// operand of the products against them). Written once over `Lanes`, the fp32 vector of the
+// target: 16 lanes of AVX-512, or 8 of AVX2.
 
-// c[r][16 j + l] (rows ldc apart) = (c if add, else 0) + the sum over k < kn of
-// a[r * am + k * ak] * b[k * ldb + 16 j + l], for r < R and j < NV.
+#ifdef HLAT_AVX512
+struct Lanes {
+  using V = __m512;
+  static constexpr int kWidth = 16;
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V zero() { return _mm512_setzero_ps(); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V fms(V a, V b, V c) { return _mm512_fmsub_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static float max_of(V x) { return _mm512_reduce_max_ps(x); }
+  static float sum_of(V x) { return _mm512_reduce_add_ps(x); }
+  static V exp(V x) { return exp16(x); }
+  // lanes from `seen` on set to -inf
+  static V hide_from(V x, int seen) {
+    const __mmask16 kept = seen >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << seen) - 1);
+    return _mm512_mask_blend_ps(kept, _mm512_set1_ps(-INFINITY), x);
+  }
+  // dst[i][s] = src[s][i], rows and cols multiples of 16
+  static void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst,
+                        int64_t ldd) {
+    transpose_u32(reinterpret_cast<const u32*>(src), ld, rows, cols, reinterpret_cast<u32*>(dst),
+                  ldd);
+  }
+};
+#else
+// exp_reduced16v's polynomial on 8 lanes, with fused multiply-adds.
+inline __m256 exp_reduced8(__m256 r) {
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  return _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+}
+
+// exp16 on 8 lanes: 2^n from exponent bits (n is within [-126, 127] after the clamp).
+inline __m256 exp8(__m256 x) {
+  const __m256 c =
+      _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_floor_ps(
+      _mm256_fmadd_ps(c, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), c);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  __m256 e = _mm256_mul_ps(exp_reduced8(r), _mm256_castsi256_ps(bits));
+  e = _mm256_blendv_ps(e, _mm256_setzero_ps(),
+                       _mm256_cmp_ps(x, _mm256_set1_ps(-87.4f), _CMP_LT_OQ));
+  e = _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY),
+                       _mm256_cmp_ps(x, _mm256_set1_ps(88.72f), _CMP_GT_OQ));
+  return _mm256_blendv_ps(e, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+struct Lanes {
+  using V = __m256;
+  static constexpr int kWidth = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V zero() { return _mm256_setzero_ps(); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V fms(V a, V b, V c) { return _mm256_fmsub_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static float max_of(V x) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  }
+  static float sum_of(V x) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  }
+  static V exp(V x) { return exp8(x); }
+  static V hide_from(V x, int seen) {
+    const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+    const __m256 kept = _mm256_cmp_ps(lane, _mm256_set1_ps(float(seen)), _CMP_LT_OQ);
+    return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, kept);
+  }
+  // dst[i][s] = src[s][i], rows and cols multiples of 8: 8 x 8 at a time by shuffles.
+  static void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst,
+                        int64_t ldd) {
+    for (int64_t s0 = 0; s0 < rows; s0 += 8)
+      for (int64_t i0 = 0; i0 < cols; i0 += 8) {
+        __m256 r[8], t[8];
+        for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(src + (s0 + j) * ld + i0);
+        for (int j = 0; j < 8; j += 2) {
+          t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
+          t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+        }
+        // r[4h + c]: in 128-bit lane l, column 4l + c of rows 4h .. 4h + 3
+        for (int h = 0; h < 8; h += 4) {
+          r[h] = _mm256_shuffle_ps(t[h], t[h + 2], 0x44);
+          r[h + 1] = _mm256_shuffle_ps(t[h], t[h + 2], 0xEE);
+          r[h + 2] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0x44);
+          r[h + 3] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0xEE);
+        }
+        for (int c = 0; c < 4; ++c) {
+          _mm256_storeu_ps(dst + (i0 + c) * ldd + s0, _mm256_permute2f128_ps(r[c], r[4 + c], 0x20));
+          _mm256_storeu_ps(dst + (i0 + 4 + c) * ldd + s0,
+                           _mm256_permute2f128_ps(r[c], r[4 + c], 0x31));
+        }
+      }
+  }
+};
+#endif
+
+using LaneV = Lanes::V;
+constexpr int kW = Lanes::kWidth;
+constexpr int kRowVecs = kBlock / kW;  // vectors of a block's row of 32 scores
+
+// c[r][W j + l] (rows ldc apart) = (c if add, else 0) + the sum over k < kn of
+// a[r * am + k * ak] * b[k * ldb + W j + l], for r < R and j < NV (W the lanes).
 template <int R, int NV>
 inline void fma_block(const float* a, int64_t am, int64_t ak, const float* b, int64_t ldb,
                       int64_t kn, float* c, int64_t ldc, bool add) {
-  __m512 acc[R][NV];
+  LaneV acc[R][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j)
-      acc[r][j] = add ? _mm512_loadu_ps(c + r * ldc + 16 * j) : _mm512_setzero_ps();
+      acc[r][j] = add ? Lanes::load(c + r * ldc + kW * j) : Lanes::zero();
   for (int64_t k = 0; k < kn; ++k) {
-    __m512 bv[NV];
+    LaneV bv[NV];
 #pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) bv[j] = _mm512_loadu_ps(b + k * ldb + 16 * j);
+    for (int j = 0; j < NV; ++j) bv[j] = Lanes::load(b + k * ldb + kW * j);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512 av = _mm512_set1_ps(a[r * am + k * ak]);
+      const LaneV av = Lanes::set1(a[r * am + k * ak]);
 #pragma GCC unroll 4
-      for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(av, bv[j], acc[r][j]);
+      for (int j = 0; j < NV; ++j) acc[r][j] = Lanes::fma(av, bv[j], acc[r][j]);
     }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(c + r * ldc + 16 * j, acc[r][j]);
+    for (int j = 0; j < NV; ++j) Lanes::store(c + r * ldc + kW * j, acc[r][j]);
 }
 
 // C [m][n] (rows ldc apart) = (C if add, else 0) + A B, A(r, k) = a[r * am + k * ak]
-// (kn columns), B rows ldb apart; m a multiple of 8, n of 32 (64 columns at a time by 4
-// rows, the rest 32 at a time by 8 rows).
+// (kn columns), B rows ldb apart; m a multiple of 8, n of 32. AVX-512: 64 columns at a
+// time by 4 rows, the rest 32 at a time by 8 rows; AVX2 (16 registers): 16 columns by 4
+// rows.
 inline void fma_product(const float* a, int64_t am, int64_t ak, const float* b, int64_t ldb,
                         int64_t kn, float* c, int64_t ldc, int64_t m, int64_t n, bool add) {
   int64_t c0 = 0;
-  for (; c0 + 64 <= n; c0 += 64)
-    for (int64_t r0 = 0; r0 < m; r0 += 4)
-      fma_block<4, 4>(a + r0 * am, am, ak, b + c0, ldb, kn, c + r0 * ldc + c0, ldc, add);
-  for (; c0 < n; c0 += 32)
-    for (int64_t r0 = 0; r0 < m; r0 += 8)
-      fma_block<8, 2>(a + r0 * am, am, ak, b + c0, ldb, kn, c + r0 * ldc + c0, ldc, add);
+  if constexpr (kW == 16) {
+    for (; c0 + 64 <= n; c0 += 64)
+      for (int64_t r0 = 0; r0 < m; r0 += 4)
+        fma_block<4, 4>(a + r0 * am, am, ak, b + c0, ldb, kn, c + r0 * ldc + c0, ldc, add);
+    for (; c0 < n; c0 += 32)
+      for (int64_t r0 = 0; r0 < m; r0 += 8)
+        fma_block<8, 2>(a + r0 * am, am, ak, b + c0, ldb, kn, c + r0 * ldc + c0, ldc, add);
+  } else {
+    for (; c0 < n; c0 += 16)
+      for (int64_t r0 = 0; r0 < m; r0 += 4)
+        fma_block<4, 2>(a + r0 * am, am, ak, b + c0, ldb, kn, c + r0 * ldc + c0, ldc, add);
+  }
 }
 
-// q, k, v: [batch * heads][seq][dim] fp32; out row (b, h, s) at out + b * ob + h * oh +
-// s * os; lse [batch * heads][seq]. seq and dim multiples of 32.
+// The scores of a block's row loaded into x (scaled, `shift` subtracted where given); on a
+// diagonal block, those of keys that query r does not see set to -inf.
+inline void load_scores(const float* row, LaneV vscale, const LaneV* shift, bool diagonal, int r,
+                        LaneV x[kRowVecs]) {
+  for (int j = 0; j < kRowVecs; ++j) {
+    x[j] = shift ? Lanes::fms(Lanes::load(row + kW * j), vscale, *shift)
+                 : Lanes::mul(Lanes::load(row + kW * j), vscale);
+    if (diagonal) x[j] = Lanes::hide_from(x[j], std::clamp(r + 1 - kW * j, 0, kW));
+  }
+}
+
+// q: [batch * groups.count()][seq][dim] fp32, k and v [batch * groups.groups][seq][dim]
+// (query head h = g * per + j reads key and value head g; groups.qstep unused: q's heads are
+// seq * dim apart); out row (b, h, s) at out + b * ob + h * oh + s * os; lse
+// [batch * heads][seq]. seq and dim multiples of 32. Each (batch, group) runs on one thread:
+// its keys are transposed once for all its query heads.
 void f32_attention_forward(const float* q, const float* k, const float* v, float* out,
                            int64_t ob, int64_t oh, int64_t os, float* lse, int64_t batch,
-                           int64_t heads, int64_t seq, int64_t dim, float scale, int threads) {
+                           HeadGroups groups, int64_t seq, int64_t dim, float scale,
+                           int threads) {
+  const int64_t heads = groups.count(), hs = seq * dim;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     const int64_t kld = padded_u32(seq);
     std::vector<float> kt(static_cast<size_t>(kld * dim)), acc(static_cast<size_t>(kBlock * dim));
     alignas(64) float scores[kBlock * kBlock];
     float m[kBlock], l[kBlock];
-    const __m512 vscale = _mm512_set1_ps(scale);
+    const LaneV vscale = Lanes::set1(scale);
 #pragma omp for schedule(dynamic)
-    for (int64_t bh = 0; bh < batch * heads; ++bh) {
-      const float* qh = q + bh * seq * dim;
-      const float* vh = v + bh * seq * dim;
-      float* outh = out + (bh / heads) * ob + (bh % heads) * oh;
-      transpose_u32(reinterpret_cast<const u32*>(k + bh * seq * dim), dim, seq, dim,
-                    reinterpret_cast<u32*>(kt.data()), kld);
-      for (int64_t q0 = 0; q0 < seq; q0 += kBlock) {
-        std::fill(m, m + kBlock, -INFINITY);
-        std::fill(l, l + kBlock, 0.f);
-        for (int64_t k0 = 0; k0 <= q0; k0 += kBlock) {
-          fma_product(qh + q0 * dim, dim, 1, kt.data() + k0, kld, dim, scores, kBlock, kBlock,
-                      kBlock, false);
-          for (int r = 0; r < kBlock; ++r) {
-            float* row = scores + r * kBlock;
-            __m512 x0 = _mm512_mul_ps(_mm512_load_ps(row), vscale);
-            __m512 x1 = _mm512_mul_ps(_mm512_load_ps(row + 16), vscale);
-            if (k0 == q0) hide_unseen(x0, x1, r);
-            const float mx = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
-            const float alpha = exp_fast(m[r] - mx);
-            const __m512 shift = _mm512_set1_ps(mx);
-            const __m512 p0 = exp16(_mm512_sub_ps(x0, shift));
-            const __m512 p1 = exp16(_mm512_sub_ps(x1, shift));
-            _mm512_store_ps(row, p0);
-            _mm512_store_ps(row + 16, p1);
-            l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-            m[r] = mx;
-            if (k0 == 0) continue;  // no output before the first block
-            // the output so far, rescaled to the new maximum
-            float* o = acc.data() + r * dim;
-            const __m512 a = _mm512_set1_ps(alpha);
-            for (int64_t d = 0; d < dim; d += 16)
-              _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), a));
+    for (int64_t bg = 0; bg < batch * groups.groups; ++bg) {
+      const int64_t b = bg / groups.groups, g = bg % groups.groups;
+      const float* vh = v + bg * hs;
+      Lanes::transpose(k + bg * hs, dim, seq, dim, kt.data(), kld);
+      for (int64_t j = 0; j < groups.per; ++j) {
+        const int64_t h = g * groups.per + j, bh = b * heads + h;
+        const float* qh = q + bh * hs;
+        float* outh = out + b * ob + h * oh;
+        for (int64_t q0 = 0; q0 < seq; q0 += kBlock) {
+          std::fill(m, m + kBlock, -INFINITY);
+          std::fill(l, l + kBlock, 0.f);
+          for (int64_t k0 = 0; k0 <= q0; k0 += kBlock) {
+            fma_product(qh + q0 * dim, dim, 1, kt.data() + k0, kld, dim, scores, kBlock, kBlock,
+                        kBlock, false);
+            for (int r = 0; r < kBlock; ++r) {
+              float* row = scores + r * kBlock;
+              LaneV x[kRowVecs];
+              load_scores(row, vscale, nullptr, k0 == q0, r, x);
+              LaneV top = x[0];
+              for (int c = 1; c < kRowVecs; ++c) top = Lanes::max(top, x[c]);
+              const float mx = std::max(m[r], Lanes::max_of(top));
+              const float alpha = exp_fast(m[r] - mx);
+              const LaneV shift = Lanes::set1(mx);
+              LaneV total = Lanes::zero();
+              for (int c = 0; c < kRowVecs; ++c) {
+                const LaneV pc = Lanes::exp(Lanes::sub(x[c], shift));
+                Lanes::store(row + kW * c, pc);
+                total = c == 0 ? pc : Lanes::add(total, pc);
+              }
+              l[r] = l[r] * alpha + Lanes::sum_of(total);
+              m[r] = mx;
+              if (k0 == 0) continue;  // no output before the first block
+              // the output so far, rescaled to the new maximum
+              float* o = acc.data() + r * dim;
+              const LaneV a = Lanes::set1(alpha);
+              for (int64_t d = 0; d < dim; d += kW)
+                Lanes::store(o + d, Lanes::mul(Lanes::load(o + d), a));
+            }
+            fma_product(scores, kBlock, 1, vh + k0 * dim, dim, kBlock, acc.data(), dim, kBlock,
+                        dim, k0 > 0);
           }
-          fma_product(scores, kBlock, 1, vh + k0 * dim, dim, kBlock, acc.data(), dim, kBlock,
-                      dim, k0 > 0);
-        }
-        for (int r = 0; r < kBlock; ++r) {
-          const __m512 inv = _mm512_set1_ps(1.f / l[r]);
-          const float* o = acc.data() + r * dim;
-          float* dst = outh + (q0 + r) * os;
-          for (int64_t d = 0; d < dim; d += 16)
-            _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
-          lse[bh * seq + q0 + r] = m[r] + std::log(l[r]);
+          for (int r = 0; r < kBlock; ++r) {
+            const LaneV inv = Lanes::set1(1.f / l[r]);
+            const float* o = acc.data() + r * dim;
+            float* dst = outh + (q0 + r) * os;
+            for (int64_t d = 0; d < dim; d += kW)
+              Lanes::store(dst + d, Lanes::mul(Lanes::load(o + d), inv));
+            lse[bh * seq + q0 + r] = m[r] + std::log(l[r]);
+          }
         }
       }
     }
   }
 }
 
-// The gradients of f32_attention_forward for q, k and v ([batch * heads][seq][dim] each),
-// from its output and lse and the output's gradient, rows (b, h, s) of out and grad at
-// base + b * xb + h * xh + s * xs.
+// The gradients of f32_attention_forward for q, k and v (laid out as those), from its output
+// and lse and the output's gradient, rows (b, h, s) of out and grad at base + b * xb + h * xh
+// + s * xs. A group's key and value gradients are summed over its query heads in place.
 void f32_attention_backward(const float* q, const float* k, const float* v, const float* out,
                             int64_t ob, int64_t oh, int64_t os, const float* grad, int64_t gb,
                             int64_t gh, int64_t gs, const float* lse, float* dq, float* dk,
-                            float* dv, int64_t batch, int64_t heads, int64_t seq, int64_t dim,
-                            float scale, int threads) {
+                            float* dv, int64_t batch, HeadGroups groups, int64_t seq,
+                            int64_t dim, float scale, int threads) {
+  const int64_t heads = groups.count(), hs = seq * dim;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     const int64_t kld = padded_u32(seq);
@@ -1292,73 +1453,72 @@ void f32_attention_backward(const float* q, const float* k, const float* v, cons
     std::vector<float> delta(static_cast<size_t>(seq));
     alignas(64) float probs[kBlock * kBlock];
     alignas(64) float dscores[kBlock * kBlock];
-    const __m512 vscale = _mm512_set1_ps(scale);
+    const LaneV vscale = Lanes::set1(scale);
 #pragma omp for schedule(dynamic)
-    for (int64_t bh = 0; bh < batch * heads; ++bh) {
-      const int64_t b = bh / heads, h = bh % heads;
-      const float* qh = q + bh * seq * dim;
-      const float* kh = k + bh * seq * dim;
-      const float* o = out + b * ob + h * oh;
-      const float* gr = grad + b * gb + h * gh;
-      float* dqh = dq + bh * seq * dim;
-      float* dkh = dk + bh * seq * dim;
-      float* dvh = dv + bh * seq * dim;
-      for (int64_t s = 0; s < seq; ++s) {
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t d = 0; d < dim; d += 16)
-          sum = _mm512_fmadd_ps(_mm512_loadu_ps(gr + s * gs + d), _mm512_loadu_ps(o + s * os + d),
-                                sum);
-        delta[s] = _mm512_reduce_add_ps(sum);
-      }
-      transpose_u32(reinterpret_cast<const u32*>(kh), dim, seq, dim,
-                    reinterpret_cast<u32*>(kt.data()), kld);
-      transpose_u32(reinterpret_cast<const u32*>(v + bh * seq * dim), dim, seq, dim,
-                    reinterpret_cast<u32*>(vt.data()), kld);
-      std::fill(dqh, dqh + seq * dim, 0.f);
-      for (int64_t k0 = 0; k0 < seq; k0 += kBlock) {
-        for (int64_t q0 = k0; q0 < seq; q0 += kBlock) {
-          fma_product(qh + q0 * dim, dim, 1, kt.data() + k0, kld, dim, probs, kBlock, kBlock,
-                      kBlock, false);
-          fma_product(gr + q0 * gs, gs, 1, vt.data() + k0, kld, dim, dscores, kBlock, kBlock,
-                      kBlock, false);
-          for (int r = 0; r < kBlock; ++r) {
-            float* p = probs + r * kBlock;
-            float* ds = dscores + r * kBlock;
-            const __m512 shift = _mm512_set1_ps(lse[bh * seq + q0 + r]);
-            const __m512 dl = _mm512_set1_ps(delta[q0 + r]);
-            __m512 x0 = _mm512_fmsub_ps(_mm512_load_ps(p), vscale, shift);
-            __m512 x1 = _mm512_fmsub_ps(_mm512_load_ps(p + 16), vscale, shift);
-            if (k0 == q0) hide_unseen(x0, x1, r);
-            const __m512 p0 = exp16(x0), p1 = exp16(x1);
-            _mm512_store_ps(p, p0);
-            _mm512_store_ps(p + 16, p1);
-            // the scores' gradients: p (dp - delta), scaled as the scores were
-            const __m512 dp0 = _mm512_sub_ps(_mm512_load_ps(ds), dl);
-            const __m512 dp1 = _mm512_sub_ps(_mm512_load_ps(ds + 16), dl);
-            _mm512_store_ps(ds, _mm512_mul_ps(_mm512_mul_ps(p0, dp0), vscale));
-            _mm512_store_ps(ds + 16, _mm512_mul_ps(_mm512_mul_ps(p1, dp1), vscale));
+    for (int64_t bg = 0; bg < batch * groups.groups; ++bg) {
+      const int64_t b = bg / groups.groups, g = bg % groups.groups;
+      const float* kh = k + bg * hs;
+      float* dkh = dk + bg * hs;
+      float* dvh = dv + bg * hs;
+      Lanes::transpose(kh, dim, seq, dim, kt.data(), kld);
+      Lanes::transpose(v + bg * hs, dim, seq, dim, vt.data(), kld);
+      for (int64_t j = 0; j < groups.per; ++j) {
+        const int64_t h = g * groups.per + j, bh = b * heads + h;
+        const float* qh = q + bh * hs;
+        const float* o = out + b * ob + h * oh;
+        const float* gr = grad + b * gb + h * gh;
+        float* dqh = dq + bh * hs;
+        for (int64_t s = 0; s < seq; ++s) {
+          LaneV sum = Lanes::zero();
+          for (int64_t d = 0; d < dim; d += kW)
+            sum = Lanes::fma(Lanes::load(gr + s * gs + d), Lanes::load(o + s * os + d), sum);
+          delta[s] = Lanes::sum_of(sum);
+        }
+        std::fill(dqh, dqh + seq * dim, 0.f);
+        for (int64_t k0 = 0; k0 < seq; k0 += kBlock) {
+          for (int64_t q0 = k0; q0 < seq; q0 += kBlock) {
+            fma_product(qh + q0 * dim, dim, 1, kt.data() + k0, kld, dim, probs, kBlock, kBlock,
+                        kBlock, false);
+            fma_product(gr + q0 * gs, gs, 1, vt.data() + k0, kld, dim, dscores, kBlock, kBlock,
+                        kBlock, false);
+            for (int r = 0; r < kBlock; ++r) {
+              float* p = probs + r * kBlock;
+              float* ds = dscores + r * kBlock;
+              const LaneV shift = Lanes::set1(lse[bh * seq + q0 + r]);
+              const LaneV dl = Lanes::set1(delta[q0 + r]);
+              LaneV x[kRowVecs];
+              load_scores(p, vscale, &shift, k0 == q0, r, x);
+              for (int c = 0; c < kRowVecs; ++c) {
+                const LaneV pc = Lanes::exp(x[c]);
+                Lanes::store(p + kW * c, pc);
+                // the scores' gradients: p (dp - delta), scaled as the scores were
+                const LaneV dpc = Lanes::sub(Lanes::load(ds + kW * c), dl);
+                Lanes::store(ds + kW * c, Lanes::mul(Lanes::mul(pc, dpc), vscale));
+              }
+            }
+            // the first write of a key block's dk and dv rows: its diagonal block, first head
+            const bool first = q0 == k0 && j == 0;
+            // dv += probs^T grad, dk += dscores^T q, dq += dscores k
+            fma_product(probs, 1, kBlock, gr + q0 * gs, gs, kBlock, dvh + k0 * dim, dim, kBlock,
+                        dim, !first);
+            fma_product(dscores, 1, kBlock, qh + q0 * dim, dim, kBlock, dkh + k0 * dim, dim,
+                        kBlock, dim, !first);
+            fma_product(dscores, kBlock, 1, kh + k0 * dim, dim, kBlock, dqh + q0 * dim, dim,
+                        kBlock, dim, true);
           }
-          const bool first = q0 == k0;
-          // dv += probs^T grad, dk += dscores^T q, dq += dscores k
-          fma_product(probs, 1, kBlock, gr + q0 * gs, gs, kBlock, dvh + k0 * dim, dim, kBlock,
-                      dim, !first);
-          fma_product(dscores, 1, kBlock, qh + q0 * dim, dim, kBlock, dkh + k0 * dim, dim,
-                      kBlock, dim, !first);
-          fma_product(dscores, kBlock, 1, kh + k0 * dim, dim, kBlock, dqh + q0 * dim, dim,
-                      kBlock, dim, true);
         }
       }
     }
   }
 }
-#endif  // HLAT_AVX512
+#endif  // HLAT_F32_FLASH
 
 }  // namespace
 
 extern "C" {
 
 // Version of the entry points' signatures; the loader checks it.
-int hlat_model_abi(void) { return 11; }
+int hlat_model_abi(void) { return 12; }
 
 // `bf16`: 1 when every tensor argument is bf16 (held as uint16), 0 when fp32; rstd and part
 // are fp32. Rows are contiguous, `dim` (or 2 * `width`) elements each.
@@ -1551,43 +1711,49 @@ void on_products(int tiles, Fn&& fn) {
 
 extern "C" {
 
-// Causal attention of bf16 q, k, v [batch * heads][seq][dim] (see bf16_attention_forward),
-// on AMX tiles where `tiles` is 1, else by AVX512-BF16 dot products; seq and dim multiples of
-// 32. Returns 0, or -1 (nothing done) where hlat_attn_amx_ready (`tiles`) or
-// hlat_attn_bf16_ready says 0.
+// Causal attention of bf16 q [batch * heads][seq][dim] and k, v [batch * kv_heads][seq][dim]
+// (see bf16_attention_forward; heads a multiple of kv_heads, each key and value head read by
+// heads / kv_heads query heads side by side), on AMX tiles where `tiles` is 1, else by
+// AVX512-BF16 dot products; seq and dim multiples of 32. Returns 0, or -1 (nothing done) where
+// hlat_attn_amx_ready (`tiles`) or hlat_attn_bf16_ready says 0, or the heads do not group.
 int hlat_attn_bf16_forward(int tiles, const void* q, const void* k, const void* v, void* out,
                            int64_t ob, int64_t oh, int64_t os, float* lse, int64_t batch,
-                           int64_t heads, int64_t seq, int64_t dim, float scale, int threads) {
-  if (!bf16_ready(tiles)) return -1;
+                           int64_t heads, int64_t kv_heads, int64_t seq, int64_t dim,
+                           float scale, int threads) {
+  if (!bf16_ready(tiles) || kv_heads <= 0 || heads % kv_heads != 0) return -1;
 #ifdef HLAT_BF16
-  const int64_t hs = seq * dim, bs = heads * hs;
+  const int64_t hs = seq * dim, per = heads / kv_heads, kvs = kv_heads * hs;
   on_products(tiles, [&](auto kind) {
     bf16_attention_forward<decltype(kind)::value>(
-        {static_cast<const u16*>(q), bs, hs, dim}, {static_cast<const u16*>(k), bs, hs, dim},
-        {static_cast<const u16*>(v), bs, hs, dim}, nullptr, {static_cast<u16*>(out), ob, oh, os},
-        lse, batch, HeadGroups{heads, 1, 0}, seq, dim, scale, threads);
+        {static_cast<const u16*>(q), heads * hs, per * hs, dim},
+        {static_cast<const u16*>(k), kvs, hs, dim}, {static_cast<const u16*>(v), kvs, hs, dim},
+        nullptr, {static_cast<u16*>(out), ob, oh, os}, lse, batch, HeadGroups{kv_heads, per, hs},
+        seq, dim, scale, threads);
   });
 #endif
   return 0;
 }
 
-// The gradients of hlat_attn_bf16_forward's inputs; returns as it does.
+// The gradients of hlat_attn_bf16_forward's inputs (dk and dv summed over each key and value
+// head's query heads); returns as it does.
 int hlat_attn_bf16_backward(int tiles, const void* q, const void* k, const void* v,
                             const void* out, int64_t ob, int64_t oh, int64_t os,
                             const void* grad, int64_t gb, int64_t gh, int64_t gs,
                             const float* lse, void* dq, void* dk, void* dv, int64_t batch,
-                            int64_t heads, int64_t seq, int64_t dim, float scale, int threads) {
-  if (!bf16_ready(tiles)) return -1;
+                            int64_t heads, int64_t kv_heads, int64_t seq, int64_t dim,
+                            float scale, int threads) {
+  if (!bf16_ready(tiles) || kv_heads <= 0 || heads % kv_heads != 0) return -1;
 #ifdef HLAT_BF16
-  const int64_t hs = seq * dim, bs = heads * hs;
+  const int64_t hs = seq * dim, per = heads / kv_heads, qs = heads * hs, kvs = kv_heads * hs;
   on_products(tiles, [&](auto kind) {
     bf16_attention_backward<decltype(kind)::value>(
-        {static_cast<const u16*>(q), bs, hs, dim}, {static_cast<const u16*>(k), bs, hs, dim},
-        {static_cast<const u16*>(v), bs, hs, dim}, nullptr,
-        {static_cast<const u16*>(out), ob, oh, os}, {static_cast<const u16*>(grad), gb, gh, gs},
-        lse, {static_cast<u16*>(dq), bs, hs, dim}, {static_cast<u16*>(dk), bs, hs, dim},
-        {static_cast<u16*>(dv), bs, hs, dim}, batch, HeadGroups{heads, 1, 0}, seq, dim, scale,
-        threads);
+        {static_cast<const u16*>(q), qs, per * hs, dim},
+        {static_cast<const u16*>(k), kvs, hs, dim}, {static_cast<const u16*>(v), kvs, hs, dim},
+        nullptr, {static_cast<const u16*>(out), ob, oh, os},
+        {static_cast<const u16*>(grad), gb, gh, gs}, lse,
+        {static_cast<u16*>(dq), qs, per * hs, dim}, {static_cast<u16*>(dk), kvs, hs, dim},
+        {static_cast<u16*>(dv), kvs, hs, dim}, batch, HeadGroups{kv_heads, per, hs}, seq, dim,
+        scale, threads);
   });
 #endif
   return 0;
@@ -1647,38 +1813,44 @@ int hlat_attn_bf16_rope_backward(int tiles, const void* qkv, const int64_t* tabl
   return 0;
 }
 
-// 1 where the fp32 attention kernels were built (the compiler targets AVX-512F), else 0.
+// 1 where the fp32 attention kernels were built (the compiler targets AVX-512F, or AVX2 and
+// FMA), else 0.
 int hlat_attn_f32_ready(void) {
-#ifdef HLAT_AVX512
+#ifdef HLAT_F32_FLASH
   return 1;
 #else
   return 0;
 #endif
 }
 
-// Causal attention of fp32 q, k, v [batch * heads][seq][dim] (see f32_attention_forward);
-// seq and dim multiples of 32. Returns 0, or -1 (nothing done) where hlat_attn_f32_ready
-// says 0.
+// Causal attention of fp32 q [batch * heads][seq][dim] and k, v [batch * kv_heads][seq][dim]
+// (see f32_attention_forward; heads a multiple of kv_heads); seq and dim multiples of 32.
+// Returns 0, or -1 (nothing done) where hlat_attn_f32_ready says 0 or the heads do not group.
 int hlat_attn_f32_forward(const float* q, const float* k, const float* v, float* out,
                           int64_t ob, int64_t oh, int64_t os, float* lse, int64_t batch,
-                          int64_t heads, int64_t seq, int64_t dim, float scale, int threads) {
-#ifdef HLAT_AVX512
-  f32_attention_forward(q, k, v, out, ob, oh, os, lse, batch, heads, seq, dim, scale, threads);
+                          int64_t heads, int64_t kv_heads, int64_t seq, int64_t dim,
+                          float scale, int threads) {
+  if (kv_heads <= 0 || heads % kv_heads != 0) return -1;
+#ifdef HLAT_F32_FLASH
+  f32_attention_forward(q, k, v, out, ob, oh, os, lse, batch,
+                        HeadGroups{kv_heads, heads / kv_heads, 0}, seq, dim, scale, threads);
   return 0;
 #else
   return -1;
 #endif
 }
 
-// The gradients of hlat_attn_f32_forward's inputs; returns as it does.
+// The gradients of hlat_attn_f32_forward's inputs (dk and dv summed over each key and value
+// head's query heads); returns as it does.
 int hlat_attn_f32_backward(const float* q, const float* k, const float* v, const float* out,
                            int64_t ob, int64_t oh, int64_t os, const float* grad, int64_t gb,
                            int64_t gh, int64_t gs, const float* lse, float* dq, float* dk,
-                           float* dv, int64_t batch, int64_t heads, int64_t seq, int64_t dim,
-                           float scale, int threads) {
-#ifdef HLAT_AVX512
+                           float* dv, int64_t batch, int64_t heads, int64_t kv_heads,
+                           int64_t seq, int64_t dim, float scale, int threads) {
+  if (kv_heads <= 0 || heads % kv_heads != 0) return -1;
+#ifdef HLAT_F32_FLASH
   f32_attention_backward(q, k, v, out, ob, oh, os, grad, gb, gh, gs, lse, dq, dk, dv, batch,
-                         heads, seq, dim, scale, threads);
+                         HeadGroups{kv_heads, heads / kv_heads, 0}, seq, dim, scale, threads);
   return 0;
 #else
   return -1;

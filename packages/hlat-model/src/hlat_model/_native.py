@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 _SOURCE = Path(__file__).with_name("_fused_cpu.cpp")
-_ABI = 11
+_ABI = 12
 # -fno-trapping-math lets the compiler vectorise floor(); no -ffast-math: NaN and inf keep
 # their meaning.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
@@ -56,13 +56,13 @@ _SIGNATURES = {
     "hlat_attn_bf16_ready": [],
     "hlat_attn_f32_ready": [],
 }
-# the flash attention kernels: fp32 on AVX-512, and bf16 (the same arguments after the first:
-# 1 for AMX tiles, 0 for AVX512-BF16 dot products)
-_FLASH_FORWARD = [_P, _P, _P, _P, _I64, _I64, _I64, _P] + [_I64] * 4 + [ctypes.c_float, _INT]
+# the flash attention kernels: fp32 on AVX-512 or AVX2, and bf16 (the same arguments after a
+# first one: 1 for AMX tiles, 0 for AVX512-BF16 dot products)
+_FLASH_FORWARD = [_P, _P, _P, _P, _I64, _I64, _I64, _P] + [_I64] * 5 + [ctypes.c_float, _INT]
 _FLASH_BACKWARD = (
     [_P, _P, _P, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64]
     + [_P] * 4
-    + [_I64] * 4
+    + [_I64] * 5
     + [ctypes.c_float, _INT]
 )
 _SIGNATURES["hlat_attn_f32_forward"] = _FLASH_FORWARD
@@ -471,35 +471,44 @@ def bf16_attention_ready(lib: ctypes.CDLL) -> bool:
 
 def f32_attention_ready(lib: ctypes.CDLL) -> bool:
     """Whether the library holds the fp32 flash attention kernels (built where the compiler
-    targets AVX-512F)."""
+    targets AVX-512F, or AVX2 with FMA)."""
     return bool(lib.hlat_attn_f32_ready())
 
 
-def _flash_entry(lib: ctypes.CDLL, t: torch.Tensor, what: str, tiles: bool) -> Any:
-    """The flash kernel's entry point ``what`` (forward, backward) for ``t``'s dtype: fp32,
-    or bf16 on AMX tiles (``tiles``) or by dot products."""
-    if t.dtype == torch.float32:
-        return getattr(lib, f"hlat_attn_f32_{what}")
-    if t.dtype == torch.bfloat16:
-        return functools.partial(getattr(lib, f"hlat_attn_bf16_{what}"), int(tiles))
-    raise ValueError(f"the flash attention kernels take bf16 or fp32, not {t.dtype}")
+def _flash_entry(
+    lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, what: str, tiles: bool
+) -> tuple[Any, tuple[int, int]]:
+    """The flash kernel's entry point ``what`` (forward, backward) for ``q``'s dtype (fp32,
+    or bf16 on AMX tiles with ``tiles`` or by dot products), and its head counts: q's and
+    k's (grouped-query heads where k has fewer)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if kv_heads <= 0 or heads % kv_heads != 0:
+        raise ValueError(f"{heads} query heads do not share {kv_heads} key and value heads")
+    if q.dtype == torch.float32:
+        return getattr(lib, f"hlat_attn_f32_{what}"), (heads, kv_heads)
+    if q.dtype == torch.bfloat16:
+        entry = functools.partial(getattr(lib, f"hlat_attn_bf16_{what}"), int(tiles))
+        return entry, (heads, kv_heads)
+    raise ValueError(f"the flash attention kernels take bf16 or fp32, not {q.dtype}")
 
 
 def flash_attention_forward(
     lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of contiguous [B, H, S, D] ``q``, ``k``, ``v`` (S and D multiples
-    of 32): bf16 on AMX tiles with ``tiles`` (only where :func:`amx_attention_ready`) or
-    by AVX512-BF16 dot products (only where :func:`bf16_attention_ready`), fp32 on AVX-512
-    (only where :func:`f32_attention_ready`). Returns (the output, a [B, H, S, D] view of a
-    [B, S, H, D] tensor; each query's fp32 log-sum-exp of its scaled scores [B * H, S])."""
+    """Causal attention of contiguous [B, H, S, D] ``q`` and [B, G, S, D] ``k``, ``v`` (S
+    and D multiples of 32; G a divisor of H: grouped-query heads, each ``H / G`` query heads
+    side by side reading one key and value head): bf16 on AMX tiles
+    with ``tiles`` (only where :func:`amx_attention_ready`) or by AVX512-BF16 dot products
+    (only where :func:`bf16_attention_ready`), fp32 on AVX-512 or AVX2 (only where
+    :func:`f32_attention_ready`). Returns (the output, a [B, H, S, D] view of a [B, S, H, D]
+    tensor; each query's fp32 log-sum-exp of its scaled scores [B * H, S])."""
     batch, heads, seq, dim = q.shape
-    entry = _flash_entry(lib, q, "forward", tiles)
+    entry, head_counts = _flash_entry(lib, q, k, "forward", tiles)
     out = q.new_empty(batch, seq, heads, dim)
     lse = q.new_empty(batch * heads, seq, dtype=torch.float32)
     done = entry(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *_row_strides(out, 1),
-        lse.data_ptr(), batch, heads, seq, dim, dim**-0.5, torch.get_num_threads(),
+        lse.data_ptr(), batch, *head_counts, seq, dim, dim**-0.5, torch.get_num_threads(),
     )  # fmt: skip
     if done != 0:
         raise RuntimeError(f"the {q.dtype} flash attention kernels cannot run here")
@@ -516,18 +525,19 @@ def flash_attention_backward(
     lse: torch.Tensor,
     tiles: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of :func:`flash_attention_forward` for ``q``, ``k`` and ``v``, from its
+    """The gradients of :func:`flash_attention_forward` for ``q``, ``k`` and ``v`` (those of
+    grouped k and v summed over each one's query heads in fp32, in bf16 rounded once), from its
     output ``out`` and ``lse`` and the output's gradient ``grad`` ([B, H, S, D], any strides
     with dense rows); ``tiles`` as forward's."""
-    entry = _flash_entry(lib, q, "backward", tiles)
-    batch, heads, seq, dim = q.shape
+    entry, head_counts = _flash_entry(lib, q, k, "backward", tiles)
+    batch, _, seq, dim = q.shape
     if grad.stride(3) != 1:
         grad = grad.contiguous()
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
     done = entry(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *_row_strides(out),
         grad.data_ptr(), *_row_strides(grad), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(),
-        dv.data_ptr(), batch, heads, seq, dim, dim**-0.5, torch.get_num_threads(),
+        dv.data_ptr(), batch, *head_counts, seq, dim, dim**-0.5, torch.get_num_threads(),
     )  # fmt: skip
     if done != 0:
         raise RuntimeError(f"the {q.dtype} flash attention kernels cannot run here")

@@ -56,7 +56,7 @@ class AttentionMask:
     tensor, True where a query may attend to a key) or ``flex`` (a flex block mask).
     ``kernel`` is what runs a ``causal`` or ``sdpa`` mask: ``sdpa`` or ``blocked``.
     ``flash``: ``auto`` chose on a CPU where one of the fused kernels' flash attention
-    kernels runs (bf16 on AMX tiles or AVX512-BF16, fp32 on AVX-512), which then takes plain
+    kernels runs (bf16 on AMX tiles or AVX512-BF16, fp32 on AVX-512 or AVX2), which then takes plain
     causal attention it fits (:func:`blocked_causal_attention`) whatever ``kernel`` says.
 
     Note: forward + backward on a 2-core Intel Xeon with AMX
@@ -265,10 +265,13 @@ def blocked_causal_attention(
     multiplied on the tiles or by AVX512-BF16 dot products, each query's
     log-sum-exp kept for backward (linear in the sequence) rather than the probabilities;
     the same roundings (probabilities and score gradients rounded to bf16 for the products
-    that read them), but scores kept in fp32. On CPUs with AVX-512, plain causal fp32
-    attention of such shapes runs their fp32 flash kernel
+    that read them), but scores kept in fp32. On CPUs with AVX-512 or AVX2, plain causal
+    fp32 attention of such shapes runs their fp32 flash kernel
     (:func:`fp32_flash_attention_reason`), the same scheme in fp32 throughout, its products
-    register blocks of fused multiply-adds.
+    register blocks of fused multiply-adds. Both flash kernels read grouped key and value
+    heads for all their query heads without copies, and sum their gradients over those in
+    fp32 (bf16: rounded once); elsewhere they are repeated for each query head, and autograd
+    sums their gradients in the inputs' dtype.
 
     Note: on CPUs torch's flash kernel runs its products in small tiles; with these larger
     products forward + backward ran 1.61x faster in bf16 and 1.51x in fp32 at 4 x 8 heads x
@@ -277,11 +280,11 @@ def blocked_causal_attention(
     test_attention_kernels``; hlat-model 0.11's kernel, on another such machine: 1.75x,
     1.63x, 1.30x, 1.09x).
     """
+    if allowed is None and _on_flash_kernel(q, k, v):
+        return torch.ops.hlat.flash_causal_attention(q, k, v)[0]
     if k.shape[1] != q.shape[1]:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    if allowed is None and _on_flash_kernel(q, k, v):
-        return torch.ops.hlat.flash_causal_attention(q, k, v)[0]
     rows, seq_len = q.shape[0] * q.shape[1], q.shape[2]
     # Note: the block is an argument of the operator, so a compiled graph (and inductor's
     # cache of it) holds the size its kept probabilities were laid out with.
@@ -644,27 +647,35 @@ def bf16_flash_attention_reason() -> str | None:
     flash-style kernel (:func:`blocked_causal_attention`): on AMX tiles where
     :func:`amx_attention_reason` says yes, else by AVX512-BF16 dot products where the
     kernels were built for them (AMD's Zen 4 and later, Intel's AVX512-BF16 CPUs); else why
-    not."""
-    if amx_attention_reason() is None:
-        return None
+    not. Where bf16 products are emulated (:func:`hlat_model.linear.cpu_bf16_reason`: no
+    AMX tiles nor AVX512-BF16, or oneDNN held below them), bf16 attention runs on fp32
+    copies and this says so."""
     lib, why = _flash_kernels()
     if lib is None:
         return why
+    if not cpu_has_native_bf16():
+        return (
+            "bf16 products are emulated here (neither AMX tiles nor AVX512-BF16, or oneDNN "
+            "held below them): bf16 attention runs in fp32"
+        )
+    if amx_attention_reason() is None:
+        return None
     if not _native.bf16_attention_ready(lib):
-        if not cpu_has_native_bf16():
-            return "this CPU has neither AMX tiles nor AVX512-BF16"
         return "the kernels were built without AVX512-BF16 (the compiler's target, -march=native)"
     return None
 
 
 def fp32_flash_attention_reason() -> str | None:
     """``None`` where plain causal fp32 attention runs the fused CPU kernels' fp32 flash
-    kernel (AVX-512F; :func:`blocked_causal_attention`), else why not."""
+    kernel (AVX-512F, or AVX2 with FMA; :func:`blocked_causal_attention`), else why not."""
     lib, why = _flash_kernels()
     if lib is None:
         return why
     if not _native.f32_attention_ready(lib):
-        return "the kernels were built without AVX-512F (the compiler's target, -march=native)"
+        return (
+            "the kernels were built without AVX-512F or AVX2 with FMA (the compiler's target, "
+            "-march=native)"
+        )
     return None
 
 

@@ -16,6 +16,7 @@ it is exactly ``nn.Linear``.
 
 from __future__ import annotations
 
+import os
 import platform
 from typing import Any
 
@@ -36,9 +37,16 @@ def cpu_bf16_reason() -> str | None:
     and causal attention 1.4x slower than in fp32 (``benchmarks/test_bench_train_step.py::
     test_linear_paths_against_the_cpu_rule``). Other CPUs (Arm): oneDNN's check, which is
     the BF16 extension (bfmmla) there.
+
+    On x86, a limit on oneDNN's instructions below bf16 (:func:`onednn_max_isa`, e.g.
+    ``ONEDNN_MAX_CPU_ISA=AVX2``) makes its bf16 products emulated on any CPU, so the answer
+    is None there too: with oneDNN held to AVX2 on an AVX512-BF16 CPU (Zen 5), its bf16
+    product ran at 4 GFLOP/s against fp32's 186.
     """
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64", "i386", "i686"):
+        if onednn_max_isa() in _ONEDNN_BELOW_BF16:
+            return None
         if cpu_has_amx():
             return "this CPU has AMX tiles"
         if getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
@@ -50,6 +58,22 @@ def cpu_bf16_reason() -> str | None:
     except (AttributeError, RuntimeError):
         pass
     return None
+
+
+_ONEDNN_BELOW_AVX512 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2"})
+"""oneDNN's instruction-set limits (``ONEDNN_MAX_CPU_ISA``) without AVX-512."""
+_ONEDNN_BELOW_BF16 = _ONEDNN_BELOW_AVX512 | {"AVX512_CORE", "AVX512_CORE_VNNI"}
+"""oneDNN's x86 limits without bf16 products (AVX512-BF16 or AMX): at these, its bf16
+kernels convert in software whatever the CPU has."""
+
+
+def onednn_max_isa() -> str:
+    """The instruction-set limit oneDNN reads from the environment, upper case
+    (``ONEDNN_MAX_CPU_ISA``, else its older name ``DNNL_MAX_CPU_ISA``); empty where neither
+    is set. oneDNN reads it once, at its first product, so set it before the process starts.
+    """
+    value = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
+    return value.strip().upper()
 
 
 def cpu_has_amx() -> bool:
@@ -80,21 +104,26 @@ def _cpu_vendor() -> str:
     return ""
 
 
-def fp32_onednn_rule(machine: str, vendor: str, capability: str, available: bool) -> str | None:
+def fp32_onednn_rule(
+    machine: str, vendor: str, capability: str, available: bool, onednn_isa: str = ""
+) -> str | None:
     """Why fp32 products go through oneDNN on a CPU of this ``platform.machine()``, x86
-    ``vendor``, torch ``capability`` (``torch.backends.cpu.get_cpu_capability()``) and
-    oneDNN linear operator ``available``, or None for torch's own product (MKL).
+    ``vendor``, torch ``capability`` (``torch.backends.cpu.get_cpu_capability()``), oneDNN
+    linear operator ``available`` and oneDNN instruction-set limit ``onednn_isa``
+    (:func:`onednn_max_isa`), or None for torch's own product (MKL).
 
     Note: on a 2-core AMD EPYC (Zen 4, AVX-512), MKL's fp32 products at the shapes of a
     width-512 model ran at 200-208 GFLOP/s, oneDNN's at 220-227 forward and for the input's
     gradient; the weight's gradient reads both operands transposed, which oneDNN's linear
     operator copies (176-209 GFLOP/s against MKL's 195-205), so it stays with MKL.
-    MKL is Intel's own, tuned for Intel CPUs; AVX2-only CPUs are not measured. Both keep
-    the rule off there.
+    MKL is Intel's own, tuned for Intel CPUs; AVX2-only CPUs are not measured, nor is oneDNN
+    held below AVX-512. All three keep the rule off.
     """
     if not available or machine.lower() not in ("x86_64", "amd64"):
         return None
     if vendor == "GenuineIntel" or not vendor or not capability.startswith("AVX512"):
+        return None
+    if onednn_isa.upper() in _ONEDNN_BELOW_AVX512:
         return None
     return f"this {vendor} CPU has AVX-512 and runs oneDNN's fp32 products faster than MKL's"
 
@@ -109,7 +138,9 @@ def _cpu_fp32_onednn() -> str | None:
         torch.ops.mkldnn, "_linear_pointwise"
     )
     capability = torch.backends.cpu.get_cpu_capability()
-    return fp32_onednn_rule(platform.machine(), _cpu_vendor(), capability, available)
+    return fp32_onednn_rule(
+        platform.machine(), _cpu_vendor(), capability, available, onednn_max_isa()
+    )
 
 
 _CPU_FP32_ONEDNN = _cpu_fp32_onednn()

@@ -283,7 +283,7 @@ class Trainer:
                     bf16_flash_attention_reason(),
                 ),
                 (
-                    "fp32 flash attention (plain causal fp32, AVX-512)",
+                    "fp32 flash attention (plain causal fp32, AVX-512 or AVX2)",
                     fp32_flash_attention_reason(),
                 ),
             ):

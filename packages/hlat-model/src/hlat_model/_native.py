@@ -485,11 +485,12 @@ def _flash_entry(
     if kv_heads <= 0 or heads % kv_heads != 0:
         raise ValueError(f"{heads} query heads do not share {kv_heads} key and value heads")
     if q.dtype == torch.float32:
-        return getattr(lib, f"hlat_attn_f32_{what}"), (heads, kv_heads)
-    if q.dtype == torch.bfloat16:
+        entry = getattr(lib, f"hlat_attn_f32_{what}")
+    elif q.dtype == torch.bfloat16:
         entry = functools.partial(getattr(lib, f"hlat_attn_bf16_{what}"), int(tiles))
-        return entry, (heads, kv_heads)
-    raise ValueError(f"the flash attention kernels take bf16 or fp32, not {q.dtype}")
+    else:
+        raise ValueError(f"the flash attention kernels take bf16 or fp32, not {q.dtype}")
+    return entry, (heads, kv_heads)
 
 
 def flash_attention_forward(

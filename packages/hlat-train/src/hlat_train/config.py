@@ -171,8 +171,9 @@ class OptimConfig:
     """``bf16-sr`` (bf16 params, stochastic rounding), ``bf16-kahan`` (bf16 params with a
     bf16 Kahan compensation), ``bf16`` (round to nearest), ``mixed`` (fp32 master weights),
     ``fp32``, or ``auto``: bf16-sr where the device multiplies bf16 natively (CUDA with bf16
-    tensor cores, Trainium, CPUs with AVX512-BF16, AMX or Arm's BF16), else fp32; the
-    choice and its reason are logged at start."""
+    tensor cores, Trainium, CPUs with AVX512-BF16, AMX or Arm's BF16, unless oneDNN is held
+    below them by ``ONEDNN_MAX_CPU_ISA``), else fp32; the choice and its reason are logged at
+    start."""
     impl: str = "auto"
     """AdamW update: ``auto`` (C++ loop on CPU, compiled elsewhere, eager fallback),
     ``native``, ``compiled`` or ``reference``."""

@@ -328,9 +328,11 @@ inline float lane_sum(f32x16 v) {
   return (half[0] + half[2]) + (half[1] + half[3]);
 }
 
-// exp(r) for |r| <= ln(2) / 2 on 16 lanes, by exp_fast's (Cephes') polynomial.
-inline f32x16 exp_reduced16v(f32x16 r) {
-  f32x16 p = splat(1.9875691500e-4f);
+// exp(r) for |r| <= ln(2) / 2 on the lanes of a vector type of the compiler (16 or 8 floats),
+// by exp_fast's (Cephes') polynomial.
+template <typename V>
+inline V exp_reduced_lanes(V r) {
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
@@ -338,6 +340,7 @@ inline f32x16 exp_reduced16v(f32x16 r) {
   p = p * r + 5.0000001201e-1f;
   return p * r * r + r + 1.0f;
 }
+inline f32x16 exp_reduced16v(f32x16 r) { return exp_reduced_lanes(r); }
 
 // exp_fast on 16 lanes: its steps, with n rounded to nearest by adding and subtracting
 // 1.5 * 2^23 (floor(x + 0.5) but at ties, where either n is as good).
@@ -1214,15 +1217,11 @@ struct Lanes {
   }
 };
 #else
-// exp_reduced16v's polynomial on 8 lanes, with fused multiply-adds.
+using f32x8 = float __attribute__((vector_size(32)));
+
+// exp_reduced16v's polynomial on an AVX2 register.
 inline __m256 exp_reduced8(__m256 r) {
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  return _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  return same_bits<__m256>(exp_reduced_lanes(same_bits<f32x8>(r)));
 }
 
 // exp16 on 8 lanes: 2^n from exponent bits (n is within [-126, 127] after the clamp).

@@ -4,7 +4,7 @@
 ``hlat-train train`` of a 1.0B Llama (TinyLlama-1.1B's shape: width 2048, 22 layers, 32 heads,
 4 key/value heads, FFN 5632; a vocabulary of 8192 pieces trained on standard-library text),
 4 x 2048 tokens per step, ``optim.precision = "auto"``, one process, logged every 5 steps:
-eager and then with compiled blocks, in the same session. Reported: each run's median
+eager and then with compiled blocks, in the same sitting. Reported: each run's median
 tokens/s over the windows logged after step 20, their ratio, the first window's seconds per
 step (compilation included; the eager run compiles hlat-optim's update there, which the
 compiled run then finds in inductor's cache), and the peak memory.

@@ -33,7 +33,7 @@ def compiled_cpu_kernels(*tensors: torch.Tensor) -> bool:
     Note: on a 2-core Intel Xeon with AMX, the bf16 step of 8 compiled layers of width 512
     ran as fast as the eager step with these kernels and faster than inductor's own fusion
     of the same functions (``benchmarks/test_bench_train_step.py::
-    test_compiled_blocks_against_eager``; the figures are in the package's README)."""
+    test_compiled_blocks_against_eager``; the figures are in the package's BENCHMARKS.md)."""
     first = tensors[0]
     return (
         torch.compiler.is_compiling()

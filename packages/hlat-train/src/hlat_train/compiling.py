@@ -11,7 +11,7 @@ Measured, each block through ``torch.compile`` against the same model eager:
   1.009x in one run;
 - on one NVIDIA H200 (torch 2.11), hlat-train's ``test_bench_compile_accelerator.py`` (whole
   ``hlat-train`` runs of a 1.0B Llama, TinyLlama's shape, 4 x 2048 tokens per step, bf16-sr,
-  eager and compiled in one session): 1.29x eager (64,825 against 50,386 tokens/s; 17.1
+  eager and compiled in one sitting): 1.29x eager (64,825 against 50,386 tokens/s; 17.1
   against 21.6 GiB of GPU memory), and 1.28x in an earlier pair of ``hlat-train demo`` runs of
   that shape; the first five steps took no longer compiled than eager (2.6 against 2.9 s per
   step: the eager run compiles hlat-optim's update there).

@@ -35,7 +35,7 @@ __all__ = [
     "SaveStats",
     "consolidate",
 ]
-__version__ = "0.8.4"
+__version__ = "0.8.5"
 
 
 def __getattr__(name: str) -> Any:

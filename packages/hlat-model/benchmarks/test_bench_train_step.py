@@ -709,6 +709,61 @@ def test_bf16_flash_attention_in_the_model_step(benchmark, monkeypatch):
     print(f"\n[bf16 model step, flash attention] {benchmark.extra_info}")
 
 
+def _packed_documents(seed: int = 0) -> torch.Tensor:
+    """[BATCH, D] lengths of documents packed into rows of ``SEQ`` tokens: lengths drawn
+    uniformly from 20 to 400 tokens until the row is full (about 4 documents a row)."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(BATCH):
+        lens, left = [], SEQ
+        while left > 0:
+            lens.append(min(left, int(torch.randint(20, 401, (1,), generator=generator))))
+            left -= lens[-1]
+        rows.append(lens)
+    width = max(map(len, rows))
+    return torch.tensor([row + [0] * (width - len(row)) for row in rows])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_document_masking_in_the_model_step(benchmark, dtype, monkeypatch):
+    """The model step on packed rows with document masking, its attention on a flash kernel
+    with each query's first key (what ``auto`` runs where a flash kernel of the dtype runs),
+    against the same step with the flash kernels off (the blocked kernel with the
+    block-diagonal mask: what hlat-model 0.23 ran), in alternating steps of the same model;
+    and plain causal attention (no documents), timed as many times after them."""
+    kernel = _flash_kernel(dtype)
+    if not kernel.startswith("on"):
+        pytest.skip(f"no {dtype} flash attention here: {kernel}")
+    torch.manual_seed(0)
+    config = LlamaConfig(**CONFIG)
+    model = Llama(config).to(DTYPES[dtype])
+    tokens = torch.randint(0, config.vocab_size, (BATCH, SEQ + 1))
+    inputs, labels, doc_lens = tokens[:, :-1], tokens[:, 1:], _packed_documents()
+
+    def step() -> None:
+        model(inputs, doc_lens=doc_lens, labels=labels).backward()
+        model.zero_grad(set_to_none=True)
+
+    def blocked() -> None:
+        with monkeypatch.context() as patched:
+            patched.setenv("HLAT_MODEL_FLASH_ATTENTION", "0")
+            step()
+
+    ours, theirs, faster = _medians(benchmark, _alternating(benchmark, step, blocked))
+    causal = [_timed(_model_step(model, tokens)) for _ in range(3 * ROUNDS)]
+    benchmark.extra_info.update(
+        flash_kernel=kernel,
+        documents=int((doc_lens > 0).sum()),
+        flash_step_ms=round(ours * 1e3, 1),
+        blocked_step_ms=round(theirs * 1e3, 1),
+        speedup=round(theirs / ours, 3),
+        flash_faster_in=faster,
+        causal_step_ms=round(statistics.median(causal) * 1e3, 1),
+        documents_vs_causal=round(statistics.median(causal) / ours, 3),
+    )
+    print(f"\n[{dtype} model step, packed documents] {benchmark.extra_info}")
+
+
 def test_linear_paths_against_the_cpu_rule(benchmark):
     """The two bf16 paths of ``Linear`` (oneDNN's bf16 product, and the fp32-accumulating
     one) and of the attention core (bf16 SDPA, and SDPA on fp32 copies), forward + backward

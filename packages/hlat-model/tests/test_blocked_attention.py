@@ -1,5 +1,6 @@
 """The blocked causal attention kernel against torch's SDPA, with float64 as the reference;
-and the flash-style kernels it hands plain causal attention to: bf16 on CPUs with AMX tiles
+and the flash-style kernels it hands plain causal attention (and ``auto``, packed documents)
+to: bf16 on CPUs with AMX tiles
 or AVX512-BF16, fp32 on CPUs with AVX-512 (the tests of a kernel skip elsewhere, saying why;
 those of when they run run anywhere)."""
 
@@ -17,6 +18,7 @@ from hlat_model.attention import (
     bf16_flash_attention_reason,
     blocked_causal_attention,
     cpu_attention_rule,
+    document_first_keys,
     fp32_flash_attention_reason,
     query_block,
 )
@@ -301,7 +303,7 @@ def test_auto_runs_the_blocked_kernel_on_cpus_only(backend, device, documents, k
         (True, 2048, False, "sdpa"),
         (True, 8192, False, "sdpa"),
         (True, 2047, False, "blocked"),
-        (True, 4096, True, "blocked"),  # packed documents: the masked flash kernel unmeasured
+        (True, 4096, True, "blocked"),  # packed documents: torch's flash kernel takes no mask
         (True, None, False, "blocked"),
         (False, 4096, False, "blocked"),
     ],
@@ -569,12 +571,107 @@ def test_flash_reads_grouped_heads_without_copies(shape, flash, saved_for_backwa
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5 * y.abs().max().item())
 
 
-def test_flash_results_do_not_depend_on_the_thread_count(flash, one_and_many_threads):
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_flash_results_do_not_depend_on_the_thread_count(flash, documents, one_and_many_threads):
     """Each (batch, head) runs whole on one thread: bit for bit the same with 1 thread."""
     q, k, v, grad = _inputs(2, 4, 4, 256, 64, flash)
-    one, many = one_and_many_threads(lambda: _run(blocked_causal_attention, q, k, v, grad))
+    lens = _doc_lens([[100, 50, 106], [30, 226]]) if documents else None
+    mask = AttentionMask.build(lens, 256, "auto", torch.device("cpu"))
+    assert mask.takes_flash
+
+    def attend(q, k, v):
+        return attention_module.attention(q, k, v, mask)
+
+    one, many = one_and_many_threads(lambda: _run(attend, q, k, v, grad))
     for a, b in zip(one, many, strict=True):
         assert torch.equal(a, b)
+
+
+def _doc_lens(rows):
+    """[B, D] document lengths, zero padded, of rows of lengths."""
+    width = max(map(len, rows))
+    return torch.tensor([row + [0] * (width - len(row)) for row in rows])
+
+
+DOCUMENT_CASES = {
+    # batch, heads, kv heads, sequence, head dim, each row's documents (a row they do not fill
+    # ends in a trailing segment)
+    "boundaries-inside-blocks": (2, 4, 4, 256, 64, [[100, 50, 106], [256]]),
+    "tiny-and-block-sized": (1, 4, 2, 320, 32, [[1, 31, 32, 33, 64, 100, 30, 29]]),
+    # three bands of the bf16 backward's query gradients; many documents, trailing segments
+    "many-and-trailing": (2, 2, 1, 608, 32, [[300, 200], [5] * 60 + [300]]),
+    "wide-heads": (1, 2, 2, 512, 128, [[17, 495]]),
+}
+
+
+@pytest.mark.parametrize("case", DOCUMENT_CASES)
+def test_flash_with_packed_documents_is_as_precise_as_eager_attention(
+    case, flash, saved_for_backward
+):
+    """``auto`` on a CPU whose flash kernel runs gives it packed documents too (each query's
+    first key, :func:`document_first_keys`): it keeps one log-sum-exp per query, no
+    probabilities, and against float64 with the block-diagonal mask its output and
+    gradients are within 1.25x of Hugging Face's eager attention's norm-wise error in bf16
+    (and under 1 %), under 1e-5 in fp32."""
+    *shape, rows = DOCUMENT_CASES[case]
+    batch, heads, kv_heads, seq_len, _ = shape
+    lens = _doc_lens(rows).expand(batch, -1) if len(rows) == 1 else _doc_lens(rows)
+    mask = AttentionMask.build(lens, seq_len, "auto", torch.device("cpu"))
+    assert mask.takes_flash
+    assert torch.equal(mask.first, document_first_keys(lens, seq_len))
+    q, k, v, grad = _inputs(*shape, flash)
+    assert attention_module._on_flash_kernel(q, k, v)
+
+    def attend(q, k, v):
+        return attention_module.attention(q, k, v, mask)
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with saved_for_backward() as saved:
+        attend(*leaves)
+    assert any(t.dtype == torch.float32 and t.shape == (batch * heads, seq_len) for t in saved)
+    assert not any(t.dim() == 4 and t.shape[-1] == seq_len for t in saved)  # no probabilities
+    ours = _run(attend, q, k, v, grad)
+    reference = _run(_sdpa(mask.mask, heads != kv_heads), q, k, v, grad, torch.float64)
+    eager = _normwise_errors(_run(_eager(mask.mask), q, k, v, grad), reference)
+    factor, bound = (1.25, 0.01) if flash == torch.bfloat16 else (2.0, 1e-5)
+    for name, mine, theirs in zip(
+        ("out", "dq", "dk", "dv"), _normwise_errors(ours, reference), eager, strict=True
+    ):
+        assert mine <= factor * theirs and mine < bound, (name, mine, theirs)
+
+
+def test_flash_keeps_each_packed_document_to_itself(flash):
+    """New queries, keys, values and output gradients for one document leave every other
+    document's output and gradients bit for bit as they were: its keys are hidden from them
+    (their probabilities exactly 0), not merely outweighed."""
+    seq_len, changed_rows = 256, slice(40, 110)  # document 1 of row 0
+    mask = AttentionMask.build(
+        _doc_lens([[40, 70, 50, 96], [256]]), seq_len, "auto", torch.device("cpu")
+    )
+    assert mask.takes_flash
+    before = _inputs(2, 4, 2, seq_len, 64, flash)
+    after = [t.clone() for t in before]
+    generator = torch.Generator().manual_seed(5)
+    for t in after:
+        t[0, :, changed_rows] = torch.randn(t[0, :, changed_rows].shape, generator=generator)
+
+    def attend(q, k, v):
+        return attention_module.attention(q, k, v, mask)
+
+    kept = torch.ones(seq_len, dtype=torch.bool)
+    kept[changed_rows] = False
+    for a, b in zip(_run(attend, *before), _run(attend, *after), strict=True):
+        assert torch.equal(a[0][:, kept], b[0][:, kept]) and torch.equal(a[1], b[1])
+        assert not torch.equal(a[0][:, ~kept], b[0][:, ~kept])
+
+
+def test_only_auto_on_a_flash_cpu_gives_packed_documents_first_keys(flash):
+    lens = _doc_lens([[10, 22]])
+    assert AttentionMask.build(lens, 32, "auto", torch.device("cpu")).takes_flash
+    for asked in ("blocked", "sdpa"):
+        mask = AttentionMask.build(lens, 32, asked, torch.device("cpu"))
+        assert not mask.takes_flash and mask.first is None
+    assert document_first_keys(lens, 32).tolist() == [[0] * 10 + [10] * 22]
 
 
 def test_flash_takes_a_strided_output_gradient(flash):
@@ -592,10 +689,12 @@ def test_flash_takes_a_strided_output_gradient(flash):
 
 
 def test_flash_operator_passes_torchs_checks(flash):
-    # also with grouped key and value heads, which the kernels read as they are
-    for kv_heads in (2, 1):
+    # also with grouped key and value heads, which the kernels read as they are, and with
+    # packed documents' first keys
+    first = document_first_keys(_doc_lens([[20, 44]]), 64)
+    for kv_heads, documents in ((2, None), (1, None), (2, first)):
         q, k, v, _ = _inputs(1, 2, kv_heads, 64, 32, flash)
-        args = tuple(t.requires_grad_() for t in (q, k, v))
+        args = (*(t.requires_grad_() for t in (q, k, v)), documents)
         torch.library.opcheck(torch.ops.hlat.flash_causal_attention.default, args)
 
 
@@ -605,6 +704,21 @@ def test_compiled_code_calls_the_flash_operator(flash, traced_targets):
     assert "hlat.flash_causal_attention" in traced_targets(blocked_causal_attention, q, k, v)
     compiled = torch.compile(blocked_causal_attention, fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v), blocked_causal_attention(q, k, v))
+    # packed documents: the operator with the first keys, forward and backward
+    mask = AttentionMask.build(_doc_lens([[20, 44]]), 64, "auto", torch.device("cpu"))
+
+    def attend(q, k, v):
+        return attention_module.attention(q, k, v, mask)
+
+    assert "hlat.flash_causal_attention" in traced_targets(attend, q, k, v)
+    grad = torch.randn(q.shape).to(flash)
+    torch._dynamo.reset()
+    try:
+        ours = _run(torch.compile(attend, fullgraph=True), q, k, v, grad)
+    finally:
+        torch._dynamo.reset()
+    for a, b in zip(ours, _run(attend, q, k, v, grad), strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("asked, runs", [("auto", True), ("sdpa", False), ("blocked", True)])
@@ -662,3 +776,15 @@ def test_flash_attention_says_why_it_does_not_run(monkeypatch):
         monkeypatch.setattr(attention_module, "cpu_has_native_bf16", lambda: False)
         assert bf16_flash_attention_reason().startswith("bf16 products are emulated here")
         assert "without AVX-512F or AVX2" in fp32_flash_attention_reason()
+
+
+def test_flash_refuses_first_keys_that_are_not_document_starts(flash):
+    q, k, v, _ = _inputs(1, 2, 2, 64, 32, flash)
+    good = document_first_keys(_doc_lens([[20, 44]]), 64)
+    later = good.clone()
+    later[0, 5] = 6  # after its own position
+    falling = good.clone()
+    falling[0, 40] = 0  # before the previous query's
+    for bad in (good - 1, later, falling, good.to(torch.int32)[:, :32]):
+        with pytest.raises(ValueError, match="first keys must"):
+            _native.flash_attention_forward(_native.load(), q, k, v, first=bad)

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from hlat_model import Llama, LlamaConfig, cross_entropy_loss
+from hlat_model import model as model_module
 from hlat_model.attention import attention
 
 
@@ -17,7 +18,11 @@ def _grads(mode: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["selective", "full"])
-def test_checkpointing_modes_give_the_gradients_of_no_checkpointing(mode, dtype):
+def test_checkpointing_modes_give_the_gradients_of_no_checkpointing(mode, dtype, monkeypatch):
+    # Note: selective checkpointing keeps the head split and attention apart, where the eager
+    # bf16 model on CPUs whose bf16 flash attention runs fuses them (rope_flash_attention:
+    # q and k gradients rounded once, not twice); both modes run the two steps here
+    monkeypatch.setattr(model_module, "rope_flash_attention_fits", lambda *args: False)
     expected, got = _grads("none", dtype), _grads(mode, dtype)
     for name in expected:
         assert torch.equal(got[name], expected[name]), name

@@ -26,7 +26,9 @@ def test_tokens_after_the_last_document_form_one_trailing_segment():
     assert document_positions(lens, 8).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+# Note: ``auto`` on CPUs is the blocked kernel, or a flash kernel where one runs (fp32 on
+# AVX-512 or AVX2 CPUs): each query's first key, not a mask
+@pytest.mark.parametrize("attention", ["sdpa", "flex", "blocked", "auto"])
 def test_changing_one_document_leaves_the_others_bit_identical(attention):
     model = _model(attention=attention)
     tokens = torch.randint(0, 8192, (3, 64))

@@ -10,7 +10,11 @@ import torch
 
 import hlat_model.attention as attention_module
 from hlat_model import Llama, LlamaConfig, _native, fused_cpu_kernels_reason
-from hlat_model.attention import blocked_causal_attention, fp32_flash_attention_reason
+from hlat_model.attention import (
+    AttentionMask,
+    blocked_causal_attention,
+    fp32_flash_attention_reason,
+)
 from hlat_model.model import RMSNorm, _HeadsWithRope, _SwiGLUFunction, rope_cos_sin
 
 
@@ -98,9 +102,15 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _attention_run(q, k, v, grad, dtype=None) -> list[torch.Tensor]:
+def _attention_run(q, k, v, grad, dtype=None, mask=None) -> list[torch.Tensor]:
+    """Outputs and gradients of causal attention, or of ``auto``'s attention with ``mask`` (the
+    flash kernel with packed documents' first keys where it runs, else the blocked kernel)."""
     leaves = [t.detach().to(dtype or t.dtype).requires_grad_() for t in (q, k, v)]
-    out = blocked_causal_attention(*leaves)
+    out = (
+        blocked_causal_attention(*leaves)
+        if mask is None
+        else attention_module.attention(*leaves, mask)
+    )
     out.backward(grad.to(out.dtype))
     return [out.detach(), *(t.grad for t in leaves)]
 
@@ -109,31 +119,38 @@ def _attention_run(q, k, v, grad, dtype=None) -> list[torch.Tensor]:
     not {"avx2", "fma"} <= _cpu_flags(), reason="runs a build for AVX2 with FMA (x86 Linux)"
 )
 @pytest.mark.parametrize(
-    "shape, kv_heads, scale",
-    [((2, 3, 96, 32), 3, 1.0), ((1, 4, 320, 64), 2, 6.0)],
-    ids=["small", "grouped-peaked"],
-)
+    "shape, kv_heads, scale, documents",
+    [((2, 3, 96, 32), 3, 1.0, None), ((1, 4, 320, 64), 2, 6.0, None),
+     ((2, 2, 320, 32), 1, 1.0, [[1, 40, 99, 180], [150, 100]])],
+    ids=["small", "grouped-peaked", "grouped-documents"],
+)  # fmt: skip
 def test_the_fp32_flash_kernel_built_for_avx2_matches_float64(
-    fresh, monkeypatch, shape, kv_heads, scale
+    fresh, monkeypatch, shape, kv_heads, scale, documents
 ):
     """Built for AVX2-only CPUs (``-march=x86-64-v3``: 8-lane vectors, its own exponential and
     transposes), the fp32 flash attention runs and its output and gradients are within 1e-5
     of float64 (norm-wise) and of this CPU's own build (fused multiply-adds and sums in
-    another order), with grouped key and value heads too."""
+    another order), with grouped key and value heads and packed documents too."""
     monkeypatch.delenv("HLAT_MODEL_FLASH_ATTENTION", raising=False)
     generator = torch.Generator().manual_seed(1)
     q, grad = (torch.randn(shape, generator=generator) for _ in range(2))
     k, v = (torch.randn(shape[0], kv_heads, *shape[2:], generator=generator) for _ in range(2))
     q = q * scale
     assert _native.load() is not None, _native.unavailable_reason()
-    own = _attention_run(q, k, v, grad)
+    mask = None
+    if documents is not None:
+        lens = torch.tensor([row + [0] * (4 - len(row)) for row in documents])
+        mask = AttentionMask.build(lens, shape[2], "auto", torch.device("cpu"))
+        assert mask.takes_flash
+    own = _attention_run(q, k, v, grad, mask=mask)
     monkeypatch.setenv("HLAT_MODEL_CXXFLAGS", "-march=x86-64-v3")
     _native.reset()
     assert _native.load() is not None, _native.unavailable_reason()
     assert fp32_flash_attention_reason() is None
     assert attention_module._on_flash_kernel(q, k, v)
-    avx2 = _attention_run(q, k, v, grad)
-    reference = _attention_run(q, k, v, grad, torch.float64)  # the blocked kernel
+    avx2 = _attention_run(q, k, v, grad, mask=mask)
+    # the blocked kernel
+    reference = _attention_run(q, k, v, grad, torch.float64, mask=mask)
     for name, mine, theirs, exact in zip(
         ("out", "dq", "dk", "dv"), avx2, own, reference, strict=True
     ):

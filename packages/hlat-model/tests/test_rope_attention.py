@@ -150,14 +150,16 @@ def _graph_names(tensor: torch.Tensor) -> set[str]:
     return {type(node).__name__ for node in seen}
 
 
-def _step(config: LlamaConfig, fused: bool, monkeypatch) -> tuple[torch.Tensor, list, set]:
+def _step(
+    config: LlamaConfig, fused: bool, monkeypatch, doc_lens: torch.Tensor | None = None
+) -> tuple[torch.Tensor, list, set]:
     with monkeypatch.context() as patched:  # undoes only its own patch
         if not fused:
             patched.setattr(model_module, "rope_flash_attention_fits", lambda *args: False)
         torch.manual_seed(0)
         model = Llama(config).to(torch.bfloat16)
         tokens = torch.randint(0, config.vocab_size, (2, 65))
-        loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+        loss = model(tokens[:, :-1], doc_lens=doc_lens, labels=tokens[:, 1:])
         loss.backward()
     return loss.detach(), [p.grad for p in model.parameters()], _graph_names(loss)
 
@@ -178,6 +180,25 @@ def test_the_model_takes_it_with_the_same_loss(sequence_first, kv_heads, bf16_fl
     assert "_RopeFlashAttentionBackward" in names
     assert "_RopeFlashAttentionBackward" not in two_names and "_HeadsWithRopeBackward" in two_names
     assert torch.equal(loss, two_loss)
+    for ours, theirs in zip(grads, two_grads, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0.02, atol=0.02 * theirs.abs().max())
+
+
+def test_packed_documents_take_it_with_the_same_loss(bf16_flash, monkeypatch):
+    """With packed documents (positions restarting per document, each query's first key),
+    the model takes the fused kernel too: the loss of the two steps bit for bit, gradients
+    within bf16 roundings, and a loss other than plain causal attention's."""
+    config = LlamaConfig(
+        vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=256,
+        max_seq_len=64,
+    )  # fmt: skip
+    doc_lens = torch.tensor([[20, 30, 14], [64, 0, 0]])
+    loss, grads, names = _step(config, True, monkeypatch, doc_lens)
+    two_loss, two_grads, two_names = _step(config, False, monkeypatch, doc_lens)
+    causal, _, _ = _step(config, True, monkeypatch)
+    assert "_RopeFlashAttentionBackward" in names
+    assert "_RopeFlashAttentionBackward" not in two_names
+    assert torch.equal(loss, two_loss) and not torch.equal(loss, causal)
     for ours, theirs in zip(grads, two_grads, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0.02, atol=0.02 * theirs.abs().max())
 

@@ -539,6 +539,31 @@ struct HeadGroups {
   int64_t count() const { return groups * per; }
 };
 
+// The first key each query sees: the first of its document in packed rows (`first`
+// [batch][seq], each row's values nondecreasing and first[s] <= s: documents side by side),
+// or key 0 (`first` null: plain causal attention). A query then sees the keys from its
+// document's first up to its own position.
+struct FirstKeys {
+  const int64_t* first;
+  int64_t seq;
+  int64_t at(int64_t b, int64_t s) const { return first ? first[b * seq + s] : 0; }
+  // The first key block that query s sees any key of.
+  int64_t block(int64_t b, int64_t s) const { return at(b, s) / kBlock * kBlock; }
+  // The end of the query blocks, from key block k0's own on, that see any of its keys: the
+  // first block whose first query (the least first key of the block) starts after it.
+  int64_t queries_end(int64_t b, int64_t k0) const {
+    if (!first) return seq;
+    int64_t q0 = k0;
+    while (q0 < seq && first[b * seq + q0] < k0 + kBlock) q0 += kBlock;
+    return q0;
+  }
+  // Keys of block k0 that query s does not see for being in an earlier document: the block's
+  // first `hidden` ones (0 to kBlock).
+  int hidden(int64_t b, int64_t s, int64_t k0) const {
+    return first ? static_cast<int>(std::clamp<int64_t>(at(b, s) - k0, 0, kBlock)) : 0;
+  }
+};
+
 #ifdef HLAT_AVX512
 // ---------------------------------------------------------------------------------------
 // What the attention kernels share (AVX-512F).
@@ -638,6 +663,17 @@ inline __mmask16 seen_high(int r) {
 inline void hide_unseen(__m512& lo, __m512& hi, int r) {
   lo = _mm512_mask_blend_ps(seen_low(r), _mm512_set1_ps(-INFINITY), lo);
   hi = _mm512_mask_blend_ps(seen_high(r), _mm512_set1_ps(-INFINITY), hi);
+}
+
+// The scores of a block's first `hidden` keys (0 to 32: those of an earlier document) set to
+// -inf.
+inline void hide_first(__m512& lo, __m512& hi, int hidden) {
+  if (hidden <= 0) return;
+  const auto kept = [](int n) {  // lanes from n on
+    return n <= 0 ? __mmask16(0xFFFF) : n >= 16 ? __mmask16(0) : __mmask16(0xFFFF << n);
+  };
+  lo = _mm512_mask_blend_ps(kept(hidden), _mm512_set1_ps(-INFINITY), lo);
+  hi = _mm512_mask_blend_ps(kept(hidden - 16), _mm512_set1_ps(-INFINITY), hi);
 }
 
 #endif  // HLAT_AVX512
@@ -859,13 +895,13 @@ inline void interleave_row_pairs(const u16* rows, int64_t ld, u16* pairs) {
 }
 
 // The softmax of bf16_attention_forward's query block over its keys (scores: the products,
-// unscaled, kBlock rows ld floats apart, keys 0 .. keys - 1, the last block diagonal): the
-// probabilities rounded to bf16 into probs (rows as far apart), each row's log-sum-exp into
-// lse and the inverse of its sum (of the rounded probabilities, which the output sums) into
-// inv. Each row is read twice: its maximum, then its exponentials in base 2 (the scale, a
-// positive factor, goes into the exponent with the maximum).
-void softmax_rows(const float* scores, int64_t ld, int64_t keys, float scale, u16* probs,
-                  float* lse, float* inv) {
+// unscaled, kBlock rows ld floats apart, keys from .. keys - 1, the last block diagonal; -inf
+// where a key is hidden): the probabilities rounded to bf16 into probs (rows as far apart),
+// each row's log-sum-exp into lse and the inverse of its sum (of the rounded probabilities,
+// which the output sums) into inv. Each row is read twice: its maximum, then its exponentials
+// in base 2 (the scale, a positive factor, goes into the exponent with the maximum).
+void softmax_rows(const float* scores, int64_t ld, int64_t from, int64_t keys, float scale,
+                  u16* probs, float* lse, float* inv) {
   const __m512 vscale2 = _mm512_set1_ps(scale * kLog2e);
   const int64_t last = keys - kBlock;  // the diagonal block's first key
   for (int r = 0; r < kBlock; ++r) {
@@ -874,14 +910,14 @@ void softmax_rows(const float* scores, int64_t ld, int64_t keys, float scale, u1
     __m512 lo = _mm512_loadu_ps(x + last), hi = _mm512_loadu_ps(x + last + 16);
     hide_unseen(lo, hi, r);
     __m512 mx0 = lo, mx1 = hi;
-    for (int64_t j = 0; j < last; j += 32) {
+    for (int64_t j = from; j < last; j += 32) {
       mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(x + j));
       mx1 = _mm512_max_ps(mx1, _mm512_loadu_ps(x + j + 16));
     }
     const float mx = _mm512_reduce_max_ps(_mm512_max_ps(mx0, mx1)) * scale;
     const __m512 shift = _mm512_set1_ps(mx * kLog2e);
     __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
-    for (int64_t j = 0; j < last; j += 32) {
+    for (int64_t j = from; j < last; j += 32) {
       __m512 p0 = exp2_shifted16(_mm512_fmsub_ps(_mm512_loadu_ps(x + j), vscale2, shift));
       __m512 p1 = exp2_shifted16(_mm512_fmsub_ps(_mm512_loadu_ps(x + j + 16), vscale2, shift));
       round_to_bf16(p0, p1, p + j);
@@ -937,12 +973,15 @@ void store_row(const float* src, int64_t dim, const Rope* rope, int64_t b, int64
 
 
 // Causal attention of q, k, v into out's rows; lse [batch * heads][seq] fp32. seq and dim
-// multiples of 32. With `rope`, q and k are rotated as they are read. Each (batch, group) runs
-// on one thread: its keys and values are packed once for all its query heads.
+// multiples of 32. With `rope`, q and k are rotated as they are read; with `fk.first`, each
+// query sees the keys of its own document only, and the key blocks before its query block's
+// first are skipped. Each (batch, group) runs on one thread: its keys and values are packed
+// once for all its query heads.
 template <bool kTiles>
 void bf16_attention_forward(Rows<const u16> q, Rows<const u16> k, Rows<const u16> v,
                             const Rope* rope, Rows<u16> out, float* lse, int64_t batch,
-                            HeadGroups heads, int64_t seq, int64_t dim, float scale, int threads) {
+                            HeadGroups heads, int64_t seq, int64_t dim, float scale,
+                            FirstKeys fk, int threads) {
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     const TileScope<kTiles> tiles;
@@ -976,9 +1015,9 @@ void bf16_attention_forward(Rows<const u16> q, Rows<const u16> k, Rows<const u16
         u16* outh = out.at(b, h);
         float* lseh = lse + (b * heads.count() + h) * seq;
         for (int64_t q0 = 0; q0 < seq; q0 += kBlock) {
-          // keys 0 .. q0 + 31, the last block diagonal: scores, softmax, then the output's
+          // keys from .. q0 + 31, the last block diagonal: scores, softmax, then the output's
           // products over all the keys at once (the sums stay in the tiles)
-          const int64_t end = q0 + kBlock;
+          const int64_t from = fk.block(b, q0), end = q0 + kBlock;
           const u16* qb = qh + q0 * q.pos;
           int64_t qpos = q.pos;
           if (rope) {
@@ -986,14 +1025,20 @@ void bf16_attention_forward(Rows<const u16> q, Rows<const u16> k, Rows<const u16
             qb = qrot.data();
             qpos = dim;
           }
-          for (int64_t k0 = 0; k0 < end; k0 += kBlock)
+          for (int64_t k0 = from; k0 < end; k0 += kBlock)
             tiles_product<kTiles>(qb, qpos * 2, keys + k0 * 4, kld * 4, dim / 32,
                                   16 * kld * 4, scores.data() + k0, sld * 4);
-          softmax_rows(scores.data(), sld, end, scale, probs.data(), lseh + q0, inv);
+          // the keys of earlier documents that a row's block reads hidden
+          for (int r = 0; fk.first && r < kBlock; ++r) {
+            float* row = scores.data() + r * sld;
+            std::fill(row + from, row + fk.at(b, q0 + r), -INFINITY);
+          }
+          softmax_rows(scores.data(), sld, from, end, scale, probs.data(), lseh + q0, inv);
           for (int64_t d = 0; d < dim; d += 32)
-            tiles_product<kTiles>(probs.data(), sld * 2,
-                                  reinterpret_cast<const char*>(vp.data()) + 4 * d, dim * 4,
-                                  end / kBlock, 16 * dim * 4, block.data() + d, dim * 4);
+            tiles_product<kTiles>(probs.data() + from, sld * 2,
+                                  reinterpret_cast<const char*>(vp.data() + from * dim) + 4 * d,
+                                  dim * 4, (end - from) / kBlock, 16 * dim * 4,
+                                  block.data() + d, dim * 4);
           for (int r = 0; r < kBlock; ++r) {
             const __m512 scale_r = _mm512_set1_ps(inv[r]);
             const float* o = block.data() + r * dim;
@@ -1008,14 +1053,15 @@ void bf16_attention_forward(Rows<const u16> q, Rows<const u16> k, Rows<const u16
 }
 
 // The gradients of bf16_attention_forward for q, k and v, into the rows of dq, dk and dv, from
-// its output and lse and the output's gradient; with `rope`, those of the unrotated q and k.
-// A group's key and value gradients are summed over its query heads in fp32 and rounded once.
+// its output and lse and the output's gradient; with `rope`, those of the unrotated q and k;
+// with `fk.first`, each key block goes through the query blocks that see it only. A group's
+// key and value gradients are summed over its query heads in fp32 and rounded once.
 template <bool kTiles>
 void bf16_attention_backward(Rows<const u16> q, Rows<const u16> k, Rows<const u16> v,
                              const Rope* rope, Rows<const u16> out, Rows<const u16> grad,
                              const float* lse, Rows<u16> dq, Rows<u16> dk, Rows<u16> dv,
                              int64_t batch, HeadGroups heads, int64_t seq, int64_t dim,
-                             float scale, int threads) {
+                             float scale, FirstKeys fk, int threads) {
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     const TileScope<kTiles> tiles;
@@ -1086,7 +1132,8 @@ void bf16_attention_backward(Rows<const u16> q, Rows<const u16> k, Rows<const u1
         for (int64_t band = 0; band < seq; band += kBand) {
           const int64_t band_end = std::min(band + kBand, seq);
           for (int64_t k0 = band; k0 < band_end; k0 += kBlock) {
-            for (int64_t q0 = k0; q0 < seq; q0 += kBlock) {
+            const int64_t queries_end = fk.queries_end(b, k0);
+            for (int64_t q0 = k0; q0 < queries_end; q0 += kBlock) {
               u16* ds = dscores.data() + q0 * wld + (k0 - band);
               tiles_product<kTiles>(qh + q0 * qpos, qpos * 2,
                                     reinterpret_cast<const char*>(kp.data() + k0), kld * 4,
@@ -1103,6 +1150,7 @@ void bf16_attention_backward(Rows<const u16> q, Rows<const u16> k, Rows<const u1
                 __m512 x1 =
                     _mm512_fmsub_ps(_mm512_load_ps(scores + r * kBlock + 16), vscale2, shift);
                 if (k0 == q0) hide_unseen(x0, x1, r);
+                hide_first(x0, x1, fk.hidden(b, q0 + r, k0));
                 __m512 p0 = exp2_shifted16(x0), p1 = exp2_shifted16(x1);
                 round_to_bf16(p0, p1, probs + r * kBlock);
                 const __m512 dp0 =
@@ -1119,7 +1167,7 @@ void bf16_attention_backward(Rows<const u16> q, Rows<const u16> k, Rows<const u1
             }
             // the key block's gradients, transposed ([dim][32]), over all its query blocks
             // (added to the group's earlier heads'): dv^T = grad^T probs, dk^T = q^T dscores
-            const int64_t blocks = (seq - k0) / kBlock;
+            const int64_t blocks = (queries_end - k0) / kBlock;
             for (int64_t d = 0; d < dim; d += 32) {
               tiles_product<kTiles>(gt.data() + d * tld + k0, tld * 2,
                                     reinterpret_cast<const char*>(probs_pairs.data()), 128,
@@ -1131,15 +1179,19 @@ void bf16_attention_backward(Rows<const u16> q, Rows<const u16> k, Rows<const u1
                                     dkt.data() + k0 * dim + d * kBlock, kBlock * 4, j > 0);
             }
           }
-          // dq += dscores k over the band's keys (up to the diagonal): the first band's sums
-          // start each query's, the others' are added
-          const char* kb = reinterpret_cast<const char*>(kr.data() + (band / 2) * 2 * dim);
+          // dq += dscores k over the band's keys that the query block sees (from its first
+          // key block, up to the diagonal): the first such band's sums start each query's,
+          // the others' are added
           for (int64_t q0 = band; q0 < seq; q0 += kBlock) {
-            const int64_t steps = (std::min(q0 + kBlock, band_end) - band) / kBlock;
+            const int64_t seen = fk.block(b, q0), from = std::max(band, seen);
+            const int64_t to = std::min(q0 + kBlock, band_end);
+            if (from >= to) continue;
+            const char* kb = reinterpret_cast<const char*>(kr.data() + from * dim);
             for (int64_t d = 0; d < dim; d += 32)
-              tiles_product<kTiles>(dscores.data() + q0 * wld, wld * 2, kb + 4 * d, dim * 4,
-                                    steps, 16 * dim * 4, dqacc.data() + q0 * dim + d,
-                                    dim * 4, band > 0);
+              tiles_product<kTiles>(dscores.data() + q0 * wld + (from - band), wld * 2,
+                                    kb + 4 * d, dim * 4, (to - from) / kBlock, 16 * dim * 4,
+                                    dqacc.data() + q0 * dim + d, dim * 4,
+                                    band > seen / kBand * kBand);
           }
         }
         u16* dqh = dq.at(b, grp) + j * heads.qstep;
@@ -1209,6 +1261,11 @@ struct Lanes {
     const __mmask16 kept = seen >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << seen) - 1);
     return _mm512_mask_blend_ps(kept, _mm512_set1_ps(-INFINITY), x);
   }
+  // lanes before `hidden` set to -inf
+  static V hide_before(V x, int hidden) {
+    const __mmask16 kept = hidden >= 16 ? __mmask16(0) : __mmask16(0xFFFF << hidden);
+    return _mm512_mask_blend_ps(kept, _mm512_set1_ps(-INFINITY), x);
+  }
   // dst[i][s] = src[s][i], rows and cols multiples of 16
   static void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst,
                         int64_t ldd) {
@@ -1269,6 +1326,11 @@ struct Lanes {
   static V hide_from(V x, int seen) {
     const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
     const __m256 kept = _mm256_cmp_ps(lane, _mm256_set1_ps(float(seen)), _CMP_LT_OQ);
+    return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, kept);
+  }
+  static V hide_before(V x, int hidden) {
+    const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+    const __m256 kept = _mm256_cmp_ps(lane, _mm256_set1_ps(float(hidden)), _CMP_GE_OQ);
     return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, kept);
   }
   // dst[i][s] = src[s][i], rows and cols multiples of 8: 8 x 8 at a time by shuffles.
@@ -1353,25 +1415,29 @@ inline void fma_product(const float* a, int64_t am, int64_t ak, const float* b, 
 }
 
 // The scores of a block's row loaded into x (scaled, `shift` subtracted where given); on a
-// diagonal block, those of keys that query r does not see set to -inf.
+// diagonal block, those of keys that query r does not see set to -inf, and those of the
+// block's first `hidden` keys (an earlier document's).
 inline void load_scores(const float* row, LaneV vscale, const LaneV* shift, bool diagonal, int r,
-                        LaneV x[kRowVecs]) {
+                        int hidden, LaneV x[kRowVecs]) {
   for (int j = 0; j < kRowVecs; ++j) {
     x[j] = shift ? Lanes::fms(Lanes::load(row + kW * j), vscale, *shift)
                  : Lanes::mul(Lanes::load(row + kW * j), vscale);
     if (diagonal) x[j] = Lanes::hide_from(x[j], std::clamp(r + 1 - kW * j, 0, kW));
+    if (hidden > kW * j) x[j] = Lanes::hide_before(x[j], std::min(hidden - kW * j, kW));
   }
 }
 
 // q: [batch * groups.count()][seq][dim] fp32, k and v [batch * groups.groups][seq][dim]
 // (query head h = g * per + j reads key and value head g; groups.qstep unused: q's heads are
 // seq * dim apart); out row (b, h, s) at out + b * ob + h * oh + s * os; lse
-// [batch * heads][seq]. seq and dim multiples of 32. Each (batch, group) runs on one thread:
-// its keys are transposed once for all its query heads.
+// [batch * heads][seq]. seq and dim multiples of 32. With `fk.first`, each query sees the
+// keys of its own document only, and the key blocks before its query block's first are
+// skipped. Each (batch, group) runs on one thread: its keys are transposed once for all its
+// query heads.
 void f32_attention_forward(const float* q, const float* k, const float* v, float* out,
                            int64_t ob, int64_t oh, int64_t os, float* lse, int64_t batch,
                            HeadGroups groups, int64_t seq, int64_t dim, float scale,
-                           int threads) {
+                           FirstKeys fk, int threads) {
   const int64_t heads = groups.count(), hs = seq * dim;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
@@ -1392,16 +1458,21 @@ void f32_attention_forward(const float* q, const float* k, const float* v, float
         for (int64_t q0 = 0; q0 < seq; q0 += kBlock) {
           std::fill(m, m + kBlock, -INFINITY);
           std::fill(l, l + kBlock, 0.f);
-          for (int64_t k0 = 0; k0 <= q0; k0 += kBlock) {
+          const int64_t from = fk.block(b, q0);
+          for (int64_t k0 = from; k0 <= q0; k0 += kBlock) {
             fma_product(qh + q0 * dim, dim, 1, kt.data() + k0, kld, dim, scores, kBlock, kBlock,
                         kBlock, false);
             for (int r = 0; r < kBlock; ++r) {
               float* row = scores + r * kBlock;
               LaneV x[kRowVecs];
-              load_scores(row, vscale, nullptr, k0 == q0, r, x);
+              load_scores(row, vscale, nullptr, k0 == q0, r, fk.hidden(b, q0 + r, k0), x);
               LaneV top = x[0];
               for (int c = 1; c < kRowVecs; ++c) top = Lanes::max(top, x[c]);
               const float mx = std::max(m[r], Lanes::max_of(top));
+              if (mx == -INFINITY) {  // no key of the row seen yet: nothing to add
+                std::fill(row, row + kBlock, 0.f);
+                continue;
+              }
               const float alpha = exp_fast(m[r] - mx);
               const LaneV shift = Lanes::set1(mx);
               LaneV total = Lanes::zero();
@@ -1412,7 +1483,7 @@ void f32_attention_forward(const float* q, const float* k, const float* v, float
               }
               l[r] = l[r] * alpha + Lanes::sum_of(total);
               m[r] = mx;
-              if (k0 == 0) continue;  // no output before the first block
+              if (k0 == from) continue;  // no output before the first block
               // the output so far, rescaled to the new maximum
               float* o = acc.data() + r * dim;
               const LaneV a = Lanes::set1(alpha);
@@ -1420,7 +1491,7 @@ void f32_attention_forward(const float* q, const float* k, const float* v, float
                 Lanes::store(o + d, Lanes::mul(Lanes::load(o + d), a));
             }
             fma_product(scores, kBlock, 1, vh + k0 * dim, dim, kBlock, acc.data(), dim, kBlock,
-                        dim, k0 > 0);
+                        dim, k0 > from);
           }
           for (int r = 0; r < kBlock; ++r) {
             const LaneV inv = Lanes::set1(1.f / l[r]);
@@ -1443,7 +1514,7 @@ void f32_attention_backward(const float* q, const float* k, const float* v, cons
                             int64_t ob, int64_t oh, int64_t os, const float* grad, int64_t gb,
                             int64_t gh, int64_t gs, const float* lse, float* dq, float* dk,
                             float* dv, int64_t batch, HeadGroups groups, int64_t seq,
-                            int64_t dim, float scale, int threads) {
+                            int64_t dim, float scale, FirstKeys fk, int threads) {
   const int64_t heads = groups.count(), hs = seq * dim;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
@@ -1475,7 +1546,8 @@ void f32_attention_backward(const float* q, const float* k, const float* v, cons
         }
         std::fill(dqh, dqh + seq * dim, 0.f);
         for (int64_t k0 = 0; k0 < seq; k0 += kBlock) {
-          for (int64_t q0 = k0; q0 < seq; q0 += kBlock) {
+          const int64_t queries_end = fk.queries_end(b, k0);
+          for (int64_t q0 = k0; q0 < queries_end; q0 += kBlock) {
             fma_product(qh + q0 * dim, dim, 1, kt.data() + k0, kld, dim, probs, kBlock, kBlock,
                         kBlock, false);
             fma_product(gr + q0 * gs, gs, 1, vt.data() + k0, kld, dim, dscores, kBlock, kBlock,
@@ -1486,7 +1558,7 @@ void f32_attention_backward(const float* q, const float* k, const float* v, cons
               const LaneV shift = Lanes::set1(lse[bh * seq + q0 + r]);
               const LaneV dl = Lanes::set1(delta[q0 + r]);
               LaneV x[kRowVecs];
-              load_scores(p, vscale, &shift, k0 == q0, r, x);
+              load_scores(p, vscale, &shift, k0 == q0, r, fk.hidden(b, q0 + r, k0), x);
               for (int c = 0; c < kRowVecs; ++c) {
                 const LaneV pc = Lanes::exp(x[c]);
                 Lanes::store(p + kW * c, pc);
@@ -1517,7 +1589,7 @@ void f32_attention_backward(const float* q, const float* k, const float* v, cons
 extern "C" {
 
 // Version of the entry points' signatures; the loader checks it.
-int hlat_model_abi(void) { return 12; }
+int hlat_model_abi(void) { return 13; }
 
 // `bf16`: 1 when every tensor argument is bf16 (held as uint16), 0 when fp32; rstd and part
 // are fp32. Rows are contiguous, `dim` (or 2 * `width`) elements each.
@@ -1713,12 +1785,14 @@ extern "C" {
 // Causal attention of bf16 q [batch * heads][seq][dim] and k, v [batch * kv_heads][seq][dim]
 // (see bf16_attention_forward; heads a multiple of kv_heads, each key and value head read by
 // heads / kv_heads query heads side by side), on AMX tiles where `tiles` is 1, else by
-// AVX512-BF16 dot products; seq and dim multiples of 32. Returns 0, or -1 (nothing done) where
-// hlat_attn_amx_ready (`tiles`) or hlat_attn_bf16_ready says 0, or the heads do not group.
+// AVX512-BF16 dot products; seq and dim multiples of 32. `first`: null (causal attention), or
+// each query's first key [batch][seq] int64 (packed documents: see FirstKeys). Returns 0, or -1
+// (nothing done) where hlat_attn_amx_ready (`tiles`) or hlat_attn_bf16_ready says 0, or the
+// heads do not group.
 int hlat_attn_bf16_forward(int tiles, const void* q, const void* k, const void* v, void* out,
                            int64_t ob, int64_t oh, int64_t os, float* lse, int64_t batch,
                            int64_t heads, int64_t kv_heads, int64_t seq, int64_t dim,
-                           float scale, int threads) {
+                           float scale, const int64_t* first, int threads) {
   if (!bf16_ready(tiles) || kv_heads <= 0 || heads % kv_heads != 0) return -1;
 #ifdef HLAT_BF16
   const int64_t hs = seq * dim, per = heads / kv_heads, kvs = kv_heads * hs;
@@ -1727,7 +1801,7 @@ int hlat_attn_bf16_forward(int tiles, const void* q, const void* k, const void* 
         {static_cast<const u16*>(q), heads * hs, per * hs, dim},
         {static_cast<const u16*>(k), kvs, hs, dim}, {static_cast<const u16*>(v), kvs, hs, dim},
         nullptr, {static_cast<u16*>(out), ob, oh, os}, lse, batch, HeadGroups{kv_heads, per, hs},
-        seq, dim, scale, threads);
+        seq, dim, scale, FirstKeys{first, seq}, threads);
   });
 #endif
   return 0;
@@ -1740,7 +1814,7 @@ int hlat_attn_bf16_backward(int tiles, const void* q, const void* k, const void*
                             const void* grad, int64_t gb, int64_t gh, int64_t gs,
                             const float* lse, void* dq, void* dk, void* dv, int64_t batch,
                             int64_t heads, int64_t kv_heads, int64_t seq, int64_t dim,
-                            float scale, int threads) {
+                            float scale, const int64_t* first, int threads) {
   if (!bf16_ready(tiles) || kv_heads <= 0 || heads % kv_heads != 0) return -1;
 #ifdef HLAT_BF16
   const int64_t hs = seq * dim, per = heads / kv_heads, qs = heads * hs, kvs = kv_heads * hs;
@@ -1752,7 +1826,7 @@ int hlat_attn_bf16_backward(int tiles, const void* q, const void* k, const void*
         {static_cast<const u16*>(grad), gb, gh, gs}, lse,
         {static_cast<u16*>(dq), qs, per * hs, dim}, {static_cast<u16*>(dk), kvs, hs, dim},
         {static_cast<u16*>(dv), kvs, hs, dim}, batch, HeadGroups{kv_heads, per, hs}, seq, dim,
-        scale, threads);
+        scale, FirstKeys{first, seq}, threads);
   });
 #endif
   return 0;
@@ -1763,10 +1837,11 @@ int hlat_attn_bf16_backward(int tiles, const void* q, const void* k, const void*
 // side; groups side by side; batch and position any strides), RoPE applied to q and k as
 // they are read (tables as hlat_rope_heads's). `table`: batch, seq, groups, per, dim, qkv's
 // element strides over batch and position, and those of cos and sin. out's heads are the
-// query heads, group by group. Returns as hlat_attn_bf16_forward.
+// query heads, group by group. `first` and the return as hlat_attn_bf16_forward's.
 int hlat_attn_bf16_rope_forward(int tiles, const void* qkv, const int64_t* table,
                                 const float* cos, const float* sin, void* out, int64_t ob,
-                                int64_t oh, int64_t os, float* lse, float scale, int threads) {
+                                int64_t oh, int64_t os, float* lse, float scale,
+                                const int64_t* first, int threads) {
   if (!bf16_ready(tiles)) return -1;
 #ifdef HLAT_BF16
   const int64_t batch = table[0], seq = table[1], per = table[3], dim = table[4];
@@ -1779,7 +1854,7 @@ int hlat_attn_bf16_rope_forward(int tiles, const void* qkv, const int64_t* table
         {q, bs, stride, pos}, {q + per * dim, bs, stride, pos},
         {q + (per + 1) * dim, bs, stride, pos},
         &rope, {static_cast<u16*>(out), ob, oh, os}, lse, batch, heads, seq, dim, scale,
-        threads);
+        FirstKeys{first, seq}, threads);
   });
 #endif
   return 0;
@@ -1791,7 +1866,8 @@ int hlat_attn_bf16_rope_backward(int tiles, const void* qkv, const int64_t* tabl
                                  const float* cos, const float* sin, const void* out,
                                  int64_t ob, int64_t oh, int64_t os, const void* grad,
                                  int64_t gb, int64_t gh, int64_t gs, const float* lse,
-                                 void* grad_qkv, float scale, int threads) {
+                                 void* grad_qkv, float scale, const int64_t* first,
+                                 int threads) {
   if (!bf16_ready(tiles)) return -1;
 #ifdef HLAT_BF16
   const int64_t batch = table[0], seq = table[1], per = table[3], dim = table[4];
@@ -1806,7 +1882,8 @@ int hlat_attn_bf16_rope_backward(int tiles, const void* qkv, const int64_t* tabl
         {q + (per + 1) * dim, bs, stride, pos}, &rope,
         {static_cast<const u16*>(out), ob, oh, os}, {static_cast<const u16*>(grad), gb, gh, gs},
         lse, {dq, bs, stride, pos}, {dq + per * dim, bs, stride, pos},
-        {dq + (per + 1) * dim, bs, stride, pos}, batch, heads, seq, dim, scale, threads);
+        {dq + (per + 1) * dim, bs, stride, pos}, batch, heads, seq, dim, scale,
+        FirstKeys{first, seq}, threads);
   });
 #endif
   return 0;
@@ -1823,16 +1900,18 @@ int hlat_attn_f32_ready(void) {
 }
 
 // Causal attention of fp32 q [batch * heads][seq][dim] and k, v [batch * kv_heads][seq][dim]
-// (see f32_attention_forward; heads a multiple of kv_heads); seq and dim multiples of 32.
-// Returns 0, or -1 (nothing done) where hlat_attn_f32_ready says 0 or the heads do not group.
+// (see f32_attention_forward; heads a multiple of kv_heads); seq and dim multiples of 32;
+// `first` as hlat_attn_bf16_forward's. Returns 0, or -1 (nothing done) where
+// hlat_attn_f32_ready says 0 or the heads do not group.
 int hlat_attn_f32_forward(const float* q, const float* k, const float* v, float* out,
                           int64_t ob, int64_t oh, int64_t os, float* lse, int64_t batch,
                           int64_t heads, int64_t kv_heads, int64_t seq, int64_t dim,
-                          float scale, int threads) {
+                          float scale, const int64_t* first, int threads) {
   if (kv_heads <= 0 || heads % kv_heads != 0) return -1;
 #ifdef HLAT_F32_FLASH
   f32_attention_forward(q, k, v, out, ob, oh, os, lse, batch,
-                        HeadGroups{kv_heads, heads / kv_heads, 0}, seq, dim, scale, threads);
+                        HeadGroups{kv_heads, heads / kv_heads, 0}, seq, dim, scale,
+                        FirstKeys{first, seq}, threads);
   return 0;
 #else
   return -1;
@@ -1845,11 +1924,13 @@ int hlat_attn_f32_backward(const float* q, const float* k, const float* v, const
                            int64_t ob, int64_t oh, int64_t os, const float* grad, int64_t gb,
                            int64_t gh, int64_t gs, const float* lse, float* dq, float* dk,
                            float* dv, int64_t batch, int64_t heads, int64_t kv_heads,
-                           int64_t seq, int64_t dim, float scale, int threads) {
+                           int64_t seq, int64_t dim, float scale, const int64_t* first,
+                           int threads) {
   if (kv_heads <= 0 || heads % kv_heads != 0) return -1;
 #ifdef HLAT_F32_FLASH
   f32_attention_backward(q, k, v, out, ob, oh, os, grad, gb, gh, gs, lse, dq, dk, dv, batch,
-                         HeadGroups{kv_heads, heads / kv_heads, 0}, seq, dim, scale, threads);
+                         HeadGroups{kv_heads, heads / kv_heads, 0}, seq, dim, scale,
+                         FirstKeys{first, seq}, threads);
   return 0;
 #else
   return -1;

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 _SOURCE = Path(__file__).with_name("_fused_cpu.cpp")
-_ABI = 12
+_ABI = 13
 # -fno-trapping-math lets the compiler vectorise floor(); no -ffast-math: NaN and inf keep
 # their meaning.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
@@ -57,13 +57,14 @@ _SIGNATURES = {
     "hlat_attn_f32_ready": [],
 }
 # the flash attention kernels: fp32 on AVX-512 or AVX2, and bf16 (the same arguments after a
-# first one: 1 for AMX tiles, 0 for AVX512-BF16 dot products)
-_FLASH_FORWARD = [_P, _P, _P, _P, _I64, _I64, _I64, _P] + [_I64] * 5 + [ctypes.c_float, _INT]
+# first one: 1 for AMX tiles, 0 for AVX512-BF16 dot products); the pointer before the thread
+# count is each query's first key (packed documents), or null
+_FLASH_FORWARD = [_P, _P, _P, _P, _I64, _I64, _I64, _P] + [_I64] * 5 + [ctypes.c_float, _P, _INT]
 _FLASH_BACKWARD = (
     [_P, _P, _P, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64]
     + [_P] * 4
     + [_I64] * 5
-    + [ctypes.c_float, _INT]
+    + [ctypes.c_float, _P, _INT]
 )
 _SIGNATURES["hlat_attn_f32_forward"] = _FLASH_FORWARD
 _SIGNATURES["hlat_attn_f32_backward"] = _FLASH_BACKWARD
@@ -71,10 +72,10 @@ _SIGNATURES["hlat_attn_bf16_forward"] = [_INT, *_FLASH_FORWARD]
 _SIGNATURES["hlat_attn_bf16_backward"] = [_INT, *_FLASH_BACKWARD]
 # the bf16 kernel reading q, k and v from the fused product, RoPE applied as it reads them
 _SIGNATURES["hlat_attn_bf16_rope_forward"] = (
-    [_INT] + [_P] * 5 + [_I64] * 3 + [_P, ctypes.c_float, _INT]
+    [_INT] + [_P] * 5 + [_I64] * 3 + [_P, ctypes.c_float, _P, _INT]
 )
 _SIGNATURES["hlat_attn_bf16_rope_backward"] = (
-    [_INT] + [_P] * 5 + [_I64] * 3 + [_P] + [_I64] * 3 + [_P, _P, ctypes.c_float, _INT]
+    [_INT] + [_P] * 5 + [_I64] * 3 + [_P] + [_I64] * 3 + [_P, _P, ctypes.c_float, _P, _INT]
 )
 _RETURNS: dict[str, type[ctypes.c_int64] | type[ctypes.c_int]] = {
     "hlat_xent_first_bad": ctypes.c_int64
@@ -493,23 +494,58 @@ def _flash_entry(
     return entry, (heads, kv_heads)
 
 
+def _first_keys(first: torch.Tensor | None, batch: int, seq: int) -> int | None:
+    """The address of ``first`` (each query's first key, [B, S] int64: see
+    :func:`flash_attention_forward`), or None (null: plain causal attention)."""
+    if first is None:
+        return None
+    if first.shape != (batch, seq) or first.dtype != torch.int64 or not first.is_contiguous():
+        raise ValueError(
+            f"first keys must be a contiguous [{batch}, {seq}] int64 tensor, got "
+            f"{list(first.shape)} {first.dtype}"
+        )
+    # Note: the kernels index keys by these values; checked (a pass over B x S integers)
+    positions = torch.arange(seq, device=first.device)
+    if not (
+        bool((first >= 0).all())
+        and bool((first <= positions).all())
+        and bool((first[:, 1:] >= first[:, :-1]).all())
+    ):
+        raise ValueError(
+            "first keys must be document starts: at least 0, at most the query's own "
+            "position, and nondecreasing along each row"
+        )
+    return first.data_ptr()
+
+
 def flash_attention_forward(
-    lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: bool = False
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tiles: bool = False,
+    first: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of contiguous [B, H, S, D] ``q`` and [B, G, S, D] ``k``, ``v`` (S
     and D multiples of 32; G a divisor of H: grouped-query heads, each ``H / G`` query heads
     side by side reading one key and value head): bf16 on AMX tiles
     with ``tiles`` (only where :func:`amx_attention_ready`) or by AVX512-BF16 dot products
     (only where :func:`bf16_attention_ready`), fp32 on AVX-512 or AVX2 (only where
-    :func:`f32_attention_ready`). Returns (the output, a [B, H, S, D] view of a [B, S, H, D]
-    tensor; each query's fp32 log-sum-exp of its scaled scores [B * H, S])."""
+    :func:`f32_attention_ready`). With ``first`` ([B, S] int64, contiguous: the first key
+    each query sees, that of its document in a packed row; nondecreasing along each row and
+    at most the query's own position, as
+    :func:`hlat_model.attention.document_first_keys` makes it), each query sees the keys
+    from its document's first to its own, and key blocks no query of a block sees are
+    skipped. Returns (the output, a [B, H, S, D] view of a [B, S, H, D] tensor; each
+    query's fp32 log-sum-exp of its scaled scores [B * H, S])."""
     batch, heads, seq, dim = q.shape
     entry, head_counts = _flash_entry(lib, q, k, "forward", tiles)
     out = q.new_empty(batch, seq, heads, dim)
     lse = q.new_empty(batch * heads, seq, dtype=torch.float32)
     done = entry(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *_row_strides(out, 1),
-        lse.data_ptr(), batch, *head_counts, seq, dim, dim**-0.5, torch.get_num_threads(),
+        lse.data_ptr(), batch, *head_counts, seq, dim, dim**-0.5,
+        _first_keys(first, batch, seq), torch.get_num_threads(),
     )  # fmt: skip
     if done != 0:
         raise RuntimeError(f"the {q.dtype} flash attention kernels cannot run here")
@@ -525,11 +561,12 @@ def flash_attention_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     tiles: bool = False,
+    first: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of :func:`flash_attention_forward` for ``q``, ``k`` and ``v`` (those of
     grouped k and v summed over each one's query heads in fp32, in bf16 rounded once), from its
     output ``out`` and ``lse`` and the output's gradient ``grad`` ([B, H, S, D], any strides
-    with dense rows); ``tiles`` as forward's."""
+    with dense rows); ``tiles`` and ``first`` as forward's."""
     entry, head_counts = _flash_entry(lib, q, k, "backward", tiles)
     batch, _, seq, dim = q.shape
     if grad.stride(3) != 1:
@@ -538,7 +575,8 @@ def flash_attention_backward(
     done = entry(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *_row_strides(out),
         grad.data_ptr(), *_row_strides(grad), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(),
-        dv.data_ptr(), batch, *head_counts, seq, dim, dim**-0.5, torch.get_num_threads(),
+        dv.data_ptr(), batch, *head_counts, seq, dim, dim**-0.5, _first_keys(first, batch, seq),
+        torch.get_num_threads(),
     )  # fmt: skip
     if done != 0:
         raise RuntimeError(f"the {q.dtype} flash attention kernels cannot run here")
@@ -555,7 +593,12 @@ def _rope_attention_table(qkv: torch.Tensor, cos: torch.Tensor) -> ctypes.Array:
 
 
 def rope_attention_forward(
-    lib: ctypes.CDLL, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tiles: bool = False
+    lib: ctypes.CDLL,
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    tiles: bool = False,
+    first: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of the q, k and v of a bf16 ``qkv`` [B, S, G, P, D] (the fused
     product: G groups of P - 2 query heads, a key and a value head; S and D multiples of 32;
@@ -563,8 +606,8 @@ def rope_attention_forward(
     applied to q and k (tables as :func:`rope_heads_forward` reads them, which
     :func:`rope_tables_usable` accepts): :func:`rope_heads_forward` and then
     :func:`flash_attention_forward` in one kernel, on AMX tiles with ``tiles`` or by dot
-    products (where :func:`flash_attention_forward` runs them). Returns what
-    :func:`flash_attention_forward` does."""
+    products (where :func:`flash_attention_forward` runs them); ``first`` as that function's.
+    Returns what :func:`flash_attention_forward` does."""
     batch, seq, groups, per_group, dim = qkv.shape
     heads = groups * (per_group - 2)
     out = qkv.new_empty(batch, seq, heads, dim)
@@ -572,7 +615,7 @@ def rope_attention_forward(
     done = lib.hlat_attn_bf16_rope_forward(
         int(tiles), qkv.data_ptr(), _rope_attention_table(qkv, cos), cos.data_ptr(), sin.data_ptr(),
         out.data_ptr(), *_row_strides(out, 1), lse.data_ptr(), dim**-0.5,
-        torch.get_num_threads(),
+        _first_keys(first, batch, seq), torch.get_num_threads(),
     )  # fmt: skip
     if done != 0:
         raise RuntimeError("the bf16 flash attention kernels cannot run here")
@@ -588,19 +631,21 @@ def rope_attention_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     tiles: bool = False,
+    first: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gradient of :func:`rope_attention_forward` for ``qkv`` (its layout), from its
     output ``out`` and ``lse`` and the output's gradient ``grad`` ([B, H, S, D], any strides
     with dense rows): the q and k gradients rotated back, each rounded once. It has
-    ``qkv``'s strides; ``tiles`` as forward's."""
-    dim = qkv.shape[-1]
+    ``qkv``'s strides; ``tiles`` and ``first`` as forward's."""
+    batch, seq, dim = qkv.shape[0], qkv.shape[1], qkv.shape[-1]
     if grad.stride(3) != 1:
         grad = grad.contiguous()
     grad_qkv = torch.empty_strided(qkv.shape, qkv.stride(), dtype=qkv.dtype)
     done = lib.hlat_attn_bf16_rope_backward(
         int(tiles), qkv.data_ptr(), _rope_attention_table(qkv, cos), cos.data_ptr(), sin.data_ptr(),
         out.data_ptr(), *_row_strides(out), grad.data_ptr(), *_row_strides(grad),
-        lse.data_ptr(), grad_qkv.data_ptr(), dim**-0.5, torch.get_num_threads(),
+        lse.data_ptr(), grad_qkv.data_ptr(), dim**-0.5, _first_keys(first, batch, seq),
+        torch.get_num_threads(),
     )  # fmt: skip
     if done != 0:
         raise RuntimeError("the bf16 flash attention kernels cannot run here")

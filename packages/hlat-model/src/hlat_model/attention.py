@@ -46,6 +46,13 @@ def document_positions(doc_lens: torch.Tensor, seq_len: int) -> torch.Tensor:
     return positions - torch.gather(starts, 1, doc_ids)
 
 
+def document_first_keys(doc_lens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[B, S] int64, contiguous: the first position of each token's document (the first key
+    it attends to under document masking), what the flash kernels take for packed rows."""
+    positions = torch.arange(seq_len, device=doc_lens.device)
+    return (positions - document_positions(doc_lens, seq_len)).contiguous()
+
+
 class AttentionMask:
     """What a layer needs to mask attention: nothing (plain causal) or packed documents.
 
@@ -56,8 +63,15 @@ class AttentionMask:
     tensor, True where a query may attend to a key) or ``flex`` (a flex block mask).
     ``kernel`` is what runs a ``causal`` or ``sdpa`` mask: ``sdpa`` or ``blocked``.
     ``flash``: ``auto`` chose on a CPU where one of the fused kernels' flash attention
-    kernels runs (bf16 on AMX tiles or AVX512-BF16, fp32 on AVX-512 or AVX2), which then takes plain
-    causal attention it fits (:func:`blocked_causal_attention`) whatever ``kernel`` says.
+    kernels runs (bf16 on AMX tiles or AVX512-BF16, fp32 on AVX-512 or AVX2), which then takes
+    the attention it fits (:func:`blocked_causal_attention`) whatever ``kernel`` says: plain
+    causal, or packed documents through ``first`` (:func:`document_first_keys`, set with
+    ``flash`` for packed documents), the first key each query sees.
+
+    Note: packed documents on a flash kernel skip the key blocks before each query block's
+    document. At this package's benchmark shape (``benchmarks/test_bench_train_step.py::
+    test_document_masking_in_the_model_step``) it ran in place of the blocked kernel with a
+    block-diagonal mask; the figures are in the package's BENCHMARKS.md.
 
     Note: forward + backward on a 2-core Intel Xeon with AMX
     (``benchmarks/test_bench_train_step.py::test_attention_kernels``, fastest of 9 rounds),
@@ -76,12 +90,14 @@ class AttentionMask:
         mask: Any = None,
         kernel: str = "sdpa",
         flash: bool = False,
+        first: torch.Tensor | None = None,
     ):
         self.backend = backend
         self.doc_ids = doc_ids
         self.mask = mask
         self.kernel = kernel
         self.flash = flash
+        self.first = first
 
     @classmethod
     def build(
@@ -94,15 +110,25 @@ class AttentionMask:
             backend, device.type, documents=doc_lens is not None, seq_len=seq_len
         )
         kernel = "blocked" if backend == "blocked" else "sdpa"
+        flash = asked == "auto" and device.type == "cpu" and (_bf16_flash() or _f32_flash())
         if doc_lens is None:
-            flash = asked == "auto" and device.type == "cpu" and (_bf16_flash() or _f32_flash())
             return cls("causal", kernel=kernel, flash=flash)
-        doc_ids = document_ids(doc_lens.to(device), seq_len)
+        doc_lens = doc_lens.to(device)
+        doc_ids = document_ids(doc_lens, seq_len)
         if backend == "flex":
             return cls("flex", doc_ids, _flex_block_mask(doc_ids))
         same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
         causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
-        return cls("sdpa", doc_ids, (same_doc & causal).unsqueeze(1), kernel=kernel)
+        first = document_first_keys(doc_lens, seq_len) if flash else None
+        return cls(
+            "sdpa", doc_ids, (same_doc & causal).unsqueeze(1), kernel, flash=flash, first=first
+        )
+
+    @property
+    def takes_flash(self) -> bool:
+        """Whether a flash kernel takes this mask's attention where it fits: ``flash``, and
+        plain causal or packed documents with their ``first`` keys."""
+        return self.flash and (self.backend == "causal" or self.first is not None)
 
 
 def resolve_backend(
@@ -136,11 +162,10 @@ in fp32 (:func:`blocked_causal_attention`), so CPUs without AMX keep it."""
 def cpu_attention_rule(amx: bool, seq_len: int | None, documents: bool) -> str:
     """``auto``'s attention backend on a CPU: ``sdpa`` for plain causal attention over at
     least :data:`SDPA_FROM_TOKENS_WITH_AMX` tokens on a CPU with AMX tiles, else
-    ``blocked`` (packed documents too: their masked flash kernel has not been measured).
-    Where the fused kernels' flash attention runs (bf16 on AMX tiles or AVX512-BF16, fp32 on
-    AVX-512),
-    ``auto`` takes it over either for plain causal attention it fits
-    (:attr:`AttentionMask.flash`)."""
+    ``blocked`` (packed documents too: torch's flash kernel takes no document mask). Where
+    the fused kernels' flash attention runs (bf16 on AMX tiles or AVX512-BF16, fp32 on
+    AVX-512 or AVX2), ``auto`` takes it over either for the attention it fits, plain causal
+    or packed documents (:attr:`AttentionMask.takes_flash`)."""
     long = seq_len is not None and seq_len >= SDPA_FROM_TOKENS_WITH_AMX
     return "sdpa" if amx and long and not documents else "blocked"
 
@@ -162,8 +187,9 @@ def attention(
         # instructions; on fp32 operands they accumulate in fp32 as a native kernel would.
         return attention(q.float(), k.float(), v.float(), mask).to(q.dtype)
     gqa = q.shape[1] != k.shape[1]
-    if getattr(mask, "flash", False) and mask.backend == "causal" and _on_flash_kernel(q, k, v):
-        return blocked_causal_attention(q, k, v)
+    # Note: other masks (context parallelism's) have no ``takes_flash``
+    if getattr(mask, "takes_flash", False) and _on_flash_kernel(q, k, v):
+        return torch.ops.hlat.flash_causal_attention(q, k, v, mask.first)[0]
     if (
         getattr(mask, "kernel", "sdpa") == "blocked"
         and mask.backend in ("causal", "sdpa")
@@ -721,22 +747,28 @@ def _on_flash_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 @torch.library.custom_op(
     "hlat::flash_causal_attention",
     mutates_args=(),
-    schema="(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)",
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? first=None) -> (Tensor, Tensor)",
 )
 def _flash_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the output, a [B, H, S, D] view of a [B, S, H, D] tensor; each query's fp32
-    log-sum-exp [B*H, S])."""
+    log-sum-exp [B*H, S]); with ``first`` ([B, S] int64, :func:`document_first_keys`),
+    attention within packed documents."""
     lib = _native.load()
     assert lib is not None
     return _native.flash_attention_forward(
-        lib, q.contiguous(), k.contiguous(), v.contiguous(), tiles=_amx_attention()
-    )
+        lib, q.contiguous(), k.contiguous(), v.contiguous(), tiles=_amx_attention(),
+        first=_first(first),
+    )  # fmt: skip
+
+
+def _first(first: torch.Tensor | None) -> torch.Tensor | None:
+    return None if first is None else first.to(torch.int64).contiguous()
 
 
 @_flash_forward.register_fake
-def _(q, k, v):
+def _(q, k, v, first=None):
     batch, heads, seq_len, head_dim = q.shape
     out = q.new_empty(batch, seq_len, heads, head_dim).transpose(1, 2)
     return out, q.new_empty(batch * heads, seq_len, dtype=torch.float32)
@@ -745,8 +777,8 @@ def _(q, k, v):
 @torch.library.custom_op(
     "hlat::flash_causal_attention_backward",
     mutates_args=(),
-    schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse)"
-    " -> (Tensor, Tensor, Tensor)",
+    schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,"
+    " Tensor? first=None) -> (Tensor, Tensor, Tensor)",
 )
 def _flash_backward(
     grad: torch.Tensor,
@@ -755,29 +787,31 @@ def _flash_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    first: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     lib = _native.load()
     assert lib is not None
     return _native.flash_attention_backward(
         lib, grad, q.contiguous(), k.contiguous(), v.contiguous(), out, lse.contiguous(),
-        tiles=_amx_attention(),
+        tiles=_amx_attention(), first=_first(first),
     )  # fmt: skip
 
 
 @_flash_backward.register_fake
-def _(grad, q, k, v, out, lse):
+def _(grad, q, k, v, out, lse, first=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _flash_save_for_backward(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    ctx.save_for_backward(*inputs, *output)
+    ctx.save_for_backward(*inputs, *output)  # first may be None
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
 
 
 def _flash_attention_backward(ctx: Any, grad: torch.Tensor, _lse_grad: Any) -> tuple[Any, ...]:
-    q, k, v, out, lse = ctx.saved_tensors
-    return torch.ops.hlat.flash_causal_attention_backward(grad, q, k, v, out, lse)
+    q, k, v, first, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.hlat.flash_causal_attention_backward(grad, q, k, v, out, lse, first)
+    return dq, dk, dv, None
 
 
 torch.library.register_autograd(
@@ -792,8 +826,8 @@ def rope_flash_attention_fits(
 ) -> bool:
     """Whether :func:`rope_flash_attention` takes the attention of this fused product ``qkv``
     [B, S, G, P, D] (G groups of P - 2 query heads, a key and a value head) with these RoPE
-    tables and mask: plain causal attention that ``auto`` gave the flash kernels
-    (``mask.flash``), bf16 on a CPU whose bf16 flash attention runs
+    tables and mask: plain causal attention or packed documents that ``auto`` gave the flash
+    kernels (``mask.takes_flash``), bf16 on a CPU whose bf16 flash attention runs
     (:func:`bf16_flash_attention_reason`), S and D multiples of :data:`FLASH_BLOCK`, a plain
     CPU tensor computed op by op outside autocast, dense over its last three dimensions
     (batch-first or sequence-first), and tables the kernel reads
@@ -802,8 +836,7 @@ def rope_flash_attention_fits(
         return False
     per_head, head_dim = qkv.shape[3:]
     return (
-        getattr(mask, "flash", False)
-        and mask.backend == "causal"
+        getattr(mask, "takes_flash", False)
         and per_head >= 3
         and qkv.dtype == torch.bfloat16
         and type(qkv) is torch.Tensor
@@ -820,27 +853,37 @@ def rope_flash_attention_fits(
 
 class _RopeFlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
+    def forward(
+        ctx: Any,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        first: torch.Tensor | None,
+    ) -> Any:
         lib = _native.load()
         assert lib is not None
         tiles = _amx_attention()
-        out, lse = _native.rope_attention_forward(lib, qkv, cos, sin, tiles=tiles)
-        ctx.save_for_backward(qkv, cos, sin, out, lse)
+        first = _first(first)
+        out, lse = _native.rope_attention_forward(lib, qkv, cos, sin, tiles=tiles, first=first)
+        ctx.save_for_backward(qkv, cos, sin, out, lse, first)
         ctx.lib, ctx.tiles = lib, tiles
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        qkv, cos, sin, out, lse = ctx.saved_tensors
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        qkv, cos, sin, out, lse, first = ctx.saved_tensors
         grad_qkv = _native.rope_attention_backward(
-            ctx.lib, grad, qkv, cos, sin, out, lse, tiles=ctx.tiles
+            ctx.lib, grad, qkv, cos, sin, out, lse, tiles=ctx.tiles, first=first
         )
-        return grad_qkv, None, None
+        return grad_qkv, None, None, None
 
 
-def rope_flash_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_flash_attention(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, first: torch.Tensor | None = None
+) -> torch.Tensor:
     """Causal attention of the heads of the fused product ``qkv`` [B, S, G, P, D] (G groups
-    of P - 2 query heads sharing a key and a value head), RoPE (``cos``, ``sin`` as
+    of P - 2 query heads sharing a key and a value head), within packed documents with
+    ``first`` (:func:`document_first_keys`), RoPE (``cos``, ``sin`` as
     :func:`hlat_model.model.rope_cos_sin` makes them) applied to q and k: what splitting the
     heads with RoPE (``hlat_model.model._HeadsWithRope``) and then
     :func:`blocked_causal_attention` compute, in one kernel (the bf16 flash kernel, on AMX
@@ -861,4 +904,4 @@ def rope_flash_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     (4 x 512 tokens, 8 heads of 64, one layer's forward and backward): see
     ``benchmarks/test_bench_train_step.py::test_rope_attention_against_heads_and_flash`` and
     ``::test_rope_attention_in_the_model_step``."""
-    return _RopeFlashAttention.apply(qkv, cos, sin)
+    return _RopeFlashAttention.apply(qkv, cos, sin, first)

@@ -360,7 +360,7 @@ class Attention(nn.Module):
             and rope_flash_attention_fits(qkv, cos, sin, mask)
         ):
             # the head split, RoPE and attention in one kernel (AMX or AVX512-BF16 CPUs)
-            out = rope_flash_attention(qkv, cos, sin)
+            out = rope_flash_attention(qkv, cos, sin, mask.first)
         else:
             out = self._split_and_attend(qkv, cos, sin, mask)
         out = out.permute(2, 0, 1, 3) if self.sequence_first else out.transpose(1, 2)

@@ -60,13 +60,16 @@ class ModelConfig:
     checkpointing: str | None = None
     """Activation checkpointing: ``none``, ``selective`` (HLAT) or ``full``."""
     attention: str | None = None
-    """``auto``, ``sdpa``, ``flex`` or ``blocked`` (``auto``: ``blocked`` on CPUs, ``flex``
-    for packed documents on CUDA, else ``sdpa``)."""
+    """``auto``, ``sdpa``, ``flex`` or ``blocked`` (``auto``: on CPUs the blocked kernel, or
+    hlat-model's flash kernels where they run, packed documents included; ``flex`` for packed
+    documents on CUDA; else ``sdpa``)."""
     compile: bool | str = "auto"
     """``torch.compile`` each transformer block (after TP/SP and before FSDP2, as torchtitan
     does; backend ``neuron`` on TorchNeuron): ``true``, ``false`` or ``auto``, which
     compiles where it was measured to pay: bf16 runs of 10,000 steps or more on CPUs that
-    multiply bf16 natively (1.06x-1.07x eager in hlat-model's benchmark; fp32 1.01x-1.07x) and
+    multiply bf16 natively where hlat-model's fused CPU kernels do not run (no C++ compiler,
+    or ``HLAT_MODEL_NATIVE=0``; 1.06x-1.07x eager in hlat-model's benchmark, 0.95x where the
+    kernels run; fp32 1.01x-1.07x) and
     on CUDA GPUs with bf16 tensor cores (1.28x-1.29x on an H200), and nowhere else (Trainium
     is not measured here: set ``true``); the choice and its reason are logged at start
     (``hlat_train.compiling``). Not on ``parallel.backend =

@@ -665,6 +665,21 @@ def test_flash_keeps_each_packed_document_to_itself(flash):
         assert not torch.equal(a[0][:, ~kept], b[0][:, ~kept])
 
 
+def test_one_row_of_documents_serves_every_batch_row(flash):
+    """``doc_lens`` of one row for a batch of several (its mask broadcasts over the batch):
+    the flash kernel reads the same first keys for every row."""
+    q, k, v, grad = _inputs(3, 2, 2, 128, 32, flash)
+    one = AttentionMask.build(_doc_lens([[50, 78]]), 128, "auto", torch.device("cpu"))
+    every = AttentionMask.build(_doc_lens([[50, 78]] * 3), 128, "auto", torch.device("cpu"))
+    assert one.first.shape == (1, 128)
+    for a, b in zip(
+        _run(lambda q, k, v: attention_module.attention(q, k, v, one), q, k, v, grad),
+        _run(lambda q, k, v: attention_module.attention(q, k, v, every), q, k, v, grad),
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+
+
 def test_only_auto_on_a_flash_cpu_gives_packed_documents_first_keys(flash):
     lens = _doc_lens([[10, 22]])
     assert AttentionMask.build(lens, 32, "auto", torch.device("cpu")).takes_flash

@@ -761,12 +761,18 @@ def _flash_forward(
     assert lib is not None
     return _native.flash_attention_forward(
         lib, q.contiguous(), k.contiguous(), v.contiguous(), tiles=_amx_attention(),
-        first=_first(first),
+        first=_first(first, q.shape[0]),
     )  # fmt: skip
 
 
-def _first(first: torch.Tensor | None) -> torch.Tensor | None:
-    return None if first is None else first.to(torch.int64).contiguous()
+def _first(first: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+    """The first keys as the kernels read them: int64, contiguous, one row per batch row (a
+    single row, from ``doc_lens`` of one row, serves every batch row, as its mask would)."""
+    if first is None:
+        return None
+    if first.shape[0] == 1 and batch > 1:
+        first = first.expand(batch, -1)
+    return first.to(torch.int64).contiguous()
 
 
 @_flash_forward.register_fake
@@ -795,7 +801,7 @@ def _flash_backward(
     assert lib is not None
     return _native.flash_attention_backward(
         lib, grad, q.contiguous(), k.contiguous(), v.contiguous(), out, lse.contiguous(),
-        tiles=_amx_attention(), first=_first(first),
+        tiles=_amx_attention(), first=_first(first, q.shape[0]),
     )  # fmt: skip
 
 
@@ -865,7 +871,7 @@ class _RopeFlashAttention(torch.autograd.Function):
         lib = _native.load()
         assert lib is not None
         tiles = _amx_attention()
-        first = _first(first)
+        first = _first(first, qkv.shape[0])
         out, lse = _native.rope_attention_forward(lib, qkv, cos, sin, tiles=tiles, first=first)
         ctx.save_for_backward(qkv, cos, sin, out, lse, first)
         ctx.lib, ctx.tiles = lib, tiles

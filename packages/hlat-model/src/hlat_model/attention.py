@@ -654,10 +654,11 @@ def _flash_kernels() -> tuple[Any, str | None]:
 
 
 def amx_attention_reason() -> str | None:
-    """``None`` where plain causal bf16 attention runs on this CPU's AMX tiles (the fused
-    CPU kernels' bf16 flash-style kernel, :func:`blocked_causal_attention`), else why not
-    (``HLAT_MODEL_AMX_ATTENTION=0`` turns the tiles off: the kernel then runs by AVX512-BF16
-    dot products, :func:`bf16_flash_attention_reason`)."""
+    """``None`` where causal bf16 attention (plain, or of packed documents under ``auto``)
+    runs on this CPU's AMX tiles (the fused CPU kernels' bf16 flash-style kernel,
+    :func:`blocked_causal_attention`), else why not (``HLAT_MODEL_AMX_ATTENTION=0`` turns
+    the tiles off: the kernel then runs by AVX512-BF16 dot products,
+    :func:`bf16_flash_attention_reason`)."""
     lib, why = _flash_kernels()
     if lib is None:
         return why
@@ -671,13 +672,13 @@ def amx_attention_reason() -> str | None:
 
 
 def bf16_flash_attention_reason() -> str | None:
-    """``None`` where plain causal bf16 attention runs the fused CPU kernels' bf16
-    flash-style kernel (:func:`blocked_causal_attention`): on AMX tiles where
-    :func:`amx_attention_reason` says yes, else by AVX512-BF16 dot products where the
-    kernels were built for them (AMD's Zen 4 and later, Intel's AVX512-BF16 CPUs); else why
-    not. Where bf16 products are emulated (:func:`hlat_model.linear.cpu_bf16_reason`: no
-    AMX tiles nor AVX512-BF16, or oneDNN held below them), bf16 attention runs on fp32
-    copies and this says so."""
+    """``None`` where causal bf16 attention (plain, or of packed documents under ``auto``)
+    runs the fused CPU kernels' bf16 flash-style kernel (:func:`blocked_causal_attention`):
+    on AMX tiles where :func:`amx_attention_reason` says yes, else by AVX512-BF16 dot
+    products where the kernels were built for them (AMD's Zen 4 and later, Intel's
+    AVX512-BF16 CPUs); else why not. Where bf16 products are emulated
+    (:func:`hlat_model.linear.cpu_bf16_reason`: no AMX tiles nor AVX512-BF16, or oneDNN held
+    below them), bf16 attention runs on fp32 copies and this says so."""
     lib, why = _flash_kernels()
     if lib is None:
         return why
@@ -694,8 +695,9 @@ def bf16_flash_attention_reason() -> str | None:
 
 
 def fp32_flash_attention_reason() -> str | None:
-    """``None`` where plain causal fp32 attention runs the fused CPU kernels' fp32 flash
-    kernel (AVX-512F, or AVX2 with FMA; :func:`blocked_causal_attention`), else why not."""
+    """``None`` where causal fp32 attention (plain, or of packed documents under ``auto``)
+    runs the fused CPU kernels' fp32 flash kernel (AVX-512F, or AVX2 with FMA;
+    :func:`blocked_causal_attention`), else why not."""
     lib, why = _flash_kernels()
     if lib is None:
         return why

@@ -279,11 +279,11 @@ class Trainer:
             products = "AMX tiles" if amx_attention_reason() is None else "AVX512-BF16"
             for kernel, why in (
                 (
-                    f"bf16 flash attention (plain causal bf16, {products})",
+                    f"bf16 flash attention (causal bf16, {products})",
                     bf16_flash_attention_reason(),
                 ),
                 (
-                    "fp32 flash attention (plain causal fp32, AVX-512 or AVX2)",
+                    "fp32 flash attention (causal fp32, AVX-512 or AVX2)",
                     fp32_flash_attention_reason(),
                 ),
             ):

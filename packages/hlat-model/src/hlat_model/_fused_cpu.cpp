@@ -2,8 +2,8 @@
 // of rows of logits and blocked attention's softmax, forward and backward, each one pass over
 // its rows where torch's eager operators make one pass per operation; and causal attention
 // flash style (bf16 on AMX tiles or with AVX512-BF16 dot products, fp32 on AVX-512 or AVX2),
-// written with intrinsics, the bf16 one also reading q, k and v from the fused qkv product
-// with RoPE applied as it reads them.
+// plain or within packed documents, written with intrinsics, the bf16 one also reading q, k
+// and v from the fused qkv product with RoPE applied as it reads them.
 //
 // Built on first use by hlat_model._native (the host compiler, -O3 -march=native) and called
 // through ctypes on the raw data of contiguous fp32 or bf16 tensors. All arithmetic is fp32;

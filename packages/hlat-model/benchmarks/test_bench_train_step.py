@@ -17,9 +17,11 @@ HLAT_OPTIM_CXXFLAGS=-march=x86-64-v3`` (the core, caches and memory stay the new
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -762,6 +764,79 @@ def test_document_masking_in_the_model_step(benchmark, dtype, monkeypatch):
         documents_vs_causal=round(statistics.median(causal) / ours, 3),
     )
     print(f"\n[{dtype} model step, packed documents] {benchmark.extra_info}")
+
+
+def _held_at_backward_mib(step, out: Path) -> float:
+    """MiB that one call of ``step`` (a forward whose loss it backpropagates inside a
+    ``record_function("backward")`` region) has allocated through torch's CPU allocator and
+    still holds when that region starts: what the forward keeps for backward, with the loss.
+    Profiled once, untimed."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        step()
+    prof.export_chrome_trace(str(out))
+    events = json.loads(out.read_text())["traceEvents"]
+    start = min(e["ts"] for e in events if e.get("name") == "backward")
+    held = sorted(
+        (e["ts"], e["args"]["Total Allocated"]) for e in events if e.get("name") == "[memory]"
+    )
+    return [total for ts, total in held if ts <= start][-1] / 2**20
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_selective_checkpointing_in_the_model_step(benchmark, dtype, tmp_path):
+    """The model step with ``checkpointing = "selective"``, whose flash attention kernels are
+    not recomputed (``hlat_model.attention.runs_flash_kernel``), against the same model
+    recomputing them in backward, with the head split and RoPE apart from the kernel (what
+    hlat-model 0.24 ran), in alternating steps; then ``none`` and ``full`` timed as many
+    times after them. Each also with the memory its forward holds when backward starts
+    (torch's profiler, one untimed step each)."""
+    kernel = _flash_kernel(dtype)
+    if not kernel.startswith("on"):
+        pytest.skip(f"no {dtype} flash attention here: {kernel}")
+    torch.manual_seed(0)
+    models = {
+        mode: Llama(LlamaConfig(**CONFIG, checkpointing=mode)).to(DTYPES[dtype])
+        for mode in ("selective", "none", "full")
+    }
+    for model in models.values():
+        model.load_state_dict(models["selective"].state_dict())
+    tokens = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ + 1))
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+
+    def stepper(model: torch.nn.Module, recompute: bool = False):
+        def step() -> None:
+            for block in model.layers:
+                block.attention.recompute_flash = recompute
+            try:
+                loss = model(inputs, labels=labels)
+                with torch.profiler.record_function("backward"):
+                    loss.backward()
+            finally:
+                for block in model.layers:
+                    block.attention.recompute_flash = False
+            model.zero_grad(set_to_none=True)
+
+        return step
+
+    ours, recomputing = stepper(models["selective"]), stepper(models["selective"], True)
+    ours_s, theirs_s, faster = _medians(benchmark, _alternating(benchmark, ours, recomputing))
+    others = {m: [_timed(stepper(models[m])) for _ in range(3 * ROUNDS)] for m in ("none", "full")}
+    held = {
+        "selective": _held_at_backward_mib(ours, tmp_path / "selective.json"),
+        "selective_recomputing": _held_at_backward_mib(recomputing, tmp_path / "recompute.json"),
+        **{m: _held_at_backward_mib(stepper(models[m]), tmp_path / f"{m}.json") for m in others},
+    }
+    benchmark.extra_info.update(
+        flash_kernel=kernel,
+        selective_step_ms=round(ours_s * 1e3, 1),
+        recomputing_step_ms=round(theirs_s * 1e3, 1),
+        speedup=round(theirs_s / ours_s, 3),
+        selective_faster_in=faster,
+        **{f"{m}_step_ms": round(statistics.median(t) * 1e3, 1) for m, t in others.items()},
+        **{f"{m}_held_mib": round(mib, 1) for m, mib in held.items()},
+    )
+    print(f"\n[{dtype} model step, selective checkpointing] {benchmark.extra_info}")
 
 
 def test_linear_paths_against_the_cpu_rule(benchmark):

@@ -2,13 +2,13 @@ import pytest
 import torch
 
 from hlat_model import Llama, LlamaConfig, cross_entropy_loss
-from hlat_model import model as model_module
-from hlat_model.attention import attention
+from hlat_model.attention import attention, fp32_flash_attention_reason
 
 
-def _grads(mode: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _grads(mode: str, dtype: torch.dtype, attention_backend: str) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    model = Llama(LlamaConfig.preset("tiny", n_layers=2, checkpointing=mode)).to(dtype)
+    config = LlamaConfig.preset("tiny", n_layers=2, checkpointing=mode, attention=attention_backend)
+    model = Llama(config).to(dtype)
     tokens = torch.randint(0, 8192, (2, 65), generator=torch.Generator().manual_seed(1))
     doc_lens = torch.tensor([[30, 34], [64, 0]])
     loss = cross_entropy_loss(model(tokens[:, :-1], doc_lens=doc_lens), tokens[:, 1:])
@@ -16,16 +16,46 @@ def _grads(mode: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {n: p.grad for n, p in model.named_parameters()}
 
 
+# auto: flash kernels where they run (not recomputed by selective); blocked: the blocked
+# kernel with the documents' mask (recomputed)
+@pytest.mark.parametrize("attention_backend", ["auto", "blocked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["selective", "full"])
-def test_checkpointing_modes_give_the_gradients_of_no_checkpointing(mode, dtype, monkeypatch):
-    # Note: selective checkpointing keeps the head split and attention apart, where the eager
-    # bf16 model on CPUs whose bf16 flash attention runs fuses them (rope_flash_attention:
-    # q and k gradients rounded once, not twice); both modes run the two steps here
-    monkeypatch.setattr(model_module, "rope_flash_attention_fits", lambda *args: False)
-    expected, got = _grads("none", dtype), _grads(mode, dtype)
+def test_checkpointing_modes_give_the_gradients_of_no_checkpointing(mode, dtype, attention_backend):
+    expected = _grads("none", dtype, attention_backend)
+    got = _grads(mode, dtype, attention_backend)
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
+
+
+def _kernel_calls(mode: str, attention_backend: str, documents: bool) -> dict[str, int]:
+    """How often a 2-layer fp32 model's forward and backward call each attention operator."""
+    torch.manual_seed(0)
+    config = LlamaConfig.preset("tiny", n_layers=2, checkpointing=mode, attention=attention_backend)
+    model = Llama(config)
+    tokens = torch.randint(0, 8192, (2, 65), generator=torch.Generator().manual_seed(1))
+    doc_lens = torch.tensor([[30, 34], [64, 0]]) if documents else None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        logits = model(tokens[:, :-1], doc_lens=doc_lens)
+        cross_entropy_loss(logits, tokens[:, 1:]).backward()
+    names = ("hlat::flash_causal_attention", "hlat::blocked_causal_attention")
+    return {e.key: e.count for e in prof.key_averages() if e.key in names}
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_selective_does_not_recompute_a_flash_kernel(documents):
+    if (reason := fp32_flash_attention_reason()) is not None:
+        pytest.skip(reason)
+    flash = {"hlat::flash_causal_attention": 2}  # once per layer
+    assert _kernel_calls("none", "auto", documents) == flash
+    assert _kernel_calls("selective", "auto", documents) == flash
+    assert _kernel_calls("full", "auto", documents) == {"hlat::flash_causal_attention": 4}
+
+
+def test_selective_recomputes_the_blocked_kernel():
+    blocked = "hlat::blocked_causal_attention"
+    assert _kernel_calls("none", "blocked", documents=True) == {blocked: 2}
+    assert _kernel_calls("selective", "blocked", documents=True) == {blocked: 4}
 
 
 def test_checkpointing_mode_does_not_change_parameter_names():

@@ -5,6 +5,8 @@ each skipped where it cannot run, saying why; those of when it runs run anywhere
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -203,10 +205,19 @@ def test_packed_documents_take_it_with_the_same_loss(bf16_flash, monkeypatch):
         torch.testing.assert_close(ours, theirs, rtol=0.02, atol=0.02 * theirs.abs().max())
 
 
-def test_selective_checkpointing_keeps_the_two_steps(bf16_flash, monkeypatch):
+@pytest.mark.parametrize("sequence_first", [False, True], ids=["bsh", "sbh"])
+def test_selective_checkpointing_takes_it_batch_first(sequence_first, bf16_flash, monkeypatch):
+    """Selective checkpointing does not recompute a flash kernel whose output is the output
+    projection's input (batch-first), so the fused kernel runs there as without
+    checkpointing, with the same loss; sequence-first, whose output is copied for the
+    projection, keeps the two steps and recomputes the attention."""
     config = LlamaConfig(
         vocab_size=256, dim=128, n_layers=1, n_heads=2, ffn_dim=256, max_seq_len=64,
-        checkpointing="selective",
+        checkpointing="selective", sequence_first=sequence_first,
     )  # fmt: skip
-    _, _, names = _step(config, True, monkeypatch)
-    assert "_RopeFlashAttentionBackward" not in names and "_HeadsWithRopeBackward" in names
+    loss, _, names = _step(config, True, monkeypatch)
+    plain, _, plain_names = _step(replace(config, checkpointing="none"), True, monkeypatch)
+    assert "_RopeFlashAttentionBackward" in plain_names
+    assert ("_RopeFlashAttentionBackward" in names) is not sequence_first
+    assert ("_HeadsWithRopeBackward" in names) is sequence_first
+    assert torch.equal(loss, plain)

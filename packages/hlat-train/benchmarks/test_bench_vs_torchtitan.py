@@ -1,12 +1,12 @@
 """The whole training step of ``hlat-train`` against torchtitan's ``Trainer``, in one run.
 
 Both train the same Llama (vocab 8192, dim 512, 8 layers, 8 heads, FFN 1376, sequence 512,
-micro-batch 4, no activation checkpointing, plain causal attention) from the same
-Arrow corpus and SentencePiece model, read by hlat-data's ``PackedLoader`` in both, with the
-same thread count: one process with every core, or two processes (FSDP2 over gloo) with one
-thread each. Each setting runs both trainers as fresh processes, one after the other; a
-step's time is the wall time between two consecutive metric records of rank 0, so it holds
-the whole step: data, forward, backward, clipping, optimizer, metrics. hlat-train runs with
+micro-batch 4, plain causal attention) from the same Arrow corpus and SentencePiece model,
+read by hlat-data's ``PackedLoader`` in both, with the same thread count: one process with
+every core, or two processes (FSDP2 over gloo) with one thread each. Each setting runs both
+trainers as fresh processes, one after the other; a step's time is the wall time between
+two consecutive metric records of rank 0, so it holds the whole step: data, forward,
+backward, clipping, optimizer, metrics. hlat-train runs with
 its defaults (it also logs the parameter norm every step, where torchtitan logs no such
 norm; and from 0.18 its CPU runs keep freed host memory mapped, ``train.host_malloc =
 "auto"``, where torchtitan's use glibc's defaults).
@@ -25,6 +25,13 @@ users would: hlat-train ``model.compile = true`` (each transformer block through
 ``torch.compile``; its chunked loss stays eager), torchtitan ``compile.enable = true`` (its
 default components: each block and the loss). Both compile in their first step, which the
 median leaves out.
+
+Every setting runs without activation checkpointing but ``full-ac`` (one process, bf16),
+where both recompute each transformer block in backward: hlat-train ``model.checkpointing =
+"full"``, torchtitan ``activation_checkpoint`` ``FullAC``. Their selective modes keep
+different things (hlat-train's recomputes the attention core, except hlat-model's CPU flash
+kernels, and the SwiGLU activation; torchtitan's op-level policy saves chosen operators' outputs and
+recomputes every second matrix product), so no setting compares them.
 
 Reported per setting: steady-state tokens/s (median step after ``WARMUP`` steps) of each and
 their ratio. Run: ``nox -s bench-torchtitan`` (torchtitan 0.3 and triton in an environment of
@@ -54,12 +61,13 @@ from trainer_runs import (
 )
 
 STEPS = int(os.environ.get("HLAT_BENCH_STEPS", "14"))
-SETTINGS = [  # (processes, precision, compiled)
-    (1, "bf16", False),
-    (1, "fp32", False),
-    (2, "mixed", False),
-    (2, "bf16", False),
-    (1, "bf16", True),
+SETTINGS = [  # (processes, precision, compiled, full activation checkpointing)
+    (1, "bf16", False, False),
+    (1, "fp32", False, False),
+    (2, "mixed", False, False),
+    (2, "bf16", False, False),
+    (1, "bf16", True, False),
+    (1, "bf16", False, True),
 ]
 HLAT_PRECISION = {"bf16": "bf16-sr", "fp32": "fp32", "mixed": "mixed"}
 WORKER = Path(__file__).with_name("torchtitan_worker.py")
@@ -73,14 +81,15 @@ def data(tmp_path_factory) -> Path:
 
 
 def run_torchtitan(
-    data: Path, out: Path, nproc: int, precision: str, compiled: bool = False
+    data: Path, out: Path, nproc: int, precision: str, compiled: bool = False, full_ac: bool = False
 ) -> dict[int, float]:
     """torchtitan's ``Trainer`` (``torchtitan_worker.py``) at the same shape; each step's
     seconds (rank 0; its first step has no predecessor and is not recorded)."""
     shape = json.dumps({**SHAPE, "seq_len": SEQ})
     launch(
         [str(WORKER), str(data), str(out), f"--precision={precision}", f"--steps={STEPS}",
-         f"--shape={shape}", f"--micro-batch={MICRO_BATCH}", *(["--compile"] if compiled else [])],
+         f"--shape={shape}", f"--micro-batch={MICRO_BATCH}", *(["--compile"] if compiled else []),
+         *(["--full-ac"] if full_ac else [])],
         nproc,
         out.with_suffix(".log"),
     )  # fmt: skip
@@ -89,18 +98,22 @@ def run_torchtitan(
 
 
 @pytest.mark.parametrize(
-    ("nproc", "precision", "compiled"),
+    ("nproc", "precision", "compiled", "full_ac"),
     SETTINGS,
-    ids=[f"{n}proc-{p}" + ("-compiled" if c else "") for n, p, c in SETTINGS],
+    ids=[
+        f"{n}proc-{p}" + ("-compiled" if c else "") + ("-full-ac" if a else "")
+        for n, p, c, a in SETTINGS
+    ],
 )
-def test_trainer_against_torchtitan(benchmark, data, tmp_path, nproc, precision, compiled):
+def test_trainer_against_torchtitan(benchmark, data, tmp_path, nproc, precision, compiled, full_ac):
     peer: list[dict[int, float]] = []
     ours: list[dict[int, float]] = []
     extra = ["--model.compile=true"] if compiled else []
+    extra += ["--model.checkpointing=full"] if full_ac else []
 
     def setup() -> None:
         out = tmp_path / f"torchtitan-{len(peer)}"
-        peer.append(run_torchtitan(data, out, nproc, precision, compiled))
+        peer.append(run_torchtitan(data, out, nproc, precision, compiled, full_ac))
 
     def hlat() -> None:
         out = tmp_path / f"hlat-{len(ours)}"
@@ -113,8 +126,11 @@ def test_trainer_against_torchtitan(benchmark, data, tmp_path, nproc, precision,
         processes=nproc,
         precision=precision,
         compiled=compiled,
+        full_activation_checkpointing=full_ac,
         hlat_tokens_per_s=round(hlat_tps),
         torchtitan_tokens_per_s=round(peer_tps),
         ratio=round(hlat_tps / peer_tps, 3),
     )
-    print(f"\n[{nproc} proc, {precision}{', compiled' if compiled else ''}] {benchmark.extra_info}")
+    name = f"{nproc} proc, {precision}" + (", compiled" if compiled else "")
+    name += ", full activation checkpointing" if full_ac else ""
+    print(f"\n[{name}] {benchmark.extra_info}")

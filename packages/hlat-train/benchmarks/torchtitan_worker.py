@@ -3,7 +3,7 @@
 Run by ``test_bench_vs_torchtitan.py``, alone or under torchrun::
 
     python torchtitan_worker.py DATA OUT --shape JSON [--precision bf16|fp32|mixed]
-        [--steps N] [--compile]
+        [--steps N] [--compile] [--full-ac]
 
 ``DATA`` holds ``corpus.arrow`` and ``tokenizer.model``. Rank 0 writes ``OUT/steps.jsonl``: per
 step, its loss and the seconds since the previous step's metrics (the whole step: data,
@@ -33,6 +33,7 @@ from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 from torchtitan.config import CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig
+from torchtitan.distributed.activation_checkpoint import FullAC
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.llama3 import (
@@ -113,6 +114,9 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--compile", action="store_true", help="compile.enable (model, loss)")
+    parser.add_argument(
+        "--full-ac", action="store_true", help="activation_checkpoint: FullAC (each block)"
+    )
     args = parser.parse_args()
     reuse.single_process_env()
     init_logger()
@@ -154,7 +158,7 @@ def main() -> None:
         metrics=StepTimes.Config(log_freq=1, disable_color_printing=True, record=str(args.out)),
         checkpoint=CheckpointManager.Config(enable=False),
         parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
-        activation_checkpoint=None,
+        activation_checkpoint=FullAC.Config() if args.full_ac else None,
         compile=CompileConfig(enable=args.compile),
         debug=DebugConfig(seed=0),
     )

@@ -78,7 +78,12 @@ TP_SP = ("--parallel.tp=2", "--parallel.sp=true")
 
 # name: (settings, ranks); every layout keeps two data-parallel ranks, so all read the same data.
 # Compiled blocks under FSDP2 alone are the dp2 part of the four-rank layout.
-LAYOUTS = {"tp2-sp-x-dp2-fsdp2": (TP_SP, 4)}
+LAYOUTS = {
+    "tp2-sp-x-dp2-fsdp2": (TP_SP, 4),
+    # the blocked kernel, which selective checkpointing recomputes (a flash kernel, auto's
+    # choice on CPUs that have one, it does not)
+    "tp2-sp-x-dp2-fsdp2-blocked": ((*TP_SP, "--model.attention=blocked"), 4),
+}
 if not compiled_tp_checkpoints_fail():  # this torch compiles it with SDPA too
     LAYOUTS["tp2-sp-x-dp2-fsdp2-sdpa"] = ((*TP_SP, "--model.attention=sdpa"), 4)
 
@@ -106,11 +111,12 @@ def eager_dp2(corpus, tmp_path_factory):
 def test_compiled_blocks_under_parallelism_match_eager(corpus, tmp_path, eager_dp2, layout):
     """Four ranks: TP2 with sequence parallelism (the embedding's output reduced
     asynchronously into the first compiled block) times FSDP2 over DP2; selective
-    checkpointing and document masking, the blocked attention kernel
-    (``auto`` on CPUs) inside each compiled block, or SDPA where this torch compiles it
-    under TP. The compiled run's losses are those of eager FSDP2 over two ranks within 1e-4
-    relative, as for eager TP against one process (``test_distributed.py``): tensor
-    parallelism reassociates the sums."""
+    checkpointing and document masking, ``auto``'s attention (a flash kernel on CPUs that
+    have one, else the blocked kernel), the blocked kernel in the checkpointed region of
+    each compiled block, or SDPA there where this torch compiles it under TP. The compiled
+    run's losses are those of eager FSDP2 over two ranks within 1e-4 relative, as for eager
+    TP against one process (``test_distributed.py``): tensor parallelism reassociates the
+    sums."""
     settings, nproc = layout
     compiled = _torchrun(
         tiny_config(
@@ -119,7 +125,8 @@ def test_compiled_blocks_under_parallelism_match_eager(corpus, tmp_path, eager_d
         tmp_path / "run.toml",
         nproc,
     )
-    attention = "sdpa" if "--model.attention=sdpa" in settings else "auto"
+    named = [s.split("=", 1)[1] for s in settings if s.startswith("--model.attention=")]
+    attention = named[0] if named else "auto"
     assert len(compiled) == 6
     assert compiled == pytest.approx(eager_dp2(attention), rel=1e-4)
 
@@ -137,7 +144,8 @@ def test_compile_with_tp_and_selective_checkpointing_is_refused_where_torch_fail
     corpus, tmp_path
 ):
     """SDPA in a checkpointed region of a compiled TP block fails on torch 2.13; the blocked
-    kernel (``auto`` on this CPU, or named) compiles (the test above runs it)."""
+    kernel (``auto`` on CPUs without a flash kernel, or named) compiles (the test above runs
+    it)."""
     sdpa = tiny_config(
         corpus, tmp_path, "--model.compile=true", *SETTINGS, *TP_SP, "--model.attention=sdpa"
     )

@@ -189,8 +189,7 @@ def attention(
         # instructions; on fp32 operands they accumulate in fp32 as a native kernel would.
         return attention(q.float(), k.float(), v.float(), mask).to(q.dtype)
     gqa = q.shape[1] != k.shape[1]
-    # Note: other masks (context parallelism's) have no ``takes_flash``
-    if getattr(mask, "takes_flash", False) and _on_flash_kernel(q, k, v):
+    if runs_flash_kernel(q, k, v, mask):
         return torch.ops.hlat.flash_causal_attention(q, k, v, mask.first)[0]
     if (
         getattr(mask, "kernel", "sdpa") == "blocked"
@@ -255,6 +254,22 @@ def query_block(seq_len: int, dtype: torch.dtype | None = None) -> int:
     if dtype == torch.bfloat16 and _amx_cpu():
         block *= 2
     return block
+
+
+def runs_flash_kernel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask
+) -> bool:
+    """Whether :func:`attention` runs one of the fused kernels' flash attention kernels on
+    these [B, H, S, D] tensors as they are (``mask.takes_flash``, and a kernel of their
+    dtype and shape on this CPU).
+
+    Such a kernel keeps for backward q, k and v, its output and each query's fp32
+    log-sum-exp ([B * H, S]), nothing of the ``S x S`` scores; its output lies in memory as
+    [B, S, H, D], the layout the output projection reads after the heads are merged, so
+    the projection keeps that same tensor. Recomputing the kernel in backward (selective
+    activation checkpointing) would free only the log-sum-exp."""
+    # Note: other masks (context parallelism's) have no ``takes_flash``
+    return getattr(mask, "takes_flash", False) and _on_flash_kernel(q, k, v)
 
 
 @torch.compiler.assume_constant_result

@@ -51,7 +51,9 @@ class LlamaConfig:
     """Share the token embedding with the LM head (Llama 2/3 7-8B do not)."""
     checkpointing: CheckpointingMode = "none"
     """Activation checkpointing: ``none``; ``selective`` recomputes the attention core and the
-    MLP activation in backward (HLAT's choice); ``full`` recomputes whole blocks."""
+    MLP activation in backward (HLAT's choice), but not a CPU flash kernel that keeps
+    nothing recomputing would free (:func:`hlat_model.attention.runs_flash_kernel`);
+    ``full`` recomputes whole blocks."""
     sequence_first: bool = False
     """Run the blocks on [S, B, H] activations instead of [B, S, H] (inputs and logits stay
     batch-first). Note: NeuronX Distributed's sequence parallelism splits dimension 0, so

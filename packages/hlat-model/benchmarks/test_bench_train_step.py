@@ -770,17 +770,21 @@ def _held_at_backward_mib(step, out: Path) -> float:
     """MiB that one call of ``step`` (a forward whose loss it backpropagates inside a
     ``record_function("backward")`` region) has allocated through torch's CPU allocator and
     still holds when that region starts: what the forward keeps for backward, with the loss.
-    Profiled once, untimed."""
+    Profiled once, untimed; measured from the allocator's total before the step's first
+    allocation or free (the first memory event's total less its own bytes)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
         step()
     prof.export_chrome_trace(str(out))
     events = json.loads(out.read_text())["traceEvents"]
     start = min(e["ts"] for e in events if e.get("name") == "backward")
-    held = sorted(
-        (e["ts"], e["args"]["Total Allocated"]) for e in events if e.get("name") == "[memory]"
+    memory = sorted(
+        (e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"])
+        for e in events
+        if e.get("name") == "[memory]"
     )
-    return [total for ts, total in held if ts <= start][-1] / 2**20
+    before = memory[0][1] - memory[0][2]
+    return ([total for ts, total, _ in memory if ts <= start][-1] - before) / 2**20
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -28,11 +28,16 @@ def test_checkpointing_modes_give_the_gradients_of_no_checkpointing(mode, dtype,
         assert torch.equal(got[name], expected[name]), name
 
 
-def _kernel_calls(mode: str, attention_backend: str, documents: bool) -> dict[str, int]:
+def _kernel_calls(
+    mode: str, attention_backend: str, documents: bool, **config: object
+) -> dict[str, int]:
     """How often a 2-layer fp32 model's forward and backward call each attention operator."""
     torch.manual_seed(0)
-    config = LlamaConfig.preset("tiny", n_layers=2, checkpointing=mode, attention=attention_backend)
-    model = Llama(config)
+    model = Llama(
+        LlamaConfig.preset(
+            "tiny", n_layers=2, checkpointing=mode, attention=attention_backend, **config
+        )
+    )
     tokens = torch.randint(0, 8192, (2, 65), generator=torch.Generator().manual_seed(1))
     doc_lens = torch.tensor([[30, 34], [64, 0]]) if documents else None
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -42,14 +47,24 @@ def _kernel_calls(mode: str, attention_backend: str, documents: bool) -> dict[st
     return {e.key: e.count for e in prof.key_averages() if e.key in names}
 
 
-@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
-def test_selective_does_not_recompute_a_flash_kernel(documents):
+FLASH_CASES = {  # (attention, packed documents, config)
+    "auto-causal": ("auto", False, {}),
+    "auto-documents": ("auto", True, {}),
+    "blocked-causal": ("blocked", False, {}),  # plain causal goes to the flash kernel
+    "grouped-heads": ("auto", True, {"n_kv_heads": 2}),
+}
+
+
+@pytest.mark.parametrize(("backend", "documents", "config"), FLASH_CASES.values(), ids=FLASH_CASES)
+def test_selective_does_not_recompute_a_flash_kernel(backend, documents, config):
     if (reason := fp32_flash_attention_reason()) is not None:
         pytest.skip(reason)
-    flash = {"hlat::flash_causal_attention": 2}  # once per layer
-    assert _kernel_calls("none", "auto", documents) == flash
-    assert _kernel_calls("selective", "auto", documents) == flash
-    assert _kernel_calls("full", "auto", documents) == {"hlat::flash_causal_attention": 4}
+    once, twice = {"hlat::flash_causal_attention": 2}, {"hlat::flash_causal_attention": 4}
+    assert _kernel_calls("none", backend, documents, **config) == once  # once per layer
+    assert _kernel_calls("selective", backend, documents, **config) == once
+    assert _kernel_calls("full", backend, documents, **config) == twice
+    # sequence-first output is copied for the output projection: recomputing frees it
+    assert _kernel_calls("selective", backend, documents, sequence_first=True, **config) == twice
 
 
 def test_selective_recomputes_the_blocked_kernel():

@@ -161,6 +161,27 @@ def test_auto_stays_eager_where_a_compiled_tp_block_with_sdpa_would_fail():
     assert choice.on is not compiled_tp_checkpoints_fail()
 
 
+def test_which_attention_a_compiled_tp_block_runs_follows_the_run(monkeypatch):
+    """Validation asks whether attention runs hlat-model's kernels (which compile inside a
+    checkpointed region of a TP block) for the run's documents, sequence and head size: on a
+    CPU with AMX tiles, ``auto`` gives plain causal attention of 2,048 tokens to torch's
+    SDPA unless hlat-model's flash kernels take it."""
+    from hlat_model import attention as hlat_attention
+    from hlat_train.validation import runs_hlat_attention
+
+    monkeypatch.setattr(hlat_attention, "_cpu_has_amx", lambda: True)
+    assert runs_hlat_attention("blocked", "cpu", False, 2048, 64)
+    assert not runs_hlat_attention("sdpa", "cpu", False, 2048, 64)
+    assert runs_hlat_attention("auto", "cpu", True, 2048, 64)  # packed documents: blocked
+    assert runs_hlat_attention("auto", "cpu", False, 1024, 64)  # shorter: blocked
+    monkeypatch.setattr(hlat_attention, "bf16_flash_attention_reason", lambda: None)
+    monkeypatch.setattr(hlat_attention, "fp32_flash_attention_reason", lambda: None)
+    assert runs_hlat_attention("auto", "cpu", False, 2048, 64)  # the flash kernels take it
+    assert not runs_hlat_attention("auto", "cpu", False, 2048, 48)  # but not 48-wide heads
+    monkeypatch.setattr(hlat_attention, "bf16_flash_attention_reason", lambda: "no kernels")
+    assert not runs_hlat_attention("auto", "cpu", False, 2048, 64)
+
+
 def test_true_and_false_are_taken_as_given():
     for asked in (True, False):
         choice = resolve_compile(asked, _config("--optim.precision=fp32"), CPU)

@@ -260,8 +260,11 @@ def runs_flash_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask
 ) -> bool:
     """Whether :func:`attention` runs one of the fused kernels' flash attention kernels on
-    these [B, H, S, D] tensors as they are (``mask.takes_flash``, and a kernel of their
-    dtype and shape on this CPU).
+    these [B, H, S, D] tensors as they are given: a kernel of their dtype and shape runs on
+    this CPU, and either ``auto`` handed the mask's attention to it (``mask.takes_flash``)
+    or the blocked kernel's plain causal attention goes to it
+    (:func:`blocked_causal_attention`). bf16 tensors that :func:`attention` converts to
+    fp32 first (CPUs without bf16 instructions) are not run as they are.
 
     Such a kernel keeps for backward q, k and v, its output and each query's fp32
     log-sum-exp ([B * H, S]), nothing of the ``S x S`` scores; its output lies in memory as
@@ -269,7 +272,10 @@ def runs_flash_kernel(
     the projection keeps that same tensor. Recomputing the kernel in backward (selective
     activation checkpointing) would free only the log-sum-exp."""
     # Note: other masks (context parallelism's) have no ``takes_flash``
-    return getattr(mask, "takes_flash", False) and _on_flash_kernel(q, k, v)
+    handed = getattr(mask, "takes_flash", False) or (
+        getattr(mask, "kernel", "sdpa") == "blocked" and mask.backend == "causal"
+    )
+    return handed and _on_flash_kernel(q, k, v)
 
 
 @torch.compiler.assume_constant_result

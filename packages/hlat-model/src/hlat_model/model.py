@@ -335,15 +335,17 @@ class Attention(nn.Module):
     :func:`hlat_model.attention.rope_flash_attention`, on the fused product as it is.
 
     Selective checkpointing recomputes the core in backward, except where the default core
-    runs a flash kernel on batch-first activations
-    (:func:`hlat_model.attention.runs_flash_kernel`): that kernel keeps no scores, and its
-    output is the output projection's input itself, so recomputing it would free only its
-    log-sum-exp (a core replaced through ``attend`` is always recomputed).
+    runs a flash kernel on q, k and v as they are (not on fp32 copies of bf16 ones) and on
+    batch-first activations (:func:`hlat_model.attention.runs_flash_kernel`): that kernel
+    keeps no scores, and its output is the output projection's input itself, so
+    recomputing it would free only its log-sum-exp (a core replaced through ``attend`` is
+    always recomputed).
 
     Note: with ``selective``, the model step at the package benchmark's shape (8 layers of
-    width 512, 4 x 512 tokens) on a 2-core Zen 5 EPYC (AVX512-BF16, no AMX) ran 1.059x
-    (bf16) and 1.024x (fp32) faster than recomputing the flash kernels, and held the same
-    memory when backward started, within 0.4 MiB of 270 MiB (bf16) and 539 MiB (fp32)
+    width 512, 4 x 512 tokens) on a 2-core Zen 5 EPYC (AVX512-BF16, no AMX) ran 1.059x and
+    1.069x (bf16), 1.024x and 1.031x (fp32) faster than recomputing the flash kernels (two
+    runs), and held the same memory when backward started, within 0.4 MiB of 270 MiB (bf16)
+    and 539 MiB (fp32)
     (``benchmarks/test_bench_train_step.py::test_selective_checkpointing_in_the_model_step``).
     """
 

@@ -255,7 +255,9 @@ def validate(
         config.model.compile is True
         and selective_tp
         and compiled_tp_checkpoints_fail()
-        and not runs_blocked_attention(llama.attention, run.device)
+        and not runs_hlat_attention(
+            llama.attention, run.device, data.document_mask, data.seq_len, llama.head_dim
+        )
     ):
         import torch
 
@@ -457,19 +459,38 @@ def _check_hang_timeout(value: float) -> None:
         )
 
 
-def runs_blocked_attention(attention: str, device: str) -> bool:
-    """Whether the model's attention runs ``hlat_model``'s blocked kernel on ``device``
-    (``train.device``; ``auto`` is the accelerator torch sees, else the CPU), by
-    hlat-model's own rule (``hlat_model.attention.resolve_backend``)."""
+def runs_hlat_attention(
+    attention: str, device: str, documents: bool, seq_len: int, head_dim: int
+) -> bool:
+    """Whether the model's attention runs one of ``hlat_model``'s own kernels on ``device``
+    (``train.device``; ``auto`` is the accelerator torch sees, else the CPU) rather than
+    torch's SDPA or flex attention: the blocked kernel by hlat-model's rule
+    (``hlat_model.attention.resolve_backend``, for these documents and sequence length), or
+    with ``auto`` on a CPU its flash kernels, which take the attention they fit whatever
+    that rule says (``AttentionMask.takes_flash``). The flash kernels count where both the
+    bf16 and the fp32 one run, so whatever dtype the step computes in, and the sequence and
+    head size are multiples of their block."""
     import torch
 
-    from hlat_model.attention import resolve_backend
+    from hlat_model import attention as hlat_attention
     from hlat_parallel.device import accelerator
 
     found = accelerator() if device == "auto" else torch.device(device)
     device_type = found.type if found is not None else "cpu"
-    # packed documents or not, the blocked kernel is chosen on the same devices
-    return resolve_backend(attention, device_type, documents=True) == "blocked"
+    rule = hlat_attention.resolve_backend(
+        attention, device_type, documents=documents, seq_len=seq_len
+    )
+    if rule == "blocked":
+        return True
+    block = hlat_attention.FLASH_BLOCK
+    return (
+        attention == "auto"
+        and device_type == "cpu"
+        and seq_len % block == 0
+        and head_dim % block == 0
+        and hlat_attention.bf16_flash_attention_reason() is None
+        and hlat_attention.fp32_flash_attention_reason() is None
+    )
 
 
 def compiled_tp_checkpoints_fail() -> bool:

@@ -260,11 +260,12 @@ def runs_flash_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask
 ) -> bool:
     """Whether :func:`attention` runs one of the fused kernels' flash attention kernels on
-    these [B, H, S, D] tensors as they are given: a kernel of their dtype and shape runs on
-    this CPU, and either ``auto`` handed the mask's attention to it (``mask.takes_flash``)
-    or the blocked kernel's plain causal attention goes to it
-    (:func:`blocked_causal_attention`). bf16 tensors that :func:`attention` converts to
-    fp32 first (CPUs without bf16 instructions) are not run as they are.
+    these [B, H, S, D] tensors as they are given (its one test for it): a kernel of their
+    dtype and shape runs on this CPU, and either ``auto`` handed the mask's attention to it
+    (``mask.takes_flash``) or the mask asks the blocked kernel for plain causal attention,
+    which that kernel gives to the flash kernel (:func:`blocked_causal_attention`). bf16
+    tensors that :func:`attention` converts to fp32 first (CPUs without bf16 instructions)
+    are not run as they are.
 
     Such a kernel keeps for backward q, k and v, its output and each query's fp32
     log-sum-exp ([B * H, S]), nothing of the ``S x S`` scores; its output lies in memory as

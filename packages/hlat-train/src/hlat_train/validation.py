@@ -466,10 +466,9 @@ def runs_hlat_attention(
     (``train.device``; ``auto`` is the accelerator torch sees, else the CPU) rather than
     torch's SDPA or flex attention: the blocked kernel by hlat-model's rule
     (``hlat_model.attention.resolve_backend``, for these documents and sequence length), or
-    with ``auto`` on a CPU its flash kernels, which take the attention they fit whatever
-    that rule says (``AttentionMask.takes_flash``). The flash kernels count where both the
-    bf16 and the fp32 one run, so whatever dtype the step computes in, and the sequence and
-    head size are multiples of their block."""
+    on a CPU its flash kernels, by hlat-model's own test
+    (``hlat_model.attention.runs_flash_kernel``) for both bf16 and fp32 tensors of this
+    sequence and head size, so whatever dtype the step computes in."""
     import torch
 
     from hlat_model import attention as hlat_attention
@@ -482,15 +481,15 @@ def runs_hlat_attention(
     )
     if rule == "blocked":
         return True
-    block = hlat_attention.FLASH_BLOCK
-    return (
-        attention == "auto"
-        and device_type == "cpu"
-        and seq_len % block == 0
-        and head_dim % block == 0
-        and hlat_attention.bf16_flash_attention_reason() is None
-        and hlat_attention.fp32_flash_attention_reason() is None
-    )
+    if device_type != "cpu":
+        return False
+    # packed documents on a CPU are the blocked rule's, above; this is plain causal attention
+    mask = hlat_attention.AttentionMask.build(None, seq_len, attention, torch.device("cpu"))
+    shape = (1, 1, seq_len, head_dim)
+    heads = [
+        torch.empty((), dtype=dtype).expand(shape) for dtype in (torch.bfloat16, torch.float32)
+    ]
+    return all(hlat_attention.runs_flash_kernel(q, q, q, mask) for q in heads)
 
 
 def compiled_tp_checkpoints_fail() -> bool:

@@ -1,6 +1,7 @@
 import json
 import multiprocessing
 import os
+import shutil
 import struct
 
 import fsspec
@@ -160,8 +161,8 @@ def test_retention_does_not_keep_a_damaged_checkpoint_in_place_of_a_good_one(tmp
         assert ck.load_latest(make_state(1)) == 1
     ck.save(2, a)  # the resumed run saves at other steps than the damaged one
     # step 1 stays: the two kept are 1 and 2, the damaged 4 is not one of them (and, newer
-    # than the commit, is left alone)
-    assert [c.step for c in ck.list()] == [1, 2, 4]
+    # than the commit, is left alone); in commit order, 4 of the lineage the resume left
+    assert [(c.step, c.current) for c in ck.list()] == [(1, True), (4, False), (2, True)]
     ck.save(5, a)  # once a newer step commits, the damaged one goes
     assert [c.step for c in ck.list()] == [2, 5]
 
@@ -270,6 +271,25 @@ def test_consolidate_returns_full_model_and_optimizer_state(root):
         a["optimizer"].state[a["model"][0].weight]["exp_avg"],
     )
     assert consolidate(f"{url}/step_0000000001", storage_options=options).keys() == full.keys()
+
+
+def test_consolidate_checks_a_copy_under_another_name_too(tmp_path):
+    root = (str(tmp_path / "ckpt"), None)
+    a = make_state(0)
+    with torch.no_grad():
+        a["model"][0].weight[3, 5] = MARK
+    checkpointer(root, async_save=False).save(1, a)
+    best = tmp_path / "best"  # a copy kept apart from the run, named by what it is
+    shutil.copytree(tmp_path / "ckpt" / "step_0000000001", best)
+    assert torch.equal(consolidate(best)["model"]["0.weight"], a["model"][0].weight)
+
+    _flip_a_weight_byte(root, 1)
+    shutil.copyfile(tmp_path / "ckpt" / "step_0000000001" / "__0_0.distcp", best / "__0_0.distcp")
+    for url in (best, tmp_path / "ckpt" / "step_0000000001"):
+        with pytest.raises(
+            ValueError, match=r"cannot consolidate: .*: file __0_0\.distcp has checksum"
+        ):
+            consolidate(url)
 
 
 # Note: with two writing threads the error happens in a thread DCP starts, which DCP does

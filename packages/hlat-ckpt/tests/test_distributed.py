@@ -10,7 +10,7 @@ import torch
 from ckpt_helpers import launch
 from ckpt_workers import REPLICATED_NUMEL, SHARDED_NUMEL, tp_model
 
-from hlat_ckpt import MANIFEST_NAME, Checkpointer
+from hlat_ckpt import MANIFEST_NAME, Checkpointer, CheckpointError
 from hlat_ckpt.manifest import file_checksum
 from hlat_ckpt.storage import Storage
 
@@ -49,6 +49,37 @@ def test_tp2_checkpoint_loads_into_one_process(tp2_checkpoint):
         for k, v in optimizer.state[p].items():
             got[f"optimizer.{name}.{k}"] = v
     assert_matches(got, reference)
+
+
+def test_per_rank_state_of_two_ranks_is_not_loaded_by_one_without_rank_state_from(tp2_checkpoint):
+    root, reference = tp2_checkpoint
+    model = tp_model()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    loader = {"untouched": True}
+    with pytest.raises(
+        CheckpointError,
+        match=r"written by 2 ranks, this job has 1: .*per-rank state \['loader'\].*"
+        r"rank_state_from.*model and optimizer",
+    ):
+        Checkpointer(root).load_latest({"model": model, "loader": loader})
+    # refused before anything was read: neither the model nor rank 0's loader was loaded
+    assert loader == {"untouched": True}
+    assert all(torch.equal(v, initial[k]) for k, v in model.state_dict().items())
+
+    # named by rank_state_from, the saved rank's entries load
+    assert Checkpointer(root, rank_state_from=lambda layout, world: 1).load_latest(
+        {"model": model, "loader": loader}
+    )
+    assert loader == {"rank": 1, "pos": 10}
+    assert torch.equal(model.state_dict()["0.weight"], reference["model.0.weight"])
+
+    # the model alone loads; this process's RNG states stay as they are (the checkpoint's
+    # are two other ranks')
+    model = tp_model()  # seeds torch's generator itself
+    torch.manual_seed(5)
+    rng = torch.get_rng_state()
+    assert Checkpointer(root).load_latest({"model": model}) == 1
+    assert torch.equal(torch.get_rng_state(), rng)
 
 
 def test_tp2_checkpoint_loads_into_two_data_parallel_replicas(tp2_checkpoint):

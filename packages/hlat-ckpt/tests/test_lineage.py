@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,61 @@ def test_a_run_cannot_save_a_step_of_its_own_ancestry_again(tmp_path):
         again.save(2, a)  # its own parent
     with pytest.raises(CheckpointError, match="step 1 already exists"):
         again.save(1, a)  # an ancestor further back
+
+
+def flip_a_byte(path: Path) -> None:
+    """Flip the bits of one byte in the middle of ``path``: the file keeps its size."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def seq_and_parent(root: Path, name: str) -> tuple[int, dict | None]:
+    record = json.loads((root / name / MANIFEST_NAME).read_text())["lineage"]
+    return record["seq"], record["parent"]
+
+
+def test_restarts_past_a_damaged_newest_checkpoint_fork_and_save_its_step_again(tmp_path):
+    # each Checkpointer is a restart of the run: a new process knows nothing of the last's
+    first = Checkpointer(tmp_path, async_save=False)
+    a = make_state(0)
+    first.save(1000, a)
+    train_step(a)
+    first.save(2000, a)
+    flip_a_byte(tmp_path / "step_0000002000" / "__0_0.distcp")  # same size: only checksums tell
+    assert seq_and_parent(tmp_path, "step_0000002000") == (2, None)
+
+    resumed, skipped, runs = [], [], []
+    for seed, step in enumerate((1500, 1700, 2000), start=1):
+        run = Checkpointer(tmp_path, async_save=False)
+        b = make_state(seed)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resumed.append(run.load_latest(b))
+        skipped.append([str(w.message) for w in caught if "skipping" in str(w.message)])
+        train_step(b)
+        run.save(step, b)  # step 2000 too: the damaged one is of the abandoned lineage
+        run.close()  # a synchronous save deletes what retention drops in the background
+        runs.append(run.lineage)
+    assert resumed == [1000, 1500, 1700]
+    # only the first restart meets the damaged checkpoint; later ones resume the fork
+    assert [len(s) for s in skipped] == [1, 0, 0], skipped
+    assert "skipping damaged checkpoint" in skipped[0][0]
+    # falling back past the damaged newest checkpoint started a new lineage, continued since
+    assert runs[0] != first.lineage and runs == [runs[0]] * 3
+    fork = runs[0]
+    # numbered after every commit under the root, the damaged one's (seq 2) included
+    assert seq_and_parent(tmp_path, "step_0000001500") == (
+        3,
+        {"id": first.lineage, "step": 1000, "seq": 1},
+    )
+    assert seq_and_parent(tmp_path, "step_0000001700")[0] == 4
+    saved = f"step_0000002000-{fork}"
+    assert seq_and_parent(tmp_path, saved)[0] == 5
+    # the new lineage got to 2000: retention deleted the abandoned, damaged 2000
+    assert dirs(tmp_path) == ["step_0000001000", "step_0000001500", "step_0000001700", saved]
+    c = make_state(9)
+    assert Checkpointer(tmp_path, async_save=False).load_latest(c) == 2000
 
 
 def test_lineage_is_recorded_in_the_manifest(tmp_path):

@@ -354,3 +354,12 @@ def test_two_ranks_commit_together_share_the_checksums_and_skip_a_rank_local_dam
         assert any("dp_rank_01_tp_rank_00_pp_rank_00.pt has" in w for w in json.load(f)["warnings"])
     manifest = json.loads((tmp_path / "step_0000000001" / MANIFEST_NAME).read_text())
     assert {rank_file(0), rank_file(1)} <= set(manifest["checksums"])
+    # one process does not take rank 0's share of a two-rank job's state for the whole
+    from nxd_worker import state
+
+    one = state(0)
+    before = {k: v.clone() for k, v in one["model"].state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"written by 2 ranks, this job has 1"):
+        checkpointer(tmp_path).load(1, one)
+    assert all(torch.equal(v, before[k]) for k, v in one["model"].state_dict().items())
+    assert one["loader"] == {"position": 0}

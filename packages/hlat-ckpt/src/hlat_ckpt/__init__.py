@@ -35,7 +35,7 @@ __all__ = [
     "SaveStats",
     "consolidate",
 ]
-__version__ = "0.8.6"
+__version__ = "0.8.7"
 
 
 def __getattr__(name: str) -> Any:

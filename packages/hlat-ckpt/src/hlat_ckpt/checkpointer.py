@@ -87,10 +87,11 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
             have written); a damaged checkpoint is skipped by :meth:`load_latest` and
             refused by :meth:`load`. Checksums are always recorded.
         rank_state_from: ``f(saved_layout, saved_world_size) -> rank``: whose per-rank
-            entries (loader, scheduler, RNG...) this rank loads; by default its own. Give it
-            to resume in another layout where several ranks share that state (e.g. every
-            pipeline or tensor-parallel rank of one data-parallel replica reads the same
-            data).
+            entries (loader, scheduler, RNG...) this rank loads; by default its own, which
+            needs the saving job's number of ranks (at another, loading per-rank entries is
+            refused, and the RNG states are left as they are). Give it to resume in another
+            layout where several ranks share that state (e.g. every pipeline or
+            tensor-parallel rank of one data-parallel replica reads the same data).
 
     ``state`` maps names to the objects to checkpoint: ``nn.Module`` (also DDP/FSDP/TP
     wrapped) and ``torch.optim.Optimizer`` entries go through
@@ -267,6 +268,25 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         if RNG_ENTRY not in manifest.entries and entries.get(RNG_ENTRY, ("",))[0] == "rank":
             del entries[RNG_ENTRY]  # saved with save_rng=False: keep this rank's RNG as it is
         self._check_entries(where, manifest, {name: kind for name, (kind, _) in entries.items()})
+        per_rank = [n for n, (kind, _) in entries.items() if kind in ("rank", "dict")]
+        if self.rank_state_from is None and manifest.world_size != self.world_size:
+            # Note: by default rank r loads saved rank r's entries, which are the state of
+            # one rank of the saving job only. At another size some saved ranks' state would
+            # go unread (fewer ranks) or some ranks would find none (more): refused on every
+            # rank alike, before anything is read. The RNG states this checkpointer adds on
+            # its own are not asked for by the state: this rank keeps its own.
+            if RNG_ENTRY in per_rank and entries[RNG_ENTRY][1] is self._rng:
+                del entries[RNG_ENTRY]
+                per_rank.remove(RNG_ENTRY)
+            if per_rank:
+                raise CheckpointError(
+                    f"{where} was written by {manifest.world_size} ranks, this job has "
+                    f"{self.world_size}: the per-rank state {per_rank} of each saved rank is "
+                    "loaded by the rank of the same number, so only at the same number of "
+                    "ranks; to resume at another, give rank_state_from (which saved rank's "
+                    "per-rank state each rank loads), or load the model and optimizer "
+                    f"entries only (leave out {per_rank})"
+                )
 
         reader = self._reader(dirname)
         metadata = reader.read_metadata().state_dict_metadata
@@ -289,7 +309,6 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
                     )
                 current[name] = tensors
                 request.update(tensors)
-        per_rank = [n for n, (kind, _) in entries.items() if kind in ("rank", "dict")]
         source = self.rank
         if self.rank_state_from is not None:
             source = self.rank_state_from(manifest.layout, manifest.world_size)

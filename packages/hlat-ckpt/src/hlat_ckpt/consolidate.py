@@ -10,7 +10,7 @@ import torch
 
 from . import state_json
 from .lineage import current_ancestry
-from .manifest import MANIFEST_NAME, IncompleteCheckpointError, scan, validate
+from .manifest import MANIFEST_NAME, IncompleteCheckpointError, read_manifest, scan, validate
 from .storage import Storage, parse_dirname
 
 
@@ -21,37 +21,37 @@ def consolidate(
     and optimizer entries, with plain tensors assembled from every rank's shards; optimizer
     state in torch's nested form, keyed by parameter name (:func:`nest_optimizer_state`).
 
-    ``url`` is a checkpoint directory (``.../step_0000001000``) or a root, in which case the
-    newest complete checkpoint of its current run lineage is used (what resume would load). Every file is checked against the checksum
-    in the manifest first (a root skips a damaged checkpoint, with a warning, for the one
-    before it). Runs in one process without a process group; it needs memory for the whole
-    model and optimizer state. Per-rank entries (data loaders, RNG states) are left out: they
-    belong to a rank, not to the model.
+    ``url`` is a checkpoint directory (``.../step_0000001000``, or a copy of one under any
+    name) or a root, in which case the newest complete checkpoint of its current run lineage
+    is used (what resume would load). Every file is checked against the checksum in the
+    manifest first (a directory that fails raises ``ValueError``; a root skips a damaged
+    checkpoint, with a warning, for the one before it). Runs in one process without a process
+    group; it needs memory for the whole model and optimizer state. Per-rank entries (data
+    loaders, RNG states) are left out: they belong to a rank, not to the model.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     storage = Storage(url, storage_options)
-    verified = False
     if storage.exists(MANIFEST_NAME):
         parent, name = storage.url.rsplit("/", 1) if "/" in storage.url else (".", storage.url)
         storage = Storage(parent, storage_options)
         dirname = name
-        parsed = parse_dirname(name)
-        step = -1 if parsed is None else parsed
+        try:
+            # a copy under another name (``best``) is checked too, at its manifest's step
+            step = parse_dirname(name)
+            if step is None:
+                step = read_manifest(storage, dirname).step
+            validate(storage, dirname, step, checksums=True)
+        except IncompleteCheckpointError as e:
+            raise ValueError(f"cannot consolidate: {e}") from None
     else:
         manifests, _ = scan(storage)
         chain = current_ancestry(m.commit(d) for d, m in manifests.items())
         newest = next((c for c in chain if _is_complete(storage, c.dirname, c.step)), None)
         if newest is None:
             raise FileNotFoundError(f"no complete checkpoint under {storage.url}")
-        step, dirname = newest.step, newest.dirname
-        verified = True
-    if step >= 0 and not verified:
-        try:
-            validate(storage, dirname, step, checksums=True)
-        except IncompleteCheckpointError as e:
-            raise ValueError(f"cannot consolidate: {e}") from None
+        dirname = newest.dirname
     if storage.is_local:
         reader: dcp.StorageReader = dcp.FileSystemReader(storage.path(dirname))
     else:

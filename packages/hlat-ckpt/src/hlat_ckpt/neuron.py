@@ -428,6 +428,14 @@ class NeuronCheckpointer(CheckpointPolicy[Written]):
         where = self._storage.url_of(dirname)
         _, optimizer, _, others = split_state(state)
         self._check_entries(where, manifest, manifest_entries(state, save_rng=False))
+        if manifest.world_size != self.world_size:
+            # rank r loads saved rank r's state: at another size some saved ranks' state
+            # would go unread, or some ranks would find none; refused on every rank alike
+            raise CheckpointError(
+                f"{where} was written by {manifest.world_size} ranks, this job has "
+                f"{self.world_size}: NxD's shards and each rank's per-rank state resume at "
+                "the same number of ranks only"
+            )
         per_rank = self._storage.path(dirname, rank_file(self.rank))
         if not self._storage.fs.exists(per_rank):
             raise CheckpointError(

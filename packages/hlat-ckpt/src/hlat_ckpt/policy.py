@@ -274,9 +274,14 @@ class CheckpointPolicy(Generic[PendingT]):
                 manifests, leftovers = scan(self._storage)
                 if not rejected:
                     self._warn_uncommitted(leftovers)
-                commits = [m.commit(d) for d, m in manifests.items() if d not in self._damaged]
+                # Note: a damaged checkpoint stays among the commits, as an incomplete one
+                # does: it is still the head when it was the newest, so resuming from an
+                # older one starts a new lineage, and the next commit is numbered after it.
+                # Left out, the run would continue its lineage under its number, and a
+                # later run, which no longer knows it damaged, would refuse its step.
+                commits = [m.commit(d) for d, m in manifests.items()]
                 for candidate in lineages.current_ancestry(commits):
-                    if candidate.dirname in rejected:
+                    if candidate.dirname in rejected or candidate.dirname in self._damaged:
                         continue
                     try:
                         validate(self._storage, candidate.dirname, candidate.step)

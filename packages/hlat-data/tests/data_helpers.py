@@ -1,7 +1,11 @@
-"""Helpers shared by the hlat-data tests: a loader with the tests' shape, and a comparison
-of batches field by field."""
+"""Helpers shared by the hlat-data tests: a loader with the tests' shape, a comparison of
+batches field by field, and a deadline for code that must not run for ever."""
 
 from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -24,3 +28,20 @@ def assert_same_batches(expected, actual) -> None:
             np.testing.assert_array_equal(
                 getattr(a, field), getattr(b, field), err_msg=f"batch {i} {field}"
             )
+
+
+@contextlib.contextmanager
+def deadline(seconds: int) -> Iterator[None]:
+    """Raises ``TimeoutError`` in the main thread after ``seconds``, so that a loop that would
+    run for ever fails the test instead of hanging it."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

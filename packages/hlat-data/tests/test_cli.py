@@ -31,11 +31,35 @@ def test_convert_reads_jsonl_gzip_parquet_text_and_datasets_dirs_in_order(tmp_pa
     assert not (tmp_path / "out.arrow.tmp").exists()
 
 
+def test_convert_reads_every_compressed_json_lines_format_jsonl_source_reads(tmp_path, documents):
+    zstandard = pytest.importorskip("zstandard")
+    docs = [d for d in documents if d][:30]
+    data = b"".join(json.dumps({"text": d}).encode() + b"\n" for d in docs)
+    pieces = [data[i : i + 5000] for i in range(0, len(data), 5000)]  # cut inside lines
+    # zstd frames (as pzstd writes them) and gzip members with zero padding (as bgzip ends)
+    (tmp_path / "a.jsonl.zst").write_bytes(b"".join(zstandard.compress(p) for p in pieces))
+    (tmp_path / "b.ndjson.gz").write_bytes(
+        b"".join(gzip.compress(p) for p in pieces) + gzip.compress(b"") + b"\0" * 8
+    )
+    (tmp_path / "c.json.zst").write_bytes(zstandard.compress(data))
+    inputs = [str(tmp_path / n) for n in ("a.jsonl.zst", "b.ndjson.gz", "c.json.zst")]
+    counts = convert_to_arrow(inputs, tmp_path / "out.arrow", batch_rows=7)
+    assert counts["documents"] == 90
+    assert ArrowSource(tmp_path / "out.arrow").texts(range(90)) == docs * 3
+
+
 def test_convert_of_a_broken_json_line_names_file_and_line(tmp_path):
     (tmp_path / "x.jsonl").write_text('{"text": "ok"}\n{"text": "cut\n')
     with pytest.raises(DataError, match=r"x\.jsonl:2: not valid JSON"):
         convert_to_arrow(str(tmp_path / "x.jsonl"), tmp_path / "out.arrow")
     assert not (tmp_path / "out.arrow").exists()
+    assert not (tmp_path / "out.arrow.tmp").exists()
+    # a truncated compressed file: named, and nothing left either
+    data = gzip.compress(b'{"text": "ok"}\n' * 100)
+    (tmp_path / "y.jsonl.gz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError, match=r"y\.jsonl\.gz: the file ends inside the gzip member"):
+        convert_to_arrow(str(tmp_path / "y.jsonl.gz"), tmp_path / "out.arrow")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.jsonl", "y.jsonl.gz"]
 
 
 def test_convert_of_invalid_utf8_names_file_and_line(tmp_path):

@@ -6,9 +6,9 @@ import sys
 
 import numpy as np
 import pytest
-from data_helpers import BATCH, SEQ, assert_same_batches, make_loader
+from data_helpers import BATCH, SEQ, assert_same_batches, deadline, make_loader
 
-from hlat_data import IGNORE_INDEX, ArrowSource, DataError, Tokenizer
+from hlat_data import IGNORE_INDEX, ArrowSource, DataError, JsonlSource, Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +167,45 @@ def test_changed_corpus_is_an_error_naming_what_changed(
 ):
     state = make_loader(source, tokenizer).state_dict()
     other = ArrowSource(arrow_writer(tmp_path / "corpus.arrow", documents[:-3]))
-    with pytest.raises(DataError, match=r"source changed: .*'documents': 49.*'documents': 46"):
+    with pytest.raises(
+        DataError, match=r"source changed: documents: state has 49, this loader has 46$"
+    ):
         make_loader(other, tokenizer).load_state_dict(state)
+    with pytest.raises(
+        DataError, match=r"source changed: max_chars: state has 500000, this loader has 900$"
+    ):
+        make_loader(ArrowSource(source.files, max_chars=900), tokenizer).load_state_dict(state)
+    renamed = arrow_writer(tmp_path / "renamed.arrow", documents)
+    with pytest.raises(
+        DataError, match=r"source changed: the files' base names, sizes or row counts differ"
+    ):
+        make_loader(ArrowSource(renamed), tokenizer).load_state_dict(state)
+    # a state whose fingerprint names none of the source's settings is checked by its hash
+    bare = dict(state, fingerprint=dict(state["fingerprint"]))
+    bare["fingerprint"]["source"] = {
+        k: v for k, v in state["fingerprint"]["source"].items() if k in ("hash", "documents")
+    }
+    make_loader(source, tokenizer).load_state_dict(bare)
+
+
+def test_a_run_stopped_by_a_null_text_resumes_skipping_nulls(tmp_path, tokenizer, documents,
+                                                             arrow_writer):  # fmt: skip
+    texts = [d for d in documents if d][:40]
+    texts[30] = None
+    path = arrow_writer(tmp_path / "nulls.arrow", texts, batch_rows=8)
+    kwargs = dict(seq_len=32, shuffle=False, block_size=8, num_epochs=1)
+    assert ArrowSource(path).fingerprint() == ArrowSource(path, nulls="skip").fingerprint()
+    stopped = make_loader(ArrowSource(path), tokenizer, **kwargs)
+    head = []
+    with pytest.raises(DataError, match=r"row 30 has a null 'text'"):
+        for batch in stopped:
+            head.append(batch)
+    assert head
+    resumed = make_loader(ArrowSource(path, on_bad_record="skip"), tokenizer, **kwargs)
+    resumed.load_state_dict(stopped.state_dict())
+    whole = list(make_loader(ArrowSource(path, on_bad_record="skip"), tokenizer, **kwargs))
+    assert_same_batches(whole, head + list(resumed))
+    assert resumed.bad_records == 1
 
 
 def test_changed_tokenizer_seed_or_separators_are_errors(
@@ -326,3 +363,51 @@ def test_an_error_in_a_worker_reaches_the_caller_with_its_message(
     loader = make_loader(ArrowSource(path), tokenizer, num_workers=1, shuffle=False, block_size=8)
     with pytest.raises(DataError, match=r"nulls\.arrow: row 30 has a null 'text'"):
         list(itertools.islice(loader, 1000))
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_corpus_without_tokens_is_an_error_not_an_endless_loop(
+    tmp_path, tokenizer, arrow_writer, workers
+):
+    empty = ArrowSource(arrow_writer(tmp_path / "empty.arrow", [""] * 12))
+    nothing = r"empty\.arrow gives no tokens: all of its 12 documents"
+    with pytest.raises(DataError, match=nothing), deadline(30):
+        next(iter(make_loader(empty, tokenizer, num_workers=workers)))
+    # every record bad and skipped; dp 2: each epoch deals the ranks other blocks, until
+    # every block has been seen empty
+    lines = "".join(f'{{"body": "document {i}"}}\n' for i in range(12))
+    (tmp_path / "bad.jsonl").write_text(lines)
+    bad = JsonlSource(tmp_path / "bad.jsonl", on_bad_record="skip")
+    for rank in range(2):
+        loader = make_loader(bad, tokenizer, dp_rank=rank, dp_size=2, num_workers=workers)
+        nothing = r"bad\.jsonl gives no tokens.*bad records read"
+        with pytest.raises(DataError, match=nothing), deadline(30):
+            next(iter(loader))
+
+
+def test_a_rank_without_tokens_is_an_error_only_when_it_would_never_get_one(
+    tmp_path, tokenizer, documents, arrow_writer
+):
+    # blocks of two: block 0 holds text, the three others are empty
+    texts = [documents[1], documents[2]] + [""] * 6
+    source = ArrowSource(arrow_writer(tmp_path / "mostly_empty.arrow", texts))
+    # without shuffling rank 1 reads blocks 1 and 3 in every epoch
+    kwargs = dict(seq_len=16, micro_batch_size=1, block_size=2, dp_size=2)
+    nothing = r"rank 1 of 2 gets no tokens from .*mostly_empty\.arrow"
+    with pytest.raises(DataError, match=nothing), deadline(30):
+        next(iter(make_loader(source, tokenizer, dp_rank=1, shuffle=False, **kwargs)))
+    rank_0 = make_loader(source, tokenizer, shuffle=False, **kwargs)
+    with deadline(30):
+        assert len(list(itertools.islice(rank_0, 3))) == 3
+    # shuffled, a rank whose share of an epoch is empty reads on to block 0 in a later one
+    # (rank 1 gets blocks 2 and 3 in epoch 0, block 0 in epoch 1)
+    encoded = set(tokenizer.encode(texts[0]) + tokenizer.encode(texts[1]) + [tokenizer.eos_id])
+    epochs = []
+    for rank in range(2):
+        loader = make_loader(source, tokenizer, dp_rank=rank, **kwargs)
+        with deadline(30):
+            batches = list(itertools.islice(loader, 3))
+        assert len(batches) == 3
+        assert set(np.concatenate([b.input_ids[0] for b in batches]).tolist()) <= encoded
+        epochs.append(loader.epoch)
+    assert epochs == [0, 1]

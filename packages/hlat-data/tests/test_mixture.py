@@ -57,6 +57,21 @@ def rows_of(batches):
     return [row for b in batches for row in b.input_ids]
 
 
+def rows_by_source(loader, count=None, until=None):
+    """The rows of a mixture of one-row batches, by the source each came from: of ``count``
+    batches, or until source ``until`` has ended."""
+    out = {s.name: [] for s in loader.sources}
+    tokens = {name: c["tokens"] for name, c in loader.composition().items()}
+    for batch in itertools.islice(loader, count):
+        composition = loader.composition()
+        (name,) = [n for n, c in composition.items() if c["tokens"] != tokens[n]]
+        tokens[name] = composition[name]["tokens"]
+        out[name].append(batch.input_ids[0])
+        if until is not None and composition[until]["ended"]:
+            break
+    return out
+
+
 def test_rows_follow_the_weights_and_each_is_its_sources_own(parts, tokenizer):
     weights = {"web": 0.5, "code": 0.3, "books": 0.2}
     loader = make(parts, tokenizer, weights)
@@ -164,6 +179,7 @@ def test_merged_states_resume_at_the_same_and_at_another_dp_size(parts, tokenize
         rows_of(itertools.islice(loader, 7))
     merged = merge_states([loader.state_dict() for loader in ranks])
     assert merged["dp_size"] == 2 and set(merged["sources"]) == set(weights)
+    drawn = sum(loader.composition()["web"]["tokens"] for loader in ranks)
     # same dp: each rank continues exactly
     for r, loader in enumerate(ranks):
         again = make(parts, tokenizer, weights, dp_rank=r, dp_size=2, mbs=1)
@@ -172,13 +188,75 @@ def test_merged_states_resume_at_the_same_and_at_another_dp_size(parts, tokenize
             np.stack(rows_of(itertools.islice(again, 5))),
             np.stack(rows_of(itertools.islice(loader, 5))),
         )
-    # one process: reads on, with the schedule's counters of rank 0
+    # one process: reads on, holding the rows both ranks drew
     single = make(parts, tokenizer, weights, mbs=1)
     single.load_state_dict(merged)
+    assert single.composition()["web"]["tokens"] == drawn
     assert len(rows_of(itertools.islice(single, 9))) == 9
-    assert single.composition()["web"]["tokens"] >= 7 // 3 * SEQ
     with pytest.raises(DataError, match="rank 0 of 2"):
         make(parts, tokenizer, weights, mbs=1).load_state_dict(ranks[0].state_dict())
+
+
+@pytest.mark.parametrize(("old", "new", "steps"), [(4, 1, 18), (1, 4, 30)])
+def test_a_token_cap_holds_over_all_ranks_across_a_dp_size_change(
+    parts, tokenizer, old, new, steps
+):
+    weights = {"web": 1, "code": 1, "books": 1}
+    caps = {"code": {"max_tokens": 40 * SEQ}}
+    before = [
+        make(parts, tokenizer, weights, dp_rank=r, dp_size=old, mbs=1, caps=caps)
+        for r in range(old)
+    ]
+    drawn = sum(len(rows_by_source(loader, steps)["code"]) for loader in before)
+    assert 0 < drawn < 40
+    merged = merge_states([loader.state_dict() for loader in before])
+    after = [
+        make(parts, tokenizer, weights, dp_rank=r, dp_size=new, mbs=1, caps=caps)
+        for r in range(new)
+    ]
+    for loader in after:
+        loader.load_state_dict(merged)
+    # the rows drawn are shared out among the new ranks, none counted twice or dropped
+    assert sum(loader.composition()["code"]["tokens"] for loader in after) == drawn * SEQ
+    more = [rows_by_source(loader, 400, until="code")["code"] for loader in after]
+    assert all(loader.composition()["code"]["ended"] for loader in after)
+    assert drawn + sum(map(len, more)) == 40
+
+
+@pytest.mark.parametrize("new", [1, 3])
+def test_a_source_one_old_rank_finished_is_read_to_its_end_by_the_new_ranks(
+    tmp_path, documents, tokenizer, arrow_writer, parts, new
+):
+    # blocks of two documents in corpus order: rank 0 of 4 reads blocks 0, 4 and 8, whose
+    # documents are short, so it finishes its share of the one epoch long before the others
+    texts = [d for d in documents if len(d) >= 600][:24]
+    texts = [t[:80] if i // 2 % 4 == 0 else t[:600] for i, t in enumerate(texts)]
+    capped = {"web": str(arrow_writer(tmp_path / "capped.arrow", texts)), "books": parts["books"]}
+    weights, caps = {"web": 1, "books": 1}, {"web": {"epochs": 1}}
+
+    def loader(rank, size):
+        return make(capped, tokenizer, weights, dp_rank=rank, dp_size=size, mbs=1, caps=caps,
+                    shuffle=False)  # fmt: skip
+
+    before = [loader(r, 4) for r in range(4)]
+    for old in before:
+        rows_by_source(old, 24)
+    assert [old.composition()["web"]["ended"] for old in before] == [True, False, False, False]
+    merged = merge_states([old.state_dict() for old in before])
+    for rank in range(new):
+        resumed = loader(rank, new)
+        resumed.load_state_dict(merged)
+        assert not resumed.composition()["web"]["ended"]
+        got = rows_by_source(resumed, 2000, until="web")["web"]
+        # every row the source has left for this rank, as the source alone gives them
+        alone = PackedLoader(
+            ArrowSource(capped["web"]), tokenizer, SEQ, 1, rank, new,
+            seed=source_seed(7, "web"), block_size=2, shuffle=False, num_epochs=1,
+        )  # fmt: skip
+        alone.load_state_dict(merged["sources"]["web"])
+        expected = [b.input_ids[0] for b in alone]
+        assert len(expected) > 10
+        np.testing.assert_array_equal(np.stack(got), np.stack(expected))
 
 
 def test_workers_give_the_same_batches(parts, tokenizer):

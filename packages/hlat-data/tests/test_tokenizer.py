@@ -69,6 +69,39 @@ def test_trained_tokenizer_keeps_code_layout_exactly(tokenizer_path):
     assert all(sum(c.isdigit() for c in piece) <= 1 for piece in sp.encode_as_pieces("x = 12345"))
 
 
+def test_json_lines_train_on_their_text_field_as_the_same_documents_in_arrow(
+    tmp_path, documents, arrow_writer
+):
+    import gzip
+    import json
+
+    import sentencepiece
+
+    from hlat_data import train_tokenizer
+
+    texts = [*documents[:20], None, *documents[20:30]]  # a null text is skipped by both
+    lines = b"".join(json.dumps({"id": i, "text": t}).encode() + b"\n" for i, t in enumerate(texts))
+    (tmp_path / "docs.jsonl").write_bytes(lines)
+    (tmp_path / "docs.jsonl.gz").write_bytes(gzip.compress(lines))
+    arrow = arrow_writer(tmp_path / "docs.arrow", texts)
+    vocabularies = {}
+    for name in ("docs.jsonl", "docs.jsonl.gz", arrow.name):
+        path = train_tokenizer(
+            str(tmp_path / name), tmp_path / name.replace(".", "_"), 400, num_threads=1
+        )
+        model = sentencepiece.SentencePieceProcessor(model_file=path)
+        vocabularies[name] = [
+            (model.id_to_piece(i), model.get_score(i)) for i in range(model.get_piece_size())
+        ]
+    assert vocabularies["docs.jsonl"] == vocabularies["docs.arrow"]
+    assert vocabularies["docs.jsonl.gz"] == vocabularies["docs.arrow"]
+    with pytest.raises(DataError, match=r"no text to train on .*31 bad records.*'body'"):
+        train_tokenizer(str(tmp_path / "docs.jsonl"), tmp_path / "x", 400, text_column="body")
+    (tmp_path / "notes.txt.gz").write_bytes(gzip.compress(b"some notes"))
+    with pytest.raises(DataError, match=r"notes\.txt\.gz: not UTF-8 text .*JSON lines"):
+        train_tokenizer(str(tmp_path / "notes.txt.gz"), tmp_path / "x", 400)
+
+
 def test_encoding_threads_default_to_the_cores_shared_by_the_node_s_processes(monkeypatch):
     from hlat_data import default_threads
     from hlat_data.tokenizer import usable_cores

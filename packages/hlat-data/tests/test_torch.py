@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from hlat_data import ArrowSource, PackedLoader
+from hlat_data import ArrowSource, DataError, PackedLoader
 
 torch = pytest.importorskip("torch")
 
@@ -36,3 +36,17 @@ def test_tensors_feed_a_torch_data_loader_without_rebatching(corpus, tokenizer):
     batch = next(iter(torch.utils.data.DataLoader(dataset, batch_size=None)))
     assert batch["input_ids"].shape == (2, 32)
     assert int(batch["doc_lens"].sum()) == 64
+
+
+def test_torch_worker_processes_are_refused_naming_the_fix(corpus, tokenizer):
+    from hlat_data.torch import TorchPackedDataset
+
+    dataset = TorchPackedDataset(PackedLoader(ArrowSource(corpus), tokenizer, 32, 2, block_size=4))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1)
+    with pytest.raises(DataError, match=r"DataLoader worker 0 of 1: .*num_workers=0"):
+        next(iter(loader))
+    assert dataset.state_dict()["batches"] == 0
+    assert next(iter(torch.utils.data.DataLoader(dataset, batch_size=None)))["input_ids"].shape == (
+        2,
+        32,
+    )

@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     convert = commands.add_parser(
         "convert",
-        help="jsonl, jsonl.gz, parquet, plain text, datasets directories -> one Arrow file",
+        help="JSON lines (plain, .gz, .zst), parquet, plain text, datasets directories -> "
+        "one Arrow file",
         formatter_class=fmt,
     )
     convert.add_argument("inputs", nargs="+", help="files, globs or directories")
@@ -38,13 +39,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser(
         "train-tokenizer",
-        help="SentencePiece BPE with Llama-2 settings from Arrow or text",
+        help="SentencePiece BPE with Llama-2 settings from Arrow, JSON lines or text",
         formatter_class=fmt,
     )
-    train.add_argument("inputs", nargs="+", help="Arrow/Parquet files, directories, text files")
+    train.add_argument(
+        "inputs",
+        nargs="+",
+        help="Arrow/Parquet files, directories, JSON lines (.jsonl, .ndjson, .json, optionally "
+        ".gz or .zst), UTF-8 text files",
+    )
     train.add_argument("-o", "--output", required=True, help="model path (.model appended)")
     train.add_argument("--vocab-size", type=int, default=32000, help="pieces in the vocabulary")
-    train.add_argument("--text-column", default="text", help="column with the text (Arrow input)")
+    train.add_argument(
+        "--text-column",
+        "--text-field",
+        default="text",
+        help="column or field with the text (Arrow, Parquet, JSON lines)",
+    )
     train.add_argument(
         "--max-chars", type=int, default=200_000_000, help="characters fed to the trainer at most"
     )

@@ -6,6 +6,7 @@ by ``batch_bytes`` (plus one input line or one plain-text file), whatever the in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -17,11 +18,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hlat_data.errors import DataError
-from hlat_data.source import ArrowSource, Source
+from hlat_data.jsonl import compression, decompressed, is_jsonl
+from hlat_data.source import ArrowSource, Source, _File
 from hlat_data.tokenizer import Tokenizer
 
-_JSON_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".ndjson", ".ndjson.gz")
 _TABLE_SUFFIXES = (".arrow", ".parquet", ".pq", ".ipc", ".feather")
+_READ_BLOCK = 8 << 20  # stored bytes read per step from a compressed file
 
 
 def convert_to_arrow(
@@ -37,11 +39,13 @@ def convert_to_arrow(
     """Write the documents of ``inputs`` to one Arrow IPC file with a ``text`` column.
 
     Args:
-        inputs: files or globs: JSON lines (``.jsonl``, ``.jsonl.gz``, ...; the document is
-            field ``text_field`` of each line), Parquet and Arrow files and ``save_to_disk``
-            directories (column ``text_field``), and plain text files (any other suffix; one
-            document per file).
-        output: the Arrow file to write (written to ``<output>.tmp``, then renamed).
+        inputs: files or globs: JSON lines (``.jsonl``, ``.ndjson``, ``.json``, each plain,
+            ``.gz`` or ``.zst`` as :class:`~hlat_data.JsonlSource` reads them, gzip members
+            and zstd frames of any size; the document is field ``text_field`` of each line),
+            Parquet and Arrow files and ``save_to_disk`` directories (column ``text_field``),
+            and plain text files (any other suffix; one document per file).
+        output: the Arrow file to write (written to ``<output>.tmp``, then renamed; removed
+            when the conversion fails).
         batch_rows, batch_bytes: a record batch is written once either is reached; they
             bound memory and set the granularity of random access.
         progress: show a progress bar of documents written (needs ``tqdm``).
@@ -60,28 +64,36 @@ def convert_to_arrow(
     schema = pa.schema([pa.field("text", pa.string())])
     counts = {"files": len(files), "documents": 0, "characters": 0}
     bar = _progress(progress)
-    temporary = output + ".tmp"
-    with fsspec.open(temporary, "wb", **options) as raw, pa.ipc.new_file(raw, schema) as writer:
-        pending: list[str] = []
-        size = 0
-        for url in files:
-            for text in _documents(url, text_field, options):
-                pending.append(text)
-                size += len(text)
-                counts["documents"] += 1
-                counts["characters"] += len(text)
-                if len(pending) >= batch_rows or size >= batch_bytes:
-                    writer.write_batch(
-                        pa.record_batch([pa.array(pending, pa.string())], schema=schema)
-                    )
-                    if bar is not None:
-                        bar.update(len(pending))
-                    pending, size = [], 0
-        if pending:
-            writer.write_batch(pa.record_batch([pa.array(pending, pa.string())], schema=schema))
-    if bar is not None:
-        bar.close()
     fs, path = fsspec.core.url_to_fs(output, **options)
+    try:
+        with (
+            fsspec.open(output + ".tmp", "wb", **options) as raw,
+            pa.ipc.new_file(raw, schema) as writer,
+        ):
+            pending: list[str] = []
+            size = 0
+            for url in files:
+                for text in _documents(url, text_field, options):
+                    pending.append(text)
+                    size += len(text)
+                    counts["documents"] += 1
+                    counts["characters"] += len(text)
+                    if len(pending) >= batch_rows or size >= batch_bytes:
+                        writer.write_batch(
+                            pa.record_batch([pa.array(pending, pa.string())], schema=schema)
+                        )
+                        if bar is not None:
+                            bar.update(len(pending))
+                        pending, size = [], 0
+            if pending:
+                writer.write_batch(pa.record_batch([pa.array(pending, pa.string())], schema=schema))
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(path + ".tmp")
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
     fs.mv(path + ".tmp", path)
     return counts
 
@@ -157,7 +169,7 @@ def _expand(entries: list[str], options: dict[str, Any]) -> list[str]:
 
 def _documents(url: str, field: str, options: dict[str, Any]) -> Iterator[str]:
     fs, path = fsspec.core.url_to_fs(url, **options)
-    if path.endswith(_JSON_SUFFIXES):
+    if is_jsonl(path):
         yield from _json_lines(url, field, options)
     elif path.endswith(".parquet") or path.endswith(".pq"):
         with fs.open(path, "rb") as f:
@@ -180,8 +192,10 @@ def _documents(url: str, field: str, options: dict[str, Any]) -> Iterator[str]:
 
 
 def _json_lines(url: str, field: str, options: dict[str, Any]) -> Iterator[str]:
-    with fsspec.open(url, "rb", compression="infer", **options) as f:
-        for number, raw in enumerate(f, start=1):
+    with fsspec.open(url, "rb", **options) as f:
+        fmt = compression(url)
+        lines: Iterator[bytes] = iter(f) if fmt == "plain" else _lines(_text(url, fmt, f))
+        for number, raw in enumerate(lines, start=1):
             if not raw.strip():
                 continue
             try:
@@ -209,6 +223,36 @@ def _json_lines(url: str, field: str, options: dict[str, Any]) -> Iterator[str]:
                     f"{url}:{number}: field {field!r} is {type(text).__name__}, not a string"
                 )
             yield text
+
+
+def _text(url: str, fmt: str, f: Any) -> Iterator[bytes]:
+    """The decompressed text of the gzip or zstd file open as ``f``, a piece at a time, every
+    member (frame) of it, as :class:`~hlat_data.JsonlSource` reads them."""
+    file = _File(url, url, None, fmt, 0)
+
+    def blocks() -> Iterator[np.ndarray]:
+        while block := f.read(_READ_BLOCK):
+            yield np.frombuffer(block, dtype=np.uint8)
+
+    for _, text, _ in decompressed(file, blocks()):
+        yield text
+
+
+def _lines(pieces: Iterator[bytes]) -> Iterator[bytes]:
+    """The lines of a byte stream that comes in pieces (newlines dropped)."""
+    pending: list[bytes] = []  # the start of a line that runs on into the next piece
+    for piece in pieces:
+        lines = piece.split(b"\n")
+        if len(lines) == 1:
+            pending.append(piece)
+            continue
+        pending.append(lines[0])
+        yield b"".join(pending)
+        yield from lines[1:-1]
+        pending = [lines[-1]]
+    last = b"".join(pending)
+    if last:
+        yield last
 
 
 def _check_field(url: str, field: str, schema: pa.Schema) -> None:

@@ -118,7 +118,7 @@ class JsonlSource(FileSource):
             found = _resolve(
                 os.fspath(entry), storage_options or {}, dir_suffixes=JSONL_SUFFIXES, dir_kind=_KIND
             )
-            self._files += [replace(f, fmt=_compression(f.path)) for f in found]
+            self._files += [replace(f, fmt=compression(f.path)) for f in found]
         if not self._files:
             raise DataError(f"no data files given: {paths_or_urls!r}")
         for file in self._files:
@@ -148,7 +148,9 @@ class JsonlSource(FileSource):
         ``"error"`` reads, so a run stopped by a bad record resumes with ``"skip"``."""
         counts = [len(s) for s in self._starts]
         return self._fingerprint(
-            ["jsonl", self._base_names(), counts, self.text_field, self.max_chars]
+            ["jsonl", self._base_names(), counts, self.text_field, self.max_chars],
+            text_field=self.text_field,
+            max_chars=self.max_chars,
         )
 
     def texts_with_bad(self, indices: Iterable[int]) -> tuple[list[str], np.ndarray]:
@@ -482,13 +484,45 @@ def _scan_members(
     returns one row ``(compressed start, compressed end, text start)`` per member that
     holds bytes (the empty ones, such as bgzip's end marker and zstd's skippable frames,
     are left out)."""
-    unit = _UNIT[file.fmt]
     members: list[tuple[int, int, int]] = []
+    member_size = text_pos = 0
+    for member_start, text, end in decompressed(file, blocks):
+        if text:
+            member_size += len(text)
+            if member_size > limit:
+                fix = _GZIP_FIX if file.fmt == "gzip" else _ZSTD_FIX
+                raise DataError(
+                    f"{file.url}: the {_UNIT[file.fmt]} at byte {member_start} decompresses to "
+                    f"more than max_member_bytes={limit}; reading any line of it would "
+                    f"decompress all of it, so {fix}, pass a larger max_member_bytes=, or "
+                    "convert the file to Arrow with `hlat-data convert`"
+                )
+            lines.feed(text)
+        if end is not None:
+            if member_size:
+                members.append((member_start, end, text_pos))
+                text_pos += member_size
+            member_size = 0
+    return np.array(members, dtype=np.int64).reshape(-1, 3)
+
+
+def decompressed(
+    file: _File, blocks: Iterator[np.ndarray]
+) -> Iterator[tuple[int, bytes, int | None]]:
+    """The text of a gzip or zstd ``file``, member by member (frame by frame), from its stored
+    bytes fed in ``blocks``: ``(start, text, end)`` steps, where ``start`` is the byte offset
+    of the member ``text`` comes from, and ``end`` is None but in the member's last step,
+    where it is the offset just past the member. Zero padding after a gzip member is skipped.
+
+    Raises:
+        DataError: naming the file and the member for damaged or truncated data.
+    """
+    unit = _UNIT[file.fmt]
     buffer = b""
     at = 0  # position in buffer
     offset = 0  # file offset of buffer[at]
     decoder: Any = None
-    member_start = member_size = text_pos = 0
+    member_start = 0
     while True:
         if at >= len(buffer):
             block = next(blocks, None)
@@ -503,7 +537,7 @@ def _scan_members(
                 if at >= len(buffer):
                     continue
             decoder = _decompressor(file)
-            member_start, member_size = offset, 0
+            member_start = offset
         piece = buffer[at : at + _FEED]
         try:
             text = decoder.decompress(piece)
@@ -512,34 +546,22 @@ def _scan_members(
                 f"{file.url}: the {unit} at byte {member_start} cannot be decompressed ({e}); "
                 f"the file is damaged or not {file.fmt} data"
             ) from None
-        if text:
-            member_size += len(text)
-            if member_size > limit:
-                fix = _GZIP_FIX if file.fmt == "gzip" else _ZSTD_FIX
-                raise DataError(
-                    f"{file.url}: the {unit} at byte {member_start} decompresses to more than "
-                    f"max_member_bytes={limit}; reading any line of it would decompress all of "
-                    f"it, so {fix}, pass a larger max_member_bytes=, or convert the file to "
-                    "Arrow with `hlat-data convert`"
-                )
-            lines.feed(text)
         used = len(piece) - len(decoder.unused_data) if decoder.eof else len(piece)
         at += used
         offset += used
-        if decoder.eof:
-            if member_size:
-                members.append((member_start, offset, text_pos))
-                text_pos += member_size
+        ended = bool(decoder.eof)
+        yield member_start, text, offset if ended else None
+        if ended:
             decoder = None
     if decoder is not None:
         raise DataError(
             f"{file.url}: the file ends inside the {unit} at byte {member_start}; it is "
             "truncated: write it again"
         )
-    return np.array(members, dtype=np.int64).reshape(-1, 3)
 
 
-def _compression(path: str) -> str:
+def compression(path: str) -> str:
+    """``"gzip"``, ``"zstd"`` or ``"plain"``: how a JSON lines file is stored, by its suffix."""
     name = path.lower()
     if name.endswith((".gz", ".gzip")):
         return "gzip"

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from hlat_data.errors import DataError
-from hlat_data.order import RankShare, ResumedShare, check_layout
+from hlat_data.order import RankShare, ResumedShare, check_layout, num_blocks
 from hlat_data.packer import Batch, Chunk, Packer
 from hlat_data.source import Source
 from hlat_data.tokenizer import Tokenizer, usable_cores
@@ -51,7 +51,9 @@ class PackedLoader:
         num_workers: tokenizer processes; 0 tokenizes in this process with threads.
         prefetch: chunks in flight per worker; bounds memory.
         chunk_docs: documents per unit of work sent to a worker.
-        num_epochs: stop after this many epochs (None: run forever).
+        num_epochs: stop after this many epochs (None: run forever). Ranks' shares hold
+            different numbers of tokens, so their streams then end after different numbers
+            of batches: a data-parallel loop must stop all ranks together (or count steps).
         drop_last: at the end of the last epoch, drop the partial batch (True) or yield it
             padded with ``-100`` labels past ``doc_lens.sum(-1)`` (False).
         mp_context: multiprocessing start method for the workers; by default
@@ -198,10 +200,12 @@ class PackedLoader:
     def _run(self) -> Iterator[Batch]:
         packer = Packer(self.seq_len, self.micro_batch_size, pad_id=max(self.tokenizer.eos_id, 0))
         chunks = self._chunks()
+        watch = _NoTokens(self)
         try:
             for chunk in chunks:
                 self.empty_documents += int(np.count_nonzero(chunk.lens == 0))
                 self.bad_records += chunk.bad
+                watch.see(chunk)
                 packer.push(chunk)
                 while packer.ready():
                     batch = packer.pop()
@@ -380,6 +384,68 @@ class PackedLoader:
             f"PackedLoader({self.source!r}, seq_len={self.seq_len}, "
             f"micro_batch_size={self.micro_batch_size}, rank {self.dp_rank}/{self.dp_size})"
         )
+
+
+class _NoTokens:
+    """Stops a loader whose stream would never give a token again (every document empty, or
+    a bad record skipped), which would otherwise read epoch after epoch for ever.
+
+    A whole epoch of this rank's share (read from its start, in the epoch's own layout, not
+    the rest of one dealt after a change of ``dp_size``) that gives no token marks its blocks
+    as holding none. The error comes once every block of the corpus is marked (after the
+    first such epoch with ``dp_size=1``; over a few epochs otherwise, since every epoch deals
+    other blocks to the rank), or at once without shuffling, where the rank reads the same
+    blocks every epoch. A rank whose share of one epoch is empty while other blocks hold
+    tokens reads on.
+    """
+
+    def __init__(self, loader: PackedLoader) -> None:
+        self.loader = loader
+        self.epoch = -1
+        self.share: RankShare | ResumedShare | None = None
+        self.whole = False  # whether the epoch is read from its start in its own layout
+        self.tokens = self.bad = 0  # in the epoch so far
+        self.empty: np.ndarray | None = None  # per block: seen to hold no token
+
+    def see(self, chunk: Chunk) -> None:
+        if chunk.epoch != self.epoch:
+            self.epoch, self.share = chunk.epoch, self.loader.share(chunk.epoch)
+            self.whole = chunk.start == 0 and not chunk.skip and isinstance(self.share, RankShare)
+            self.tokens = self.bad = 0
+        self.tokens += int(chunk.lens.sum())
+        self.bad += chunk.bad
+        share = self.share
+        if not self.whole or self.tokens or not isinstance(share, RankShare):
+            return
+        if chunk.start + len(chunk.lens) < len(share):
+            return
+        loader = self.loader
+        if self.empty is None:
+            self.empty = np.zeros(num_blocks(len(loader.source), loader.block_size), dtype=bool)
+        self.empty[share.blocks] = True
+        files = loader.source.files
+        where = ", ".join(files[:3]) + (
+            f" and {len(files) - 3} more files" if len(files) > 3 else ""
+        )
+        bad = (
+            f"; {self.bad} of the {len(share)} documents this rank read in epoch {self.epoch} "
+            "were bad records read as empty (on_bad_record='skip')"
+            if self.bad
+            else ""
+        )
+        if self.empty.all():
+            raise DataError(
+                f"the corpus {where} gives no tokens: all of its {len(loader.source)} "
+                f"documents are empty{bad}, so the loader would read it for ever; check that "
+                "the text column (text_column=, text_field=) holds the documents"
+            )
+        if not loader.shuffle:
+            raise DataError(
+                f"rank {loader.dp_rank} of {loader.dp_size} gets no tokens from {where}: all "
+                f"{len(share)} documents of its share are empty{bad}, and without shuffling it "
+                "reads the same blocks every epoch, so it would read them for ever; shuffle, "
+                "lower block_size, or spread the empty documents"
+            )
 
 
 class _Encoder:
@@ -681,13 +747,37 @@ def _next_result(
         return number, payload
 
 
+# what a part's hash covers beyond the fields it names
+_HASHED = {
+    "source": "the files' base names, sizes or row counts differ",
+    "tokenizer": "the model file differs",
+}
+
+
 def _differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """What differs between two fingerprints, each part with the fields of it that differ."""
     out = []
     for key in sorted(set(saved) | set(current)):
-        if saved.get(key) != current.get(key):
-            out.append(
-                f"{key} changed: state has {saved.get(key)}, this loader has {current.get(key)}"
+        old, new = saved.get(key), current.get(key)
+        if old == new:
+            continue
+        if not (isinstance(old, dict) and isinstance(new, dict)):
+            out.append(f"{key} changed: state has {old}, this loader has {new}")
+            continue
+        # Note: a field only one side has (a state saved before the field was named) is
+        # left out; the hash covers it
+        fields = [
+            f"{k}: state has {old[k]}, this loader has {new[k]}"
+            for k in sorted(set(old) & set(new))
+            if k != "hash" and old[k] != new[k]
+        ]
+        if not fields and old.get("hash") != new.get("hash"):
+            fields.append(
+                f"{_HASHED.get(key, 'the hash differs')} (hash: state has {old.get('hash')}, "
+                f"this loader has {new.get('hash')})"
             )
+        if fields:
+            out.append(f"{key} changed: " + ", ".join(fields))
     return out
 
 

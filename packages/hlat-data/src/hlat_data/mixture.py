@@ -14,6 +14,8 @@ from it across all data-parallel ranks); without either it repeats, each epoch i
 order. When a source ends, the schedule starts a new segment with the remaining sources'
 weights renormalised. Caps are met per rank, at the point where that rank's share of the
 source ends, so ranks keep yielding the same number of batches as long as any source is left.
+On a resume at another ``dp_size`` the rows the old ranks drew from each source are shared
+out among the new ones, so a ``max_tokens`` cap still holds over all ranks.
 
 The state (:meth:`MixedLoader.state_dict`) is the mixture's spec, the schedule's counters and
 each source's own loader state, keyed by the source's name. Resuming with another spec (a
@@ -252,7 +254,8 @@ class MixedLoader:
         return sum(getattr(loader, "bad_records", 0) for loader in self.loaders)
 
     def composition(self) -> dict[str, dict[str, Any]]:
-        """Per source: its weight's share, the tokens this rank drew from it, their share of
+        """Per source: its weight's share, the tokens this rank drew from it (after a resume
+        at another ``dp_size``, counting its part of what the old ranks drew), their share of
         this rank's tokens, the epoch it is in, and whether it has ended."""
         total = max(1, sum(self._rows))
         return {
@@ -294,9 +297,12 @@ class MixedLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where ``state`` left off: this rank's own :meth:`state_dict`, or
-        :func:`~hlat_data.merge_states` of every rank's (which also resumes at another
-        ``dp_size``; the schedule's counters are then rank 0's, and each source's documents
-        are dealt as :meth:`PackedLoader.load_state_dict` describes).
+        :func:`~hlat_data.merge_states` of every rank's. That also resumes at another
+        ``dp_size``: each source's documents are dealt as :meth:`PackedLoader.load_state_dict`
+        describes; the rows all old ranks drew from each source are shared out among the new
+        ranks, so a ``max_tokens`` cap holds over all ranks; a source ends only where this
+        rank has reached its cap or read its last epoch; and the blend goes on where the old
+        ranks stood if they stood alike, else it starts a new segment.
 
         Raises :class:`DataError` before changing anything when the state is not a mixture's,
         when the seed differs, when the spec differs and ``on_change`` is ``"error"``, or when
@@ -323,9 +329,11 @@ class MixedLoader:
                 'data.mixture_change = "continue") to keep the sources by name where they '
                 "stand, start new ones at their beginning and blend by the new weights"
             )
+        moved = False  # resumed at another dp_size
         if "ranks" in state:
             ranks = state["ranks"]
-            schedule = ranks[self.dp_rank] if state["dp_size"] == self.dp_size else ranks[0]
+            moved = state["dp_size"] != self.dp_size
+            schedule = ranks[0] if moved else ranks[self.dp_rank]
         else:
             if (state["dp_rank"], state["dp_size"]) != (self.dp_rank, self.dp_size):
                 raise DataError(
@@ -335,6 +343,7 @@ class MixedLoader:
                     "merge_states() of all ranks' states to change dp_size"
                 )
             schedule = state
+            ranks = [state]
         names = [entry["name"] for entry in saved]
         # every kept source's state is checked before any loader changes
         for s, loader in zip(self.sources, self.loaders, strict=True):
@@ -348,11 +357,37 @@ class MixedLoader:
                 continue
             loader.load_state_dict(state["sources"][s.name])
             old = names.index(s.name)
-            self._rows[d] = int(schedule["rows"][old])
-            if same:
+            if moved:
+                # this rank's part of the rows all old ranks drew, so that the caps, which
+                # are met per rank, hold over all ranks
+                total = sum(int(r["rows"][old]) for r in ranks)
+                self._rows[d] = total // self.dp_size + int(self.dp_rank < total % self.dp_size)
+            else:
+                self._rows[d] = int(schedule["rows"][old])
+            if same and not moved:
                 self._segment[d] = int(schedule["segment"][old])
                 self._done[d] = bool(schedule["done"][old])
-        self._batches = int(schedule["batches"])
+        if moved or not same:
+            # a source ends where its cap is reached or its last epoch is read, as this
+            # rank now stands, not where one old rank stood
+            self._done = [self._exhausted(d) for d in range(n)]
+        if moved and same:
+            # ranks step through the schedule alike until a source ends on one of them;
+            # then, or when the sources that ended differ, a new segment starts
+            segments = {tuple(int(v) for v in r["segment"]) for r in ranks}
+            ended = {tuple(bool(v) for v in r["done"]) for r in ranks}
+            if len(segments) == 1 and ended == {tuple(self._done)}:
+                self._segment = [int(v) for v in ranks[0]["segment"]]
+        self._batches = max(int(r["batches"]) for r in ranks) if moved else int(schedule["batches"])
+
+    def _exhausted(self, d: int) -> bool:
+        """Whether source ``d`` has nothing left for this rank: its row cap is reached, or
+        its loader is past its last epoch."""
+        cap = self._max_rows[d]
+        if cap is not None and self._rows[d] >= cap:
+            return True
+        loader = self.loaders[d]
+        return loader.num_epochs is not None and loader.epoch >= loader.num_epochs
 
     def __repr__(self) -> str:
         parts = ", ".join(

@@ -72,9 +72,10 @@ class RankShare(_Share):
     """The documents one DP rank reads in one epoch, with random access by position.
 
     Note:
-        Shares differ by at most one block in length; ranks cross epoch boundaries at
-        slightly different steps, which is harmless because each rank's stream is
-        continuous across epochs.
+        Shares differ by at most one block in length, and more in tokens; ranks cross epoch
+        boundaries at slightly different steps, which is harmless because each rank's stream
+        is continuous across epochs. A stream that ends (``num_epochs``) therefore ends after
+        a different number of batches on each rank.
     """
 
     def __init__(

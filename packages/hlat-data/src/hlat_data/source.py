@@ -125,12 +125,14 @@ class FileSource:
         """The data files, in the order their documents are numbered."""
         return [f.url for f in self._files]
 
-    def _fingerprint(self, payload: list[Any]) -> dict[str, Any]:
-        """``fingerprint()`` of a corpus whose identity is ``payload`` (plain data)."""
+    def _fingerprint(self, payload: list[Any], **named: Any) -> dict[str, Any]:
+        """``fingerprint()`` of a corpus whose identity is ``payload`` (plain data); ``named``
+        repeats settings the hash covers, so that a changed one is named."""
         return {
             "hash": hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16],
             "documents": len(self),
             "files": len(self._files),
+            **named,
         }
 
     def _base_names(self) -> list[tuple[str, int]]:
@@ -246,10 +248,15 @@ class ArrowSource(FileSource):
 
     def fingerprint(self) -> dict[str, Any]:
         """What identifies this corpus: file base names, sizes and row counts, column,
-        split limit, null policy."""
+        split limit. The null policy is not part of it: it changes no document that
+        ``"error"`` reads, so a run stopped by a null text resumes with ``"skip"``."""
         rows = [int(self._offsets[-1])]
+        # Note: the hash keeps the default policy's value where the policy used to be, so
+        # the states saved with it by earlier versions still load
         return self._fingerprint(
-            [self._base_names(), rows, self.text_column, self.max_chars, self.nulls]
+            [self._base_names(), rows, self.text_column, self.max_chars, "error"],
+            text_column=self.text_column,
+            max_chars=self.max_chars,
         )
 
     def texts_with_bad(self, indices: Iterable[int]) -> tuple[list[str], np.ndarray]:

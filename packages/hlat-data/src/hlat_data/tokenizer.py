@@ -514,8 +514,12 @@ def train_tokenizer(
     ``vocab_size`` gets fewer pieces instead of an error.
 
     Args:
-        inputs: Arrow/Parquet files or directories (anything :class:`ArrowSource` reads),
-            or plain text files (``.txt``, ``.md`` or any suffix it does not know).
+        inputs: Arrow/Parquet files or directories (anything :class:`ArrowSource` reads;
+            null texts are skipped), JSON lines (``.jsonl``, ``.ndjson``, ``.json``, plain,
+            ``.gz`` or ``.zst``, read by :class:`~hlat_data.JsonlSource`; bad records are
+            skipped), or UTF-8 text files, one document each (``.txt``, ``.md`` or any
+            suffix it does not know).
+        text_column: the column (Arrow, Parquet) or field (JSON lines) with the text.
         output: where to write the model; ``.model`` is appended when missing, and a
             ``.vocab`` file is written next to it.
         vocab_size: number of pieces (at most).
@@ -523,9 +527,13 @@ def train_tokenizer(
 
     Returns:
         The path of the written ``.model`` file. Ids: 0 unk, 1 BOS, 2 EOS.
+
+    Raises:
+        DataError: for an input that cannot be read (naming it), or inputs without text.
     """
     import sentencepiece
 
+    from hlat_data.jsonl import JsonlSource, is_jsonl
     from hlat_data.source import ArrowSource
 
     entries = [
@@ -538,22 +546,50 @@ def train_tokenizer(
     if vocab_size < 8:
         raise DataError(f"vocab_size must be at least 8, got {vocab_size}")
 
-    def documents() -> Any:
-        for entry in entries:
-            if entry.endswith((".arrow", ".parquet", ".pq", ".ipc", ".feather")) or os.path.isdir(
-                entry
-            ):
-                source = ArrowSource(
+    # the tables and JSON lines are opened (and checked) before training starts
+    inputs_read: list[ArrowSource | JsonlSource | str] = []
+    for entry in entries:
+        if is_jsonl(entry):
+            inputs_read.append(
+                JsonlSource(
+                    entry, text_column, on_bad_record="skip", storage_options=storage_options
+                )
+            )
+        elif entry.endswith((".arrow", ".parquet", ".pq", ".ipc", ".feather")) or os.path.isdir(
+            entry
+        ):
+            inputs_read.append(
+                ArrowSource(
                     entry, text_column=text_column, nulls="skip", storage_options=storage_options
                 )
+            )
+        else:
+            inputs_read.append(entry)
+    bad = [0]  # records skipped
+
+    def documents() -> Any:
+        for source in inputs_read:
+            if not isinstance(source, str):
                 for start in range(0, len(source), 256):
-                    yield from source.texts(range(start, min(start + 256, len(source))))
-            else:
-                try:
-                    with fsspec.open(entry, "rt", encoding="utf-8", **(storage_options or {})) as f:
-                        yield f.read()
-                except FileNotFoundError:
-                    raise DataError(f"{entry}: no such file") from None
+                    texts, skipped = source.texts_with_bad(
+                        range(start, min(start + 256, len(source)))
+                    )
+                    bad[0] += len(skipped)
+                    yield from texts
+                continue
+            try:
+                with fsspec.open(source, "rb", **(storage_options or {})) as f:
+                    data = f.read()
+            except FileNotFoundError:
+                raise DataError(f"{source}: no such file") from None
+            try:
+                yield data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{source}: not UTF-8 text ({e.reason} at byte {e.start}); train_tokenizer "
+                    "reads Arrow and Parquet files and directories, JSON lines (.jsonl, "
+                    ".ndjson, .json; plain, .gz or .zst) and UTF-8 text files"
+                ) from None
 
     def pieces() -> Any:
         fed = 0
@@ -565,6 +601,17 @@ def train_tokenizer(
                     fed += len(piece)
             if fed >= max_chars:
                 return
+        if not fed:
+            skipped = f", {bad[0]} bad records or null texts skipped" if bad[0] else ""
+            hint = (
+                f"; check that text_column ({text_column!r}) names the text"
+                if any(not isinstance(source, str) for source in inputs_read)
+                else ""
+            )
+            raise DataError(
+                f"no text to train on in {', '.join(entries)} (every document is empty"
+                f"{skipped}){hint}"
+            )
 
     try:
         sentencepiece.SentencePieceTrainer.train(

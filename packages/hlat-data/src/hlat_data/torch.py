@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
+from hlat_data.errors import DataError
 from hlat_data.loader import PackedLoader
 from hlat_data.packer import Batch
 
@@ -34,7 +35,9 @@ class TorchPackedDataset(IterableDataset):
 
     Use it directly (``for batch in dataset``), or in a ``DataLoader(dataset,
     batch_size=None, num_workers=0)``: the loader already batches and runs its own
-    tokenizer workers, and its state lives in this process, which torch's workers would hide.
+    tokenizer workers (``PackedLoader(num_workers=...)``), and its state lives in this
+    process. In a torch worker process each worker would yield every batch of the loader and
+    the state here would never advance, so iterating there raises :class:`DataError`.
     ``state_dict``/``load_state_dict`` pass through, so it is a checkpointable ``Stateful``.
     """
 
@@ -43,6 +46,15 @@ class TorchPackedDataset(IterableDataset):
         self.device = device
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        worker = torch.utils.data.get_worker_info()
+        if worker is not None:
+            raise DataError(
+                f"TorchPackedDataset is iterated in DataLoader worker {worker.id} of "
+                f"{worker.num_workers}: every worker would yield the same batches and the "
+                "loader's state in the main process would never advance; use "
+                "DataLoader(dataset, batch_size=None, num_workers=0), and the loader's own "
+                "num_workers= for tokenizer processes"
+            )
         for batch in self.loader:
             yield to_torch(batch, self.device)
 

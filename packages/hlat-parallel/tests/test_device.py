@@ -99,6 +99,18 @@ def test_auto_backend_is_native_on_gpus_and_cpus():
     assert choose_backend("cpu", nxd_available=False).reason.startswith("native path on cpu")
 
 
+def test_an_explicit_cpu_device_takes_the_native_path_where_nxd_imports():
+    # device="cpu" asks for the CPU: NxD importing, or a Trainium instance, does not turn
+    # it into the legacy XLA path (or a refusal to run without TorchNeuron)
+    for instance in (None, "m7i.large", "trn1.32xlarge", "trn2.48xlarge"):
+        for nxd in (True, False):
+            choice = choose_backend("cpu", nxd_available=nxd, instance=instance)
+            assert choice.backend == "torch", (instance, nxd, choice)
+            assert choice.reason.startswith("native path on cpu"), choice.reason
+    # device="auto" with no accelerator registered (None) still takes NxD's legacy path
+    assert choose_backend(None, nxd_available=True).backend == "neuron"
+
+
 def test_instance_type_comes_from_the_dmi_product_name(tmp_path):
     (tmp_path / "product_name").write_text("trn1.32xlarge\n")
     assert instance_type(str(tmp_path / "product_name")) == "trn1.32xlarge"

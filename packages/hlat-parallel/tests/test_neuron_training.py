@@ -224,13 +224,6 @@ def test_each_precision_maps_to_zero1_dtypes_and_the_rounding_switch(
     assert p.description.startswith(f"{mode}: ") and "\n" not in p.description
 
 
-def test_bf16_sr_keeps_no_fp32_copy_so_optimizer_state_is_6_bytes_per_parameter():
-    p = zero1_precision("bf16-sr")
-    shard, moments = p.optimizer_dtype.itemsize, 2 * p.optimizer_dtype.itemsize
-    assert shard + moments == 6
-    assert zero1_precision("mixed").optimizer_dtype.itemsize * 3 == 12
-
-
 def test_bf16_kahan_and_unknown_modes_are_refused_with_what_to_use():
     assert set(PRECISIONS) == {"bf16-sr", "bf16", "bf16-kahan", "mixed", "fp32"}
     with pytest.raises(ParallelConfigError, match=r"bf16-kahan is not available.*use bf16-sr"):
@@ -244,8 +237,7 @@ def test_the_configured_clip_always_reaches_zero1_and_zero_means_infinite():
     assert zero1_clip(0.3) == {"grad_clipping": True, "max_norm": 0.3}
     off = zero1_clip(0)
     assert off["grad_clipping"] is True and off["max_norm"] == math.inf
-    # ZeRO-1's coefficient min(1, max_norm / (norm + 1e-6)) is then 1: nothing is scaled
-    assert min(1.0, off["max_norm"] / (123.0 + 1e-6)) == 1.0
+    assert zero1_clip(-1.0) == off
 
 
 def test_zero1_without_dtype_or_max_norm_is_refused_before_anything_is_built():

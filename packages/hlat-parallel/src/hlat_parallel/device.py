@@ -181,16 +181,21 @@ def choose_backend(
 ) -> BackendChoice:
     """The parallel backend for ``backend="auto"`` (pure: every input is given).
 
-    ``device_type`` is the device the run will compute on (None: none resolved yet);
-    ``nxd_available`` whether NeuronX Distributed and torch-xla import; ``instance`` the EC2
-    instance type where known. A ``neuron`` device means TorchNeuron, whose path is the
-    native one even where NxD also imports.
+    ``device_type`` is the device the run will compute on: the one asked for, or with
+    ``device="auto"`` the accelerator ``torch.accelerator`` reports (None where it reports
+    none); ``nxd_available`` whether NeuronX Distributed and torch-xla import; ``instance``
+    the EC2 instance type where known. A ``neuron`` device means TorchNeuron, whose path is
+    the native one even where NxD also imports. ``cpu``, which only an explicit
+    ``device="cpu"`` gives, is the native path on the CPU, whatever the instance and
+    whether NxD imports.
     """
     generation = (instance or "").split(".")[0]
     if device_type == "neuron":
         return BackendChoice(
             "torch", "the neuron device is registered (TorchNeuron): native path for trn2/trn3"
         )
+    if device_type == "cpu":
+        return BackendChoice("torch", "native path on cpu (DTensor, FSDP2), as device 'cpu' asks")
     if generation == "trn1":
         if not nxd_available:
             raise DeviceError(
@@ -206,7 +211,7 @@ def choose_backend(
             f"this is a {instance} instance, whose path is the native one on the neuron device, "
             f"but torch does not know that device; install {_hint('neuron')}"
         )
-    if nxd_available and device_type in (None, "cpu"):
+    if nxd_available and device_type is None:
         return BackendChoice("neuron", "NeuronX Distributed and torch-xla import: legacy path")
     where = device_type or "cpu"
     return BackendChoice("torch", f"native path on {where} (DTensor, FSDP2)")
@@ -214,12 +219,12 @@ def choose_backend(
 
 def auto_backend(device_spec: str = "auto") -> BackendChoice:
     """:func:`choose_backend` for this machine (reads the instance type, tries the NxD
-    import only when no accelerator is registered)."""
+    import only for ``device="auto"`` where no accelerator is registered)."""
     check_device(device_spec)
     if device_spec == "auto":
         found = accelerator()
         device_type = found.type if found is not None else None
     else:
         device_type = torch.device(device_spec).type
-    nxd = device_type in (None, "cpu") and _nxd_importable()
+    nxd = device_type is None and _nxd_importable()
     return choose_backend(device_type, nxd, instance_type())

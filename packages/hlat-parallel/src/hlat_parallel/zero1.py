@@ -6,16 +6,25 @@ The step, on each rank:
 1. :func:`sync_gradients` averages the accumulated gradients over "dp" (with "cp", when
    cp > 1) with bucketed all-reduces, so every rank holds the whole averaged gradient
    (clipping can then read it, as it would without data parallelism);
-2. :class:`Zero1Optimizer` runs the wrapped optimizer on this rank's 1/dp slice of every
-   parameter (its state exists for that slice only);
+2. :class:`Zero1Optimizer` copies this rank's 1/dp slice of every parameter out of the
+   model and runs the wrapped optimizer on it (its state exists for that slice only);
 3. and all-gathers the updated slices into the whole parameters.
+
+The slices are cut from the parameters anew at every step, so the step always updates the
+model's current weights: those a checkpoint (a resume, a rollback) or any other in-place
+change wrote into the model after the optimizer was built. State the wrapped optimizer
+keeps of its own (``hlat_optim.AdamW``'s fp32 master weights, Kahan compensations) comes
+from its ``load_state_dict``, as without ZeRO-1.
 
 Note: each slice is a ``DTensor`` sharded over "dp" (and, under TP, laid out over "tp" as
 its parameter is), so the optimizer state it creates is a DTensor whose global shape is the
 parameter's: ``torch.distributed.checkpoint`` saves it once and loads it into any other
 layout (FSDP, another dp or tp). The slice is cut along the first dimension that TP does
 not shard (dim 0 of a row-parallel weight or a norm, dim 1 of a column-parallel one), which
-keeps it a regular DTensor; a parameter whose every dimension TP shards keeps whole state.
+keeps it a regular DTensor. A parameter with no dimension left to cut (a 0-d parameter, or
+a 1-D one TP shards on dim 0, such as a column-parallel bias) keeps whole state on every
+rank: each rank steps all of it with the same averaged gradient, as ``dp_shard="none"``
+does, and writes it back without an all-gather.
 
 Note: written beside FSDP2 rather than with ``ZeroRedundancyOptimizer``, which fails on
 DTensor parameters, assigns whole tensors to ranks and checkpoints by gathering all state
@@ -138,6 +147,8 @@ class _Slot:
             tp_dims = {pl.dim for pl in param.placements if isinstance(pl, Shard)}
         free = [d for d in range(local.dim()) if d not in tp_dims]
         self.dim: int | None = free[0] if free else None
+        """The dimension cut over dp; None: the slice is the whole (local) parameter."""
+        self.rank = rank
         self.chunk_numel = 0
         """Elements of the largest rank's slice: the padded size each rank all-gathers."""
         if self.dim is None:
@@ -171,14 +182,29 @@ class _Slot:
         lo, hi = self.ranges[rank]
         return tensor.narrow(self.dim, lo, hi - lo)
 
+    def mine(self) -> torch.Tensor:
+        """This rank's slice of the parameter as the model holds it now (a view)."""
+        return self.piece_of(_local(self.param), self.rank)
+
 
 class _Group(MutableMapping):
     """A parameter group as the caller sees it: the wrapped optimizer's group (learning
-    rate, betas...), with ``params`` naming the model's parameters rather than the slices."""
+    rate, betas...), with ``params`` naming the model's parameters rather than the slices.
 
-    def __init__(self, inner: dict[str, Any], params: list[torch.Tensor]) -> None:
-        self._inner = inner
+    Note: the group is looked up in the wrapped optimizer at each access, not kept:
+    ``Optimizer.load_state_dict`` replaces its group dicts with new ones holding the loaded
+    hyper-parameters, and a learning rate a scheduler sets after a load must reach those.
+    """
+
+    def __init__(self, owner: Zero1Optimizer, index: int, params: list[torch.Tensor]) -> None:
+        self._owner = owner
+        self._index = index
         self._params = params
+
+    @property
+    def _inner(self) -> dict[str, Any]:
+        group: dict[str, Any] = self._owner.inner.param_groups[self._index]
+        return group
 
     def __getitem__(self, key: str) -> Any:
         return self._params if key == "params" else self._inner[key]
@@ -234,7 +260,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
     parameters, ``step(**kwargs)`` passes ``kwargs`` on (``skip=`` of
     ``hlat_optim.AdamW``), and ``state_dict()`` is the wrapped optimizer's, whose tensors
     are DTensors with their parameters' global shapes. Gradients must be averaged first
-    (:func:`sync_gradients`); the step reads this rank's slice of them.
+    (:func:`sync_gradients`); the step reads this rank's slice of them, and of the
+    parameters as the model holds them then, so weights loaded into the model after the
+    optimizer was built (a resumed checkpoint, a rollback) are the ones it updates.
     """
 
     def __init__(
@@ -265,10 +293,10 @@ class Zero1Optimizer(torch.optim.Optimizer):
         self.defaults = self.inner.defaults
         start = 0
         self._groups: list[_Group] = []
-        for inner in self.inner.param_groups:
+        for index, inner in enumerate(self.inner.param_groups):
             count = len(inner["params"])
             mine = [slot.param for slot in self._slots[start : start + count]]
-            self._groups.append(_Group(inner, mine))
+            self._groups.append(_Group(self, index, mine))
             start += count
         for hooks in (
             "_optimizer_step_pre_hooks",
@@ -314,12 +342,32 @@ class Zero1Optimizer(torch.optim.Optimizer):
             )
 
     @torch.no_grad()
+    def _refresh(self) -> None:
+        """Copy this rank's slice of every trained parameter out of the model into the
+        slice the wrapped optimizer steps.
+
+        Note: a step leaves each slice equal to its part of the parameter, so in a run
+        that only steps this copies the values the slices already hold; after a load into
+        the model (``set_model_state_dict``, ``load_state_dict``, a rollback) it brings the
+        loaded weights in, where a slice kept from the previous step would overwrite them
+        in :meth:`_gather`. It moves 1/dp of the parameters' bytes in local memory per step.
+        """
+        for slot in self._slots:
+            if slot.param.requires_grad:
+                _local(slot.shard).copy_(slot.mine())
+
+    @torch.no_grad()
     def _gather(self) -> None:
         """Write every rank's updated slice into the whole parameters (bucketed
-        all-gathers of equal-sized, zero-padded pieces)."""
+        all-gathers of equal-sized, zero-padded pieces; a whole slice is copied back on
+        every rank, which stepped it alike)."""
         _, group = _dp_rank_and_group(self.dims)
         n = self.dims.dp_cp
-        slots = [s for s in self._slots if s.dim is not None and s.param.requires_grad]
+        trained = [s for s in self._slots if s.param.requires_grad]
+        for slot in trained:
+            if slot.dim is None:
+                _local(slot.param).copy_(_local(slot.shard))
+        slots = [s for s in trained if s.dim is not None]
         if n == 1:
             for slot in slots:
                 slot.piece_of(_local(slot.param), 0).copy_(_local(slot.shard))
@@ -345,12 +393,13 @@ class Zero1Optimizer(torch.optim.Optimizer):
                     offset += slot.chunk_numel
 
     def step(self, closure: Any = None, **kwargs: Any) -> Any:
-        """Step the slices with this rank's slice of each (averaged) gradient, then gather
-        the whole parameters."""
+        """Cut this rank's slices from the parameters, step them with this rank's slice of
+        each (averaged) gradient, then gather the whole parameters."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._refresh()
         self._slice_gradients()
         self.inner.step(**kwargs)
         self._gather()

@@ -181,6 +181,59 @@ def test_too_few_documents_for_the_data_parallel_ranks_fails_before_any_process_
     assert not dist.is_initialized()
 
 
+def test_a_held_out_set_with_fewer_documents_than_dp_fails_before_any_process_group(
+    corpus, tmp_path
+):
+    # 56 training documents in blocks of 1 serve 16 ranks; the 8 held-out ones do not
+    config = tiny_config(corpus, tmp_path, "--data.block_size=1")
+    validate(config, world_size=8)
+    with pytest.raises(
+        ConfigError, match=r"data.valid_paths hold\(s\) 8 documents, fewer than dp 16"
+    ):
+        validate(config, world_size=16)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("--optim.clip=-1", "optim.clip .* must be >= 0"),
+        ("--optim.beta2=1.5", r"optim.beta2 must be in \[0, 1\)"),
+        ("--optim.beta1=-0.1", r"optim.beta1 must be in \[0, 1\)"),
+        ("--optim.eps=-1", "optim.eps must be a positive number"),
+        ("--optim.weight_decay=-0.1", "optim.weight_decay must be >= 0"),
+        ("--optim.lr=inf", "optim.lr must be a positive number"),
+        ("--optim.constant_steps=-5", "optim.constant_steps must be at least 0"),
+        ("--optim.decay_steps=-1", "optim.decay_steps must be at least 0"),
+        ("--train.time_limit=-5", "train.time_limit must be a number of seconds >= 0"),
+        ("--spike.k=-3", r"spike.k \(standard deviations above the mean\) must be positive"),
+        ("--spike.inject_at=[-3]", r"spike.inject_at: steps start at 1, got \[-3\]"),
+        ("--spike.max_rollbacks=-1", "spike.max_rollbacks must be at least 0"),
+        ("--spike.min_history=0", "spike.min_history must be at least 1"),
+        ("--spike.min_history=10 --spike.window=5", r"spike.min_history \(10\) exceeds"),
+        ("--data.block_size=0", "data.block_size must be at least 1"),
+    ],
+)
+def test_values_out_of_range_fail_before_any_process_group(corpus, tmp_path, override, needle):
+    config = tiny_config(corpus, tmp_path, *override.split())
+    with pytest.raises(ConfigError, match=needle):
+        validate(config, world_size=2)
+    assert not dist.is_initialized()
+
+
+def test_local_paths_may_be_file_urls(corpus, tmp_path):
+    config = tiny_config(
+        corpus,
+        tmp_path,
+        f'--data.paths=["file://{corpus["train"]}"]',
+        f'--data.valid_paths=["file://{corpus["valid"]}"]',
+    )
+    validate(config, world_size=1)
+    config.data.paths = [f"file://{tmp_path}/nowhere.arrow"]
+    with pytest.raises(ConfigError, match=r"data.paths: training data 'file://.*nowhere"):
+        validate(config, world_size=1)
+
+
 def test_sharded_init_with_torch_tensor_parallelism_is_accepted():
     config = TrainConfig.preset("hlat-7b", ["--train.init=sharded", "--parallel.backend=torch"])
     validate(config, check_files=False)

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from hlat_train import PEAK_TFLOPS, read_metrics
-from hlat_train.metrics import MetricsWriter, device_peak_tflops, plot_metrics, table_peak
+from hlat_train.metrics import (
+    MetricsWriter,
+    device_peak_tflops,
+    metric_tags,
+    plot_metrics,
+    table_peak,
+)
 
 
 def test_peak_table_covers_three_trainium_generations_and_the_gpus():
@@ -61,6 +67,31 @@ def test_a_measured_peak_is_saved_and_reused_on_the_same_machine(tmp_path):
     peak, source = device_peak_tflops(torch.device("cpu"), cache=str(cache))
     assert peak != 123.0 and "saved in" not in source
     assert json.loads(cache.read_text())["tflops"] == peak
+
+
+def test_dashboards_keep_validation_and_each_source_off_the_training_curve():
+    train = {"kind": "train", "step": 100, "loss": 2.5, "lr": 1e-3, "spike": False}
+    assert metric_tags(train) == {"loss": 2.5, "lr": 1e-3, "spike": False}
+    assert metric_tags({"kind": "valid", "step": 100, "loss": 3.1}) == {"valid/loss": 3.1}
+    code = {"kind": "valid", "step": 100, "loss": 4.2, "source": "code"}
+    assert metric_tags(code) == {"valid/code/loss": 4.2}
+    saved = {"kind": "checkpoint", "step": 100, "stall_s": 0.5, "path": "/x"}
+    assert metric_tags(saved) == {"checkpoint/stall_s": 0.5}
+
+
+def test_each_sources_validation_record_is_kept(tmp_path):
+    writer = MetricsWriter(str(tmp_path))
+    writer.write({"kind": "train", "step": 2, "loss": 4.0, "lr": 1e-3, "grad_norm": 1.0})
+    for source, loss in (("code", 3.1), ("web", 4.2), ("code", 3.0)):
+        writer.write({"kind": "valid", "step": 2, "loss": loss, "source": source})
+    writer.close()
+    records = read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert [(r["kind"], r.get("source"), r["loss"]) for r in records] == [
+        ("train", None, 4.0),
+        ("valid", "code", 3.0),
+        ("valid", "web", 4.2),
+    ]
+    assert plot_metrics(records, str(tmp_path / "plot.png"))
 
 
 def test_resumed_steps_are_read_once_with_the_last_record_winning(tmp_path):

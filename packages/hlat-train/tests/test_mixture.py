@@ -83,3 +83,56 @@ def test_mixture_specs_are_checked_and_round_trip_through_toml(corpus, tmp_path)
         validate(_config(corpus, tmp_path, _sources(corpus).replace('"small"', '"code"')))
     with pytest.raises(ConfigError, match="mixture_change must be"):
         validate(_config(corpus, tmp_path, "--data.mixture_change=maybe"))
+
+
+def _capped(corpus, cap: str) -> str:
+    return (
+        "--data.sources=["
+        f'{{name = "a", paths = ["{corpus["valid"]}"], weight = 1, {cap}}}, '
+        f'{{name = "b", paths = ["{corpus["valid"]}"], weight = 1, {cap}}}]'
+    )
+
+
+def test_a_mixture_that_runs_out_keeps_its_last_step_and_says_why(corpus, tmp_path):
+    from hlat_ckpt import Checkpointer
+
+    config = tiny_config(
+        corpus,
+        tmp_path,
+        "--data.paths=[]",
+        "--data.valid_paths=[]",
+        "--data.block_size=4",
+        _capped(corpus, "epochs = 1"),
+        "--checkpoint.every=1000",
+        "--optim.decay_steps=10",
+        steps=5000,
+    )
+    with pytest.raises(DataError, match=r"ran out after step (\d+) of train.steps 5000: every "):
+        fit(config)
+    train = [r for r in read_metrics(str(tmp_path / "metrics.jsonl")) if r["kind"] == "train"]
+    last = train[-1]["step"]
+    assert 10 < last < 5000
+    assert train[-1]["data/a/epoch"] == 0  # the first and only pass of each source
+    saved = Checkpointer(str(tmp_path / "checkpoints"), async_save=False).list()
+    assert [c.step for c in saved] == [last]  # the steps since the last save are kept
+
+
+def test_a_mixture_whose_token_caps_cannot_fill_the_run_is_refused_before_it_starts(
+    corpus, tmp_path
+):
+    # 2 sources of 640 tokens at most: 10 rows of 64 tokens a source, 10 steps of 2 rows
+    fits = tiny_config(
+        corpus,
+        tmp_path,
+        "--data.paths=[]",
+        "--data.valid_paths=[]",
+        "--data.block_size=4",
+        _capped(corpus, "max_tokens = 640"),
+        steps=10,
+    )
+    validate(fits, world_size=1)
+    fits.train.steps = 11
+    with pytest.raises(
+        ConfigError, match=r"mixture holds at most 1280 tokens .* train.steps 11 need 1408"
+    ):
+        validate(fits, world_size=1)

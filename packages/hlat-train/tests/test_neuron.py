@@ -26,6 +26,7 @@ from hlat_train.neuron import (
     neuron_grad_norm,
     neuron_optimizer,
     neuron_optimizer_kwargs,
+    neuron_step,
 )
 
 
@@ -186,3 +187,31 @@ def test_the_checkpointer_follows_the_checkpoint_section():
 def test_grad_norm_comes_only_from_zero1():
     with pytest.raises(TypeError, match="has no grad_norm"):
         neuron_grad_norm(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]))
+
+
+@pytest.mark.parametrize("policy", ["off", "warn", "skip", "rollback"])
+def test_a_non_finite_loss_never_reaches_zero1_whatever_the_policy(policy):
+    from types import SimpleNamespace
+
+    from hlat_train import SpikeGuard, Trainer
+
+    config = TrainConfig.preset("hlat-7b")
+    config.spike.policy = policy
+    guard = SpikeGuard(window=4, k=3.0, min_history=2) if policy != "off" else None
+    trainer = SimpleNamespace(config=config, state=SimpleNamespace(guard=guard))
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], lr=0.1)
+    for loss, stepped in ((math.nan, False), (math.inf, False), (2.0, True)):
+        weight.grad = torch.full((3,), loss)
+        # the trainer's own verdict on the neuron path: the loss alone (ZeRO-1 has the norm)
+        _, skip = Trainer._judge(trainer, torch.tensor(loss), torch.zeros(()))  # type: ignore[arg-type]
+        assert neuron_step(optimizer, skip, extracting=False) is not stepped
+        assert torch.equal(weight.detach(), torch.ones(3)) is not stepped, (policy, loss)
+
+
+def test_while_graphs_are_collected_the_step_always_runs():
+    weight = torch.nn.Parameter(torch.ones(3))
+    weight.grad = torch.ones(3)
+    optimizer = torch.optim.AdamW([weight], lr=0.1)
+    assert neuron_step(optimizer, torch.tensor(True), extracting=True) is False
+    assert not torch.equal(weight.detach(), torch.ones(3))

@@ -45,6 +45,46 @@ def test_the_verdict_is_a_device_tensor_and_a_spike_is_kept_out_of_the_window():
     assert guard.state_dict()["losses"] == pytest.approx([1.0, 1.1, 0.9])
 
 
+def _level_shift(guard: SpikeGuard, burst: int, steps: int = 300) -> list[bool]:
+    """Verdicts of ``steps`` losses after 200 at 2.0 +- 0.01: ``burst`` of them at 2.15,
+    then back to 2.0 (``burst = steps``: the level stays at 2.15)."""
+    gen = torch.Generator().manual_seed(0)
+    verdicts = []
+    for i in range(200 + steps):
+        level = 2.15 if 200 <= i < 200 + burst else 2.0
+        loss = _t(level + 0.01 * float(torch.randn((), generator=gen)))
+        spike = guard.check(loss, _t(1.0))
+        guard.accept(loss, ~spike)
+        if i >= 200:
+            verdicts.append(bool(spike))
+    return verdicts
+
+
+def test_a_lasting_new_loss_level_is_learned_instead_of_flagged_forever():
+    guard = SpikeGuard(window=50, k=6.0, min_history=10)
+    verdicts = _level_shift(guard, burst=300)
+    assert all(verdicts[:10])  # the first min_history steps of the new level are flagged
+    assert sum(verdicts) < 25 and not any(verdicts[25:]), verdicts
+    assert guard.limit() > 2.15  # the band has moved to the new level
+
+
+def test_a_burst_shorter_than_min_history_stays_out_of_the_window():
+    guard = SpikeGuard(window=50, k=6.0, min_history=10)
+    verdicts = _level_shift(guard, burst=9, steps=20)
+    assert verdicts[:9] == [True] * 9 and not any(verdicts[9:])
+    assert max(guard.state_dict()["losses"]) < 2.1  # no loss of the burst was kept
+    assert guard.state_dict()["streak"] == 0
+
+
+def test_non_finite_losses_never_enter_the_window():
+    guard = SpikeGuard(window=8, k=3.0, min_history=2)
+    for loss in (1.0, 1.1, 0.9):
+        guard.accept(_t(loss))
+    for _ in range(5):
+        guard.accept(_t(math.nan), guard.check(_t(math.nan), _t(1.0)).logical_not())
+    assert guard.state_dict()["losses"] == pytest.approx([1.0, 1.1, 0.9])
+
+
 def test_guard_window_survives_state_dict_round_trip():
     guard = SpikeGuard(window=4, k=3.0, min_history=2)
     for loss in (1.0, 1.1, 0.9, 1.0, 1.05):

@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -66,6 +67,52 @@ def test_rerun_resumes_from_newest_checkpoint_and_continues_identically(corpus, 
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
     _, again = _fit(tiny_config(corpus, tmp_path / "split", horizon, steps=6))
     assert again["resumed_from"] == 6 and again["step"] == 6
+
+
+def test_a_resumed_run_follows_the_optimizer_settings_of_the_command_that_resumed_it(
+    corpus, tmp_path, capfd
+):
+    # 4 steps at lr 3e-3 on a 4-step horizon, then resumed to 8 steps at lr 1e-4 and weight
+    # decay 0: the rest of the run is the fresh 8-step schedule's, from step 5
+    _fit(tiny_config(corpus, tmp_path / "split", steps=4))
+    capfd.readouterr()
+    changed = ("--optim.lr=1e-4", "--optim.weight_decay=0.0")
+    trainer, resumed = _fit(tiny_config(corpus, tmp_path / "split", *changed, steps=8))
+    _fit(tiny_config(corpus, tmp_path / "fresh", *changed, steps=8))
+    assert resumed["resumed_from"] == 4
+    logged = capfd.readouterr().err
+    assert "the config's optimizer settings replace the checkpoint's" in logged
+    assert "schedule total_steps 4 -> 8" in logged and "peak lr 0.003 -> 0.0001" in logged
+    assert "weight_decay 0.1 -> 0.0" in logged
+
+    def rates(run):
+        records = read_metrics(str(tmp_path / run / "metrics.jsonl"))
+        return [r["lr"] for r in records if r["kind"] == "train" and r["step"] > 4]
+
+    assert rates("split") == pytest.approx(rates("fresh"))
+    assert [g["weight_decay"] for g in trainer.optimizer.param_groups] == [0.0] * len(
+        trainer.optimizer.param_groups
+    )
+
+
+def test_train_records_leave_out_the_time_of_checkpoint_saves_and_validation(
+    corpus, tmp_path, monkeypatch
+):
+    # validation after step 2 made to take 1.5 s, and a save: the record of step 3 (steps
+    # are logged one by one) times step 3 alone, a small fraction of that
+    validate_once = Trainer._validate
+
+    def slow_validation(self, step, progress):
+        time.sleep(1.5)
+        return validate_once(self, step, progress)
+
+    monkeypatch.setattr(Trainer, "_validate", slow_validation)
+    _fit(tiny_config(corpus, tmp_path, steps=4))
+    records = read_metrics(str(tmp_path / "metrics.jsonl"))
+    step_s = {r["step"]: r["step_s"] for r in records if r["kind"] == "train"}
+    assert [r["step"] for r in records if r["kind"] == "valid"] == [2, 4]
+    assert [r["step"] for r in records if r["kind"] == "checkpoint"] == [2, 4]
+    assert 0 < step_s[3] < 0.5, step_s
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_143(corpus, tmp_path):

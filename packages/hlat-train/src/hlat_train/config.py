@@ -320,7 +320,9 @@ class SpikeConfig:
     k: float = 6.0
     """Standard deviations above the mean that count as a spike."""
     min_history: int = 10
-    """Steps seen before loss spikes are judged (non-finite norms always are)."""
+    """Steps seen before loss spikes are judged (non-finite norms always are), and the run
+    of flagged steps in a row after which the loss has moved to a new level that the window
+    takes in (see ``hlat_train.SpikeGuard``); at most ``window``."""
     max_rollbacks: int = 5
     """Rollbacks allowed in one run before giving up with an error."""
     inject_at: list[int] = field(default_factory=list)
@@ -405,7 +407,9 @@ class RunConfig:
     eval_batches: int = 8
     """Micro-batches of held-out data per validation."""
     sample_prompt: str = ""
-    """Text to continue at the end (rank 0; empty: none)."""
+    """Text that ``hlat-train demo`` continues at the end of its run (empty: none). ``hlat-train
+    train`` and ``Trainer.fit()`` do not sample; generate from the run's checkpoint instead
+    (``Trainer.generate``, or ``export-hf`` and ``transformers``)."""
     sample_tokens: int = 48
     """Most tokens to generate for the sample; it also ends at the end of the prompt's first
     block of lines (a blank line) or at the end-of-sequence token."""

@@ -208,9 +208,8 @@ class MetricsWriter:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
         if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float):
-                    self._tb.add_scalar(key, value, record["step"])
+            for tag, value in metric_tags(record).items():
+                self._tb.add_scalar(tag, value, record["step"])
         for sink in self._sinks:
             sink.log(record)
 
@@ -227,16 +226,34 @@ class MetricsWriter:
         self._sinks = []
 
 
+def metric_tags(record: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a record under the names dashboards show: a ``train`` record's under
+    their own names, other kinds' under ``<kind>/`` and, for a held-out set of a mixture
+    source, ``<kind>/<source>/`` (so validation losses never land on the training curve,
+    nor one source's on another's)."""
+    kind = record.get("kind", "train")
+    prefix = "" if kind == "train" else f"{kind}/"
+    if record.get("source"):
+        prefix += f"{record['source']}/"
+    return {
+        prefix + key: value
+        for key, value in record.items()
+        if key not in ("step", "kind") and isinstance(value, int | float)
+    }
+
+
 def read_metrics(path: str) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl``; for a step logged twice (a resumed run repeats the
-    steps after its checkpoint), the last record wins. Sorted by step."""
-    by_step: dict[tuple[str, int], dict[str, Any]] = {}
+    """The records of a ``metrics.jsonl``; for a record logged twice (a resumed run repeats
+    the steps after its checkpoint), the last one wins (records are told apart by kind, step
+    and held-out source). Sorted by step."""
+    by_step: dict[tuple[str, int, str], dict[str, Any]] = {}
     with open(path) as f:
         for line in f:
             line = line.strip()
             if line:
                 record = json.loads(line)
-                by_step[(record.get("kind", "train"), record["step"])] = record
+                key = (record.get("kind", "train"), record["step"], record.get("source", ""))
+                by_step[key] = record
     return sorted(by_step.values(), key=lambda r: (r["step"], r.get("kind", "train")))
 
 
@@ -303,8 +320,10 @@ def plot_metrics(records: list[dict[str, Any]], path: str) -> bool:
     valid = [r for r in records if r.get("kind") == "valid"]
     fig, axes = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
     axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
-    if valid:
-        axes[0].plot([r["step"] for r in valid], [r["loss"] for r in valid], "o-", label="valid")
+    for source in dict.fromkeys(r.get("source", "") for r in valid):
+        points = [r for r in valid if r.get("source", "") == source]
+        label = f"valid ({source})" if source else "valid"
+        axes[0].plot([r["step"] for r in points], [r["loss"] for r in points], "o-", label=label)
     axes[0].set_ylabel("loss")
     axes[0].legend()
     axes[1].plot([r["step"] for r in train], [r["lr"] for r in train])

@@ -268,6 +268,21 @@ def neuron_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return parallel_cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
 
 
+def neuron_step(optimizer: torch.optim.Optimizer, skip: torch.Tensor, extracting: bool) -> bool:
+    """Step NxD's ZeRO-1 unless ``skip`` (the spike guard's device verdict: a non-finite
+    loss under every policy, a spike too under ``skip`` and ``rollback``); return whether the
+    update was dropped.
+
+    ZeRO-1 takes no skip flag, so the verdict is read on the host before the step. It is
+    read even while ``neuron_parallel_compile`` collects graphs (``extracting``: the read
+    ends a graph as it will in the run), but nothing read then is acted on.
+    """
+    skipped = bool(skip) and not extracting
+    if not skipped:
+        optimizer.step()
+    return skipped
+
+
 def neuron_grad_norm(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
     """The global gradient norm (before clipping) ZeRO-1 computed in the last
     ``optimizer.step()``, a 0-d tensor on the device (read its value on logging steps only:

@@ -60,15 +60,10 @@ class WandbLogger:
         )
 
     def log(self, record: dict[str, Any]) -> None:
-        """A metrics record: ``train`` records under their own names, ``valid`` ones under
-        ``valid/``; only numbers."""
-        prefix = "valid/" if record.get("kind") == "valid" else ""
-        values = {
-            prefix + key: value
-            for key, value in record.items()
-            if key not in ("step", "kind") and isinstance(value, int | float)
-        }
-        self._run.log(values, step=int(record["step"]))
+        """A metrics record, its numbers named by :func:`~hlat_train.metrics.metric_tags`."""
+        from hlat_train.metrics import metric_tags
+
+        self._run.log(metric_tags(record), step=int(record["step"]))
 
     def close(self) -> None:
         self._run.finish()

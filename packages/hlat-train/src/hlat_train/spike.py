@@ -18,8 +18,12 @@ class SpikeGuard:
     verdict is read on the host only when a step is logged.
 
     Spiking losses are not added to the window, so one spike does not widen the band that
-    judges the next step. The window is part of the training state (``state_dict``), so a
-    resumed run judges exactly as the uninterrupted one would.
+    judges the next step. A run of ``min_history`` flagged steps in a row with finite losses
+    is no spike but a new loss level (harder data, a changed mixture): from then on those
+    losses enter the window, so the band follows the level within a few steps instead of
+    flagging every later step (and, under ``skip``, freezing the weights). The window is
+    part of the training state (``state_dict``), so a resumed run judges exactly as the
+    uninterrupted one would.
 
     Note:
         HLAT watched loss curves by eye and restarted by hand. A rule on the loss alone
@@ -40,6 +44,7 @@ class SpikeGuard:
         self._slots = torch.arange(window, device=device)
         self._count = torch.zeros((), dtype=torch.long, device=device)  # at most `window`
         self._next = torch.zeros((), dtype=torch.long, device=device)  # slot of the next loss
+        self._streak = torch.zeros((), dtype=torch.long, device=device)  # finite losses flagged
 
     def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
         """Whether this step spikes, as a 0-d bool tensor (does not record the loss: call
@@ -63,9 +68,17 @@ class SpikeGuard:
         return float(window.mean() + self.k * window.std())
 
     def accept(self, loss: torch.Tensor, keep: torch.Tensor | bool = True) -> None:
-        """Add ``loss`` to the window where ``keep`` is true (a 0-d bool tensor or a bool)."""
+        """Add ``loss`` to the window where ``keep`` is true (a 0-d bool tensor or a bool),
+        or where it is the ``min_history``-th finite loss or later flagged in a row (a new
+        level, see the class)."""
         keep_t = torch.as_tensor(keep, device=self._losses.device)
         loss = loss.detach().float().to(self._losses.device)
+        finite = loss.isfinite()
+        flagged = ~keep_t & finite
+        self._streak.copy_(
+            torch.where(flagged, self._streak + 1, torch.where(keep_t, 0, self._streak))
+        )
+        keep_t = keep_t | (flagged & (self._streak >= self.min_history))
         write = keep_t & (self._slots == self._next)
         self._losses.copy_(torch.where(write, loss, self._losses))
         self._next.copy_(torch.where(keep_t, (self._next + 1) % self.window, self._next))
@@ -81,11 +94,13 @@ class SpikeGuard:
         return self._losses[order]
 
     def state_dict(self) -> dict[str, Any]:
-        """The window, oldest first, for checkpoints (reads the device)."""
-        return {"losses": self._ordered().cpu().tolist()}
+        """The window, oldest first, and the run of flagged steps, for checkpoints (reads
+        the device)."""
+        return {"losses": self._ordered().cpu().tolist(), "streak": int(self._streak)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the window."""
+        self._streak.fill_(int(state.get("streak", 0)))
         losses = [float(x) for x in state["losses"]][-self.window :]
         self._losses.zero_()
         self._losses[: len(losses)] = torch.tensor(losses, dtype=torch.float32)

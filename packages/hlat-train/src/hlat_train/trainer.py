@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -37,6 +37,9 @@ from hlat_train.spike import GUARD_FILE, SpikeGuard, read_guard_file, write_guar
 from hlat_train.validation import validate
 from hlat_train.watchdog import HangWatchdog, process_group_timeout
 from hlat_train.watchdog import describe as describe_watchdog
+
+if TYPE_CHECKING:
+    from hlat_data import DataError
 
 PEAK_CACHE_NAME = "peak_tflops.json"  # in train.out_dir: the measured peak, for restarts
 
@@ -102,14 +105,38 @@ class GlobalLoaderState:
         self.loader.load_state_dict(state)
 
 
+class _DataRanOut(Exception):
+    """The training data ended inside a step (every source of a mixture at its cap)."""
+
+    def error(self, step: int, steps: int) -> DataError:
+        from hlat_data import DataError
+
+        return DataError(
+            f"the training data ran out after step {step} of train.steps {steps}: every "
+            "source of the mixture reached its epochs or max_tokens cap (data.sources); "
+            f"step {step} is saved. Raise a cap, add a source without one, or set "
+            f"train.steps to {step}"
+        )
+
+
+def _draw(batches: Iterator[Any]) -> Any:
+    """The next micro-batch; the end of the data is :class:`_DataRanOut`, not a bare
+    ``StopIteration`` out of the loop."""
+    try:
+        return next(batches)
+    except StopIteration:
+        raise _DataRanOut from None
+
+
 class _Window:
     """What happened between two reads of the device: how many steps spiked and skipped
     their update and the first that spiked (device counters), the micro-batches of each step
-    and the wall time (host)."""
+    and the wall time (host), less the time spent in validation and checkpoint saves."""
 
     def __init__(self, device: torch.device, step: int) -> None:
         self.start_step = step
         self.start_time = time.perf_counter()
+        self.paused_s = 0.0  # validation and save stalls: not part of any step's time
         self.spikes = torch.zeros((), dtype=torch.long, device=device)
         self.skipped = torch.zeros((), dtype=torch.long, device=device)
         self.first_spike = torch.zeros((), dtype=torch.long, device=device)  # 0: none
@@ -371,6 +398,15 @@ class Trainer:
             min_lr_ratio=c.optim.min_lr_ratio,
             constant_steps=c.optim.constant_steps,
         )
+        # the config's optimizer settings, which a checkpoint's must not replace on resume
+        self._configured = (
+            [dict(fn.__dict__) for fn in self.scheduler.lr_lambdas],
+            list(self.scheduler.base_lrs),
+            [
+                {k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
+                for g in self.optimizer.param_groups
+            ],
+        )
         self.tokenizer = Tokenizer.from_file(
             c.data.tokenizer, num_threads=c.data.tokenizer_threads or None
         )
@@ -603,6 +639,7 @@ class Trainer:
         )
         if resumed is not None:
             self._log(f"resumed from step {resumed} of {c.checkpoint_dir}")
+            self._apply_configured_optimizer(resumed)
         self._restore_guard_file()
         start = self.state.step
         previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -636,132 +673,144 @@ class Trainer:
         if snapshot.note:
             self._log(snapshot.note)
         try:
-            while self.state.step < c.train.steps:
-                step = self.state.step + 1
-                watchdog.beat(step, "forward/backward")
-                profiler.begin(step)
-                step_start = time.perf_counter()
-                logged = step % c.logging.every == 0 or step == c.train.steps
+            exhausted: DataError | None = None
+            try:
+                while self.state.step < c.train.steps:
+                    step = self.state.step + 1
+                    watchdog.beat(step, "forward/backward")
+                    profiler.begin(step)
+                    step_start = time.perf_counter()
+                    logged = step % c.logging.every == 0 or step == c.train.steps
 
-                # forward and backward over the micro-batches of one optimizer step
-                loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-                used: list[int] = []
-                if self.pipeline is not None:
-                    micro_batches = []
-                    for _ in range(self.grad_accum):
-                        micro_batches.append(next(batches))
+                    # forward and backward over the micro-batches of one optimizer step
+                    loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+                    used: list[int] = []
+                    if self.pipeline is not None:
+                        micro_batches = []
+                        for _ in range(self.grad_accum):
+                            micro_batches.append(_draw(batches))
+                            used.append(self._last_index)
+                        loss_sum += self._pipeline_step(micro_batches, train=True)
+                    for micro in range(self.grad_accum if self.pipeline is None else 0):
+                        batch = _draw(batches)
                         used.append(self._last_index)
-                    loss_sum += self._pipeline_step(micro_batches, train=True)
-                for micro in range(self.grad_accum if self.pipeline is None else 0):
-                    batch = next(batches)
-                    used.append(self._last_index)
-                    last_micro = micro == self.grad_accum - 1
-                    loss = self._forward_backward(batch, last_micro)
-                    loss_sum += loss.detach()
-                compute_s = math.nan
-                if logged:  # this step's device work, timed on the steps that read the device
-                    if self.dims.backend == "torch":  # XLA runs the step at mark_step instead
-                        _synchronize(self.device)
-                    compute_s = time.perf_counter() - step_start
-                watchdog.activity("loss all-reduce")
-                loss_value = self._mean_over_dp(loss_sum)
-                if step in self._spike_injections:  # a drill: see SpikeConfig.inject_at
-                    self._spike_injections.discard(step)
-                    loss_value = loss_value * 100.0
-                if step in self._nan_injections:  # a drill: see SpikeConfig.inject_nan_at
-                    self._nan_injections.discard(step)
-                    loss_value = loss_value * math.nan
+                        last_micro = micro == self.grad_accum - 1
+                        loss = self._forward_backward(batch, last_micro)
+                        loss_sum += loss.detach()
+                    compute_s = math.nan
+                    if logged:  # this step's device work, timed on the steps that read the device
+                        if self.dims.backend == "torch":  # XLA runs the step at mark_step instead
+                            _synchronize(self.device)
+                        compute_s = time.perf_counter() - step_start
+                    watchdog.activity("loss all-reduce")
+                    loss_value = self._mean_over_dp(loss_sum)
+                    if step in self._spike_injections:  # a drill: see SpikeConfig.inject_at
+                        self._spike_injections.discard(step)
+                        loss_value = loss_value * 100.0
+                    if step in self._nan_injections:  # a drill: see SpikeConfig.inject_nan_at
+                        self._nan_injections.discard(step)
+                        loss_value = loss_value * math.nan
 
-                watchdog.activity("optimizer step")
-                grad_norm, spike, skip = self._update(loss_value)
-                if self.state.guard is not None:
-                    self.state.guard.accept(loss_value, ~spike)
-                self.optimizer.zero_grad(set_to_none=True)
-                lr = float(self.scheduler.get_last_lr()[0])  # the rate this step used
-                self.scheduler.step()
-                mark_step()
-                self.state.step = step
-                self.state.tokens += tokens_per_step
-                window.add(step, used, spike, skip)
-                if first_loss is None:
-                    first_loss = loss_value
-                last_loss = loss_value
+                    watchdog.activity("optimizer step")
+                    grad_norm, spike, skip = self._update(loss_value)
+                    if self.state.guard is not None:
+                        self.state.guard.accept(loss_value, ~spike)
+                    self.optimizer.zero_grad(set_to_none=True)
+                    lr = float(self.scheduler.get_last_lr()[0])  # the rate this step used
+                    self.scheduler.step()
+                    mark_step()
+                    self.state.step = step
+                    self.state.tokens += tokens_per_step
+                    window.add(step, used, spike, skip)
+                    if first_loss is None:
+                        first_loss = loss_value
+                    last_loss = loss_value
 
-                watchdog.activity("stop-flag all-reduce")
-                stop = self._stop_requested(step == c.train.steps)
-                if math.isnan(self._restart_s):
-                    self._restart_s = time.monotonic() - self._created
-                save = checkpoint_step(step) or step == c.train.steps or stop
-                if stop and self.preempted and not self._preempt_save_fits(step, last_saved):
-                    save, skip_final_save = False, True
-                log = step % c.logging.every == 0 or step == c.train.steps
-                if log or save:
-                    watchdog.activity("metrics (device read, all-reduces)")
-                    # The device is read here, once. The verdicts since the last read come
-                    # first, so a rollback never saves or logs a state past a spike.
-                    seen = self._read(window, loss_value, grad_norm, spike, skip, log)
-                    if (
-                        seen["first_spike"]
-                        and c.spike.policy == "rollback"
-                        and not self._extracting
-                    ):
-                        first = int(seen["first_spike"])
-                        watchdog.activity("spike rollback (checkpoint load)", region="startup")
-                        batches = self._rollback(first, window.batches[first], batches)
-                        window = _Window(self.device, self.state.step)
-                        continue
-                if log:
-                    record = self._metrics(step, seen, lr, window, tokens_per_step, compute_s)
-                    if self.writer:
-                        self.writer.write(record)
-                    progress.update(
-                        step,
-                        f"loss {record['loss']:.3f} lr {record['lr']:.2e} "
-                        f"{record['tokens_per_s']:.0f} tok/s",
-                    )
-                    if record["spikes"]:
-                        band = (
-                            f"; the band is now loss <= {self.state.guard.limit():.4f}"
-                            if self.state.guard is not None
-                            else ""
+                    watchdog.activity("stop-flag all-reduce")
+                    stop = self._stop_requested(step == c.train.steps)
+                    if math.isnan(self._restart_s):
+                        self._restart_s = time.monotonic() - self._created
+                    save = checkpoint_step(step) or step == c.train.steps or stop
+                    if stop and self.preempted and not self._preempt_save_fits(step, last_saved):
+                        save, skip_final_save = False, True
+                    log = step % c.logging.every == 0 or step == c.train.steps
+                    if log or save:
+                        watchdog.activity("metrics (device read, all-reduces)")
+                        # The device is read here, once. The verdicts since the last read come
+                        # first, so a rollback never saves or logs a state past a spike.
+                        seen = self._read(window, loss_value, grad_norm, spike, skip, log)
+                        if (
+                            seen["first_spike"]
+                            and c.spike.policy == "rollback"
+                            and not self._extracting
+                        ):
+                            first = int(seen["first_spike"])
+                            watchdog.activity("spike rollback (checkpoint load)", region="startup")
+                            batches = self._rollback(first, window.batches[first], batches)
+                            window = _Window(self.device, self.state.step)
+                            continue
+                    if log:
+                        record = self._metrics(step, seen, lr, window, tokens_per_step, compute_s)
+                        if self.writer:
+                            self.writer.write(record)
+                        progress.update(
+                            step,
+                            f"loss {record['loss']:.3f} lr {record['lr']:.2e} "
+                            f"{record['tokens_per_s']:.0f} tok/s",
                         )
-                        progress.write(
-                            f"step {step}: {record['spikes']} loss spike(s) since the last log, "
-                            f"{record['skipped']} update(s) skipped (policy {c.spike.policy})"
-                            f"{band}"
-                        )
-                    window = _Window(self.device, step)
-                if c.train.eval_every and step % c.train.eval_every == 0:
-                    watchdog.activity("validation", region="long")
-                    self._validate(step, progress)
-                if save:
-                    if not c.train.eval_every and self._validation_sets() and checkpoint_step(step):
+                        if record["spikes"]:
+                            band = (
+                                f"; the band is now loss <= {self.state.guard.limit():.4f}"
+                                if self.state.guard is not None
+                                else ""
+                            )
+                            progress.write(
+                                f"step {step}: {record['spikes']} loss spike(s) since the last log, "
+                                f"{record['skipped']} update(s) skipped (policy {c.spike.policy})"
+                                f"{band}"
+                            )
+                        window = _Window(self.device, step)
+                    paused = time.perf_counter()
+                    if c.train.eval_every and step % c.train.eval_every == 0:
                         watchdog.activity("validation", region="long")
                         self._validate(step, progress)
-                    watchdog.activity("checkpoint save", region="long")
-                    self.checkpointer.save(step, self.checkpoint_state)
-                    last_saved = step
-                self._log_saves()
-                if save and auto_every and not stop and step < c.train.steps:
-                    watchdog.activity("checkpoint interval all-reduce", region="long")
-                    step_s = (time.monotonic() - since[1]) / max(1, step - since[0])
-                    next_save = step + self._auto_interval(step, step_s)
-                    since = (step, time.monotonic())
-                if c.logging.profile_steps or c.logging.memory_snapshot_step:
-                    watchdog.activity("profiler and memory snapshot", region="long")
-                profiler.end(step)
-                snapshot.after(step)
-                if stop:
-                    reason = "time limit" if self.out_of_time else "SIGTERM"
-                    saved = "no save (see above)" if skip_final_save else f"saved step {step}"
-                    self._log(f"{reason}: {saved}, exiting")
-                    break
+                    if save:
+                        if (
+                            not c.train.eval_every
+                            and self._validation_sets()
+                            and checkpoint_step(step)
+                        ):
+                            watchdog.activity("validation", region="long")
+                            self._validate(step, progress)
+                        watchdog.activity("checkpoint save", region="long")
+                        self.checkpointer.save(step, self.checkpoint_state)
+                        last_saved = step
+                    self._log_saves()
+                    window.paused_s += time.perf_counter() - paused
+                    if save and auto_every and not stop and step < c.train.steps:
+                        watchdog.activity("checkpoint interval all-reduce", region="long")
+                        step_s = (time.monotonic() - since[1]) / max(1, step - since[0])
+                        next_save = step + self._auto_interval(step, step_s)
+                        since = (step, time.monotonic())
+                    if c.logging.profile_steps or c.logging.memory_snapshot_step:
+                        watchdog.activity("profiler and memory snapshot", region="long")
+                    profiler.end(step)
+                    snapshot.after(step)
+                    if stop:
+                        reason = "time limit" if self.out_of_time else "SIGTERM"
+                        saved = "no save (see above)" if skip_final_save else f"saved step {step}"
+                        self._log(f"{reason}: {saved}, exiting")
+                        break
+            except _DataRanOut as e:
+                exhausted = e.error(self.state.step, c.train.steps)
             if self.state.step > last_saved and self.state.step > 0 and not skip_final_save:
                 watchdog.activity("checkpoint save (final)", region="long")
                 self.checkpointer.save(self.state.step, self.checkpoint_state)
             watchdog.activity("checkpoint wait (final)", region="long")
             self.checkpointer.wait()
             self._log_saves()
+            if exhausted is not None:
+                raise exhausted
         except torch.OutOfMemoryError:
             snapshot.on_oom()
             raise
@@ -945,20 +994,17 @@ class Trainer:
         """Clip, judge and step the optimizer: (grad norm, spike, skip) as device tensors.
 
         Note: NxD's ZeRO-1 (trn1) computes and clips the gradient norm inside ``step()`` and
-        takes no skip flag, so there the guard judges the loss alone, and ``skip`` and
-        ``rollback`` read its verdict on the host before the step (one XLA graph execution
-        per step, the price of those policies on trn1).
+        takes no skip flag, so there the guard judges the loss alone and the verdict is read
+        on the host before the step (one XLA graph execution per step): under every policy a
+        non-finite loss must not reach the weights, and ``skip`` and ``rollback`` also drop
+        a spike's update (:func:`~hlat_train.neuron.neuron_step`).
         """
         from hlat_optim import clip_coefficient, global_norm
         from hlat_parallel import sync_gradients
 
         if self.dims.backend == "neuron":
             spike, skip = self._judge(loss, torch.zeros_like(loss))
-            # the verdict is read even while graphs are collected: the read ends a graph
-            verdict = self.config.spike.policy in ("skip", "rollback") and bool(skip)
-            skipped = verdict and not self._extracting
-            if not skipped:
-                self.optimizer.step()
+            skipped = neuron.neuron_step(self.optimizer, skip, self._extracting)
             norm = neuron.neuron_grad_norm(self.optimizer)
             grad_norm = norm if norm is not None else torch.full_like(loss, math.nan)
             return grad_norm, spike, torch.full_like(spike, skipped)
@@ -1031,7 +1077,7 @@ class Trainer:
         rank's forward and backward of this step; with several ranks, their spread (a
         collective every rank joins)."""
         steps = max(step - window.start_step, 1)
-        seconds = (time.perf_counter() - window.start_time) / steps
+        seconds = (time.perf_counter() - window.start_time - window.paused_s) / steps
         tokens_per_s = tokens / seconds
         achieved = self.flops_per_token * tokens_per_s / self.world_size
         action = "skip" if seen["skip"] else "warn" if seen["spike"] else "update"
@@ -1202,6 +1248,7 @@ class Trainer:
                 f"checkpoint exists yet under {c.checkpoint_dir}; use spike.policy = 'skip' "
                 "or checkpoint more often (checkpoint.every)"
             )
+        self._apply_configured_optimizer(restored)
         self.state.bad_micro_batches = bad_all
         self.state.rollbacks = rollbacks
         if self.rank0:
@@ -1211,6 +1258,53 @@ class Trainer:
             f"micro-batches {bad} from now on"
         )
         return self._batches()
+
+    def _apply_configured_optimizer(self, step: int) -> None:
+        """After loading a checkpoint: keep its position on the LR schedule and its optimizer
+        state, but the config's schedule (``optim.lr``, ``warmup_steps``, ``constant_steps``,
+        ``decay_steps`` or ``train.steps``, ``min_lr_ratio``) and hyperparameters (betas, eps,
+        weight decay), which ``load_state_dict`` replaced with the saved ones; log each change.
+
+        So a resumed run follows the command that resumed it: a longer ``train.steps``
+        stretches the cosine from where the run is, a lower ``optim.lr`` applies at once.
+        """
+        lambdas, base_lrs, hypers = self._configured
+        sched = self.scheduler
+        changes: list[str] = []
+
+        def differ(saved: Any, configured: Any) -> bool:
+            as_list = (list, tuple)
+            if isinstance(saved, as_list) and isinstance(configured, as_list):
+                return list(saved) != list(configured)
+            return bool(saved != configured)
+
+        for fn, configured in zip(sched.lr_lambdas, lambdas, strict=True):
+            for key, value in configured.items():
+                if differ(fn.__dict__.get(key), value):
+                    changes.append(f"schedule {key} {fn.__dict__.get(key)} -> {value}")
+            fn.__dict__.update(configured)
+        for i, (group, base, hyper) in enumerate(
+            zip(self.optimizer.param_groups, base_lrs, hypers, strict=True)
+        ):
+            if differ(group.get("initial_lr", base), base):
+                changes.append(f"group {i} peak lr {group.get('initial_lr')} -> {base}")
+            for key, value in hyper.items():
+                if differ(group.get(key), value):
+                    changes.append(f"group {i} {key} {group.get(key)} -> {value}")
+            group.update(hyper)
+            group["initial_lr"] = base
+        sched.base_lrs = list(base_lrs)
+        for group, base, fn in zip(
+            self.optimizer.param_groups, base_lrs, sched.lr_lambdas, strict=True
+        ):
+            group["lr"] = base * fn(sched.last_epoch)
+        sched._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        if changes:
+            unique = list(dict.fromkeys(changes))
+            self._log(
+                f"step {step}: the config's optimizer settings replace the checkpoint's: "
+                + "; ".join(unique)
+            )
 
     def _restore_guard_file(self) -> None:
         """Merge the rollback state persisted since the checkpoint (``spike-guard.json``):
@@ -1348,7 +1442,6 @@ class Trainer:
             self._pending[0].wait()
             self._pending = None
 
-    @torch.no_grad()
     @torch.no_grad()
     def generate(
         self,

@@ -22,7 +22,7 @@ def _is_url(path: str) -> bool:
 def _check_path(key: str, path: str, what: str) -> None:
     if _is_url(path):
         return  # remote objects are checked when opened, with the URL in the error
-    if not glob.glob(path):
+    if not glob.glob(path.removeprefix("file://")):
         raise ConfigError(
             f"{key}: {what} {path!r} does not exist (working directory {os.getcwd()}); "
             f"fix the path or create it first (e.g. `hlat-data` to write Arrow files or train a "
@@ -94,6 +94,11 @@ def validate(
         ("data.num_workers", data.num_workers, 0),
         ("data.tokenizer_threads", data.tokenizer_threads, 0),
         ("optim.warmup_steps", optim.warmup_steps, 0),
+        ("optim.constant_steps", optim.constant_steps, 0),
+        ("optim.decay_steps", optim.decay_steps, 0),
+        ("data.block_size", data.block_size, 1),
+        ("spike.min_history", config.spike.min_history, 1),
+        ("spike.max_rollbacks", config.spike.max_rollbacks, 0),
         ("parallel.pp", par.pp, 1),
         ("parallel.cp", par.cp, 1),
         ("parallel.pp_virtual", par.pp_virtual, 0),
@@ -116,9 +121,28 @@ def validate(
     _check_observability(config)
     _check_hang_timeout(run.hang_timeout)
     _check_mixture(data)
-    bad_drill = [s for s in config.spike.inject_nan_at if s < 1]
-    if bad_drill:
-        raise ConfigError(f"spike.inject_nan_at: steps start at 1, got {bad_drill}")
+    for key, steps in (
+        ("spike.inject_nan_at", config.spike.inject_nan_at),
+        ("spike.inject_at", config.spike.inject_at),
+    ):
+        bad_drill = [s for s in steps if s < 1]
+        if bad_drill:
+            raise ConfigError(f"{key}: steps start at 1, got {bad_drill}")
+    spike = config.spike
+    if spike.min_history > spike.window:
+        raise ConfigError(
+            f"spike.min_history ({spike.min_history}) exceeds spike.window ({spike.window}): "
+            "the guard keeps only the last window losses, so it would never judge a spike; "
+            "lower min_history or widen the window"
+        )
+    if not (math.isfinite(spike.k) and spike.k > 0):
+        raise ConfigError(
+            f"spike.k (standard deviations above the mean) must be positive, got {spike.k}"
+        )
+    if not (math.isfinite(run.time_limit) and run.time_limit >= 0):
+        raise ConfigError(
+            f"train.time_limit must be a number of seconds >= 0 (0: no limit), got {run.time_limit}"
+        )
     if run.host_malloc not in HOST_MALLOC_CHOICES:
         raise ConfigError(
             f"train.host_malloc must be 'auto', 'system' or 'retain', got {run.host_malloc!r}"
@@ -137,8 +161,20 @@ def validate(
         raise ConfigError(
             f"optim.impl must be auto, native, compiled or reference, got {optim.impl!r}"
         )
-    if not optim.lr > 0:
-        raise ConfigError(f"optim.lr must be positive, got {optim.lr}")
+    if not (optim.lr > 0 and math.isfinite(optim.lr)):
+        raise ConfigError(f"optim.lr must be a positive number, got {optim.lr}")
+    for key, value in (("optim.beta1", optim.beta1), ("optim.beta2", optim.beta2)):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{key} must be in [0, 1), got {value}")
+    if not (optim.eps > 0 and math.isfinite(optim.eps)):
+        raise ConfigError(f"optim.eps must be a positive number, got {optim.eps}")
+    if not (optim.weight_decay >= 0 and math.isfinite(optim.weight_decay)):
+        raise ConfigError(f"optim.weight_decay must be >= 0, got {optim.weight_decay}")
+    if not (optim.clip >= 0 and math.isfinite(optim.clip)):
+        raise ConfigError(
+            f"optim.clip (the maximum gradient norm) must be >= 0 (0: no clipping), got "
+            f"{optim.clip}"
+        )
     if not 0.0 <= optim.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {optim.min_lr_ratio}")
     horizon = optim.decay_steps or run.steps
@@ -330,6 +366,21 @@ def validate(
                         f"data.block_size {data.block_size}: fewer than dp {dp}, so some ranks "
                         f"would get no data; set data.block_size to at most {documents // dp}"
                     )
+            # held-out sets are read in order, one document a block, split over dp
+            held_out = [("data.valid_paths", data.valid_paths)] if data.valid_paths else []
+            held_out += [
+                (f"data.sources[{s.name}].valid_paths", s.valid_paths)
+                for s in data.sources
+                if s.valid_paths
+            ]
+            for key, paths in held_out:
+                documents = len(open_source(paths, data.text_column))
+                if documents < dp:
+                    raise ConfigError(
+                        f"{key} hold(s) {documents} documents, fewer than dp {dp}: each "
+                        "data-parallel rank reads its own held-out documents, so some ranks "
+                        f"would get none; give at least {dp} documents"
+                    )
         per_step = data.micro_batch_size * dp
         if run.global_batch_size % per_step:
             raise ConfigError(
@@ -337,6 +388,20 @@ def validate(
                 f"data.micro_batch_size x dp = {data.micro_batch_size} x {dp} = {per_step}; "
                 "gradient accumulation needs a whole number of micro-steps"
             )
+        capped = [s.max_tokens for s in data.sources if s.max_tokens is not None]
+        if data.sources and len(capped) == len(data.sources):
+            # every source ends at its token cap: the run needs no more rows than they hold
+            # (each rank's share of a cap rounds up to whole rows)
+            row_tokens = data.seq_len * dp
+            available = sum(-(-cap // row_tokens) for cap in capped) * row_tokens
+            needed = run.steps * data.seq_len * (run.global_batch_size or per_step)
+            if needed > available:
+                raise ConfigError(
+                    f"the mixture holds at most {available} tokens (every data.sources entry "
+                    f"has max_tokens: {sum(capped)} in all), but train.steps {run.steps} "
+                    f"need {needed}; raise a max_tokens, leave one source uncapped, or "
+                    "train fewer steps"
+                )
     if config.model.init_from_hf and check_files:
         _check_hf_init(config.model.init_from_hf, llama)
     return llama

@@ -223,12 +223,24 @@ def test_the_model_computes_its_loss_with_its_loss_fn():
     assert value > plain
 
     @functools.wraps(cross_entropy_loss)
-    def wrapped(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def smoothed(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        seen.append(tuple(logits.shape))
+        return 0.9 * cross_entropy_loss(logits, labels) - 0.1 * logits.log_softmax(-1).mean()
+
+    # a wrapper through functools.wraps may compute another loss: it gets the logits
+    seen.clear()
+    model.loss_fn = smoothed
+    torch.testing.assert_close(model(ids, labels=labels), smoothed(model(ids), labels))
+    assert seen[0] == (2, 16, config.vocab_size)
+
+    @functools.wraps(cross_entropy_loss)
+    def compiled(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         seen.append(tuple(logits.shape))
         return cross_entropy_loss(logits, labels)
 
+    compiled.hlat_compiled = True  # type: ignore[attr-defined]  # as compile_blocks marks it
     seen.clear()
-    model.loss_fn = wrapped
+    model.loss_fn = compiled
     torch.testing.assert_close(model(ids, labels=labels), plain)
     assert seen == []  # fp32 on a CPU: the head and the loss fused, no logits made
 
@@ -244,6 +256,30 @@ def test_the_model_refuses_labels_that_do_not_fit_before_running():
     with pytest.raises(TypeError, match=r"integer token ids .* got torch.float32"):
         model(ids, labels=ids.float())
     assert calls == []
+
+
+def test_positions_and_document_lengths_of_the_wrong_shape_are_refused_before_running():
+    config = LlamaConfig.preset("tiny")
+    model = Llama(config)
+    calls: list[int] = []
+    model.embed_tokens.register_forward_hook(lambda *_: calls.append(1))
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    lens = torch.tensor([[10, 6], [16, 0]])
+    for kwargs, needle in (
+        ({"doc_lens": lens[0]}, r"doc_lens must be integer .* batch 2.* shape \(2,\)"),
+        ({"doc_lens": lens[:1]}, r"doc_lens .* got torch.int64 of shape \(1, 2\)"),
+        ({"doc_lens": lens.float()}, r"doc_lens .* got torch.float32"),
+        ({"position_ids": torch.arange(16)}, r"position_ids must be \[batch, seq\] = \[2, 16\]"),
+        ({"position_ids": torch.arange(15).expand(2, 15)}, r"got \(2, 15\)"),
+    ):
+        with pytest.raises(ValueError, match=needle):
+            model(ids, **kwargs)
+    with pytest.raises(ValueError, match=r"input_ids must be \[batch, seq\]"):
+        model(ids[0])
+    assert calls == []
+    # a position row shared by the batch is accepted
+    shared = model(ids, position_ids=torch.arange(16)[None])
+    torch.testing.assert_close(shared, model(ids))
 
 
 def test_a_label_outside_the_vocabulary_is_refused(kernels):

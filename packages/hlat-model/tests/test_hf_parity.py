@@ -1,5 +1,7 @@
 """hlat-model against Hugging Face transformers' LlamaForCausalLM with the same weights."""
 
+import json
+
 import pytest
 import torch
 
@@ -106,6 +108,34 @@ def test_non_llama_or_biased_configs_are_refused():
         config_from_hf({**base, "attention_bias": True})
     with pytest.raises(ValueError, match="rope_scaling"):
         config_from_hf({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+        config_from_hf({**base, "hidden_act": "gelu"})
+
+
+def test_a_scaled_rope_in_a_saved_config_json_is_refused(tmp_path):
+    # a Llama-3.1-style config as transformers writes it (v5: under rope_parameters)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    hf = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        rope_theta=500000.0,
+        rope_scaling=scaling,
+    )
+    hf.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"'rope_type': 'llama3'.*plain RoPE only"):
+        config_from_hf(saved)
+    with pytest.raises(ValueError, match=r"'rope_type': 'llama3'.*plain RoPE only"):
+        config_from_hf(hf)
 
 
 def test_bos_and_eos_come_from_the_caller_and_are_never_guessed():
@@ -137,3 +167,24 @@ def test_under_cpu_autocast_loss_and_gradients_follow_transformers(kind):
         assert ours_grads[name].dtype == torch.float32, name
         error = (ours_grads[name] - p.grad).norm() / p.grad.norm()
         assert error < 0.05, (name, error.item())
+
+
+def test_loading_safetensors_reads_the_head_and_refuses_an_untied_model_without_one(tmp_path):
+    from safetensors.torch import save_file
+
+    from hlat_model import Llama
+    from hlat_model.hf_load import load_hf_weights
+
+    hf = _hf_model("gqa")
+    config = config_from_hf(hf.config)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    model = Llama(config)
+    load_hf_weights(model, str(tmp_path), config)
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf(ids).logits, rtol=1e-4, atol=1e-4)
+    del state["lm_head.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(KeyError, match=r"lm_head.weight is missing .*\(tie_embeddings=False\)"):
+        load_hf_weights(Llama(config), str(tmp_path), config)

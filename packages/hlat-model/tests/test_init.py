@@ -42,3 +42,19 @@ def test_tied_embeddings_share_one_tensor():
     assert model.lm_head.weight is model.embed_tokens.weight
     untied = Llama(LlamaConfig.preset("tiny"))
     assert model.num_params() == untied.num_params() - untied.lm_head.weight.numel()
+
+
+def test_tied_embeddings_stay_tied_when_materialised_from_the_meta_device():
+    config = LlamaConfig.preset("tiny", tie_embeddings=True)
+    with torch.device("meta"):
+        model = Llama(config)
+    model.to_empty(device="cpu")
+    assert model.lm_head.weight is model.embed_tokens.weight
+    model.init_weights()
+    assert _std_ok(model.lm_head.weight, config.init_std)
+    with torch.device("meta"):
+        wrapped = torch.nn.Sequential(Llama(config))
+    wrapped.to_empty(device="cpu").to(torch.bfloat16)  # materialised through a parent
+    inner = wrapped[0]
+    assert inner.lm_head.weight is inner.embed_tokens.weight
+    assert inner.num_params() == Llama(config).num_params()

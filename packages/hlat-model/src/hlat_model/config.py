@@ -35,7 +35,8 @@ class LlamaConfig:
     ffn_dim: int = 11008
     """Inner size of the SwiGLU MLP."""
     max_seq_len: int = 4096
-    """Longest sequence the model is meant for (RoPE positions beyond it are refused)."""
+    """Longest sequence the model is meant for: longer inputs are refused (explicit
+    ``position_ids`` are not checked against it)."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     rope_theta: float = 10000.0
@@ -63,8 +64,11 @@ class LlamaConfig:
     CPU; an explicit block-diagonal mask for packed documents). ``flex``: compiled
     ``flex_attention`` with a document block mask. ``blocked``:
     :func:`hlat_model.attention.blocked_causal_attention`, batched matrix products over
-    query blocks (the fastest on CPUs). ``auto``: ``blocked`` on CPUs, ``flex`` for packed
-    documents on CUDA, else ``sdpa``."""
+    query blocks (the fastest on CPUs; plain causal rows go to the CPU flash kernels where
+    they run). ``auto``: on CPUs the flash kernels where they run, else ``blocked`` (on CPUs
+    with AMX, ``sdpa`` for plain causal rows of 2,048 tokens or more:
+    :func:`hlat_model.attention.cpu_attention_rule`); ``flex`` for packed documents on CUDA;
+    else ``sdpa``."""
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:

@@ -38,9 +38,17 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> LlamaConfig:
     for flag in ("attention_bias", "mlp_bias"):
         if get(flag, False):
             raise ValueError(f"{flag}=True is not supported: hlat-model's linears have no bias")
-    scaling = get("rope_scaling", None)
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        raise ValueError(f"rope_scaling {scaling!r} is not supported (only plain RoPE)")
+    # transformers 5 writes RoPE's settings under rope_parameters, earlier ones rope_scaling
+    for key in ("rope_scaling", "rope_parameters"):
+        scaling = get(key, None)
+        if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+            raise ValueError(
+                f"{key} {scaling!r} is not supported: hlat-model computes plain RoPE only "
+                "(rope_type 'default'), and a scaled model's positions would be wrong"
+            )
+    act = get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported: hlat-model's MLP is SwiGLU (silu)")
     fields: dict[str, Any] = dict(
         vocab_size=get("vocab_size"),
         dim=get("hidden_size"),

@@ -41,10 +41,21 @@ def hf_files(path: str) -> dict[str, str]:
             f"{path} has neither {SINGLE_NAME} nor {INDEX_NAME}: not a safetensors "
             "save_pretrained directory"
         )
-    from safetensors import safe_open
+    safe_open = _safe_open()
 
     with safe_open(single, "pt") as f:
         return dict.fromkeys(f.keys(), single)
+
+
+def _safe_open() -> Any:
+    """safetensors' ``safe_open``, or an error that says how to install it."""
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise ImportError(
+            "hlat_model.hf_load reads safetensors files: pip install 'hlat-model[hf]'"
+        ) from None
+    return safe_open
 
 
 RowSource = Callable[[int], tuple[str, int]]
@@ -62,6 +73,11 @@ def _row_sources(name: str, config: LlamaConfig, hf_names: set[str]) -> RowSourc
     if name == "lm_head.weight":
         if "lm_head.weight" in hf_names:
             return lambda r: ("lm_head.weight", r)
+        if not config.tie_embeddings:
+            raise KeyError(
+                "lm_head.weight is missing from the Hugging Face checkpoint and the model "
+                "does not tie its embeddings (tie_embeddings=False)"
+            )
         source = hf("embed_tokens.weight")  # tied
         return lambda r: (source, r)
     parts = name.split(".")
@@ -142,7 +158,7 @@ def load_hf_weights(model: torch.nn.Module, path: str, config: LlamaConfig) -> i
     """Copy the weights of the Hugging Face Llama directory ``path`` into ``model``'s
     parameters (hlat names; plain tensors or DTensors), reading only what this rank holds.
     Returns the number of elements read. Every parameter of ``model`` must be found."""
-    from safetensors import safe_open
+    safe_open = _safe_open()
 
     files = hf_files(path)
     names = set(files)

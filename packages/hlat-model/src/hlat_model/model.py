@@ -493,6 +493,18 @@ def block_inputs(
     return cos, sin, mask
 
 
+def _is_default_loss(loss_fn: Any) -> bool:
+    """Whether ``loss_fn`` computes :func:`cross_entropy_loss` exactly, so the head and the
+    loss may be fused in its place: it is that function, or a compiled form of it that says
+    so (``hlat_compiled = True`` and ``__wrapped__`` the default, as
+    ``hlat_parallel.compile_blocks`` marks it). Another wrapper, even through
+    ``functools.wraps``, may compute something else and gets the logits."""
+    if loss_fn is cross_entropy_loss:
+        return True
+    marked = getattr(loss_fn, "hlat_compiled", False) is True
+    return marked and getattr(loss_fn, "__wrapped__", None) is cross_entropy_loss
+
+
 class Llama(nn.Module):
     """A Llama-family decoder returning next-token logits.
 
@@ -522,10 +534,22 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.lm_head = Linear(config.dim, config.vocab_size)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self._tie()
         if self.embed_tokens.weight.device.type != "meta":
             self.init_weights()
+
+    def _tie(self) -> None:
+        """With ``tie_embeddings``, make the head's weight the embedding's (again)."""
+        if self.config.tie_embeddings and self.lm_head.weight is not self.embed_tokens.weight:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Llama:
+        # Note: materialising from the meta device (``to_empty``, ``to``) gives each module
+        # a new Parameter of its own, which would untie the head from the embedding; FSDP2
+        # keeps the tie itself, and then this finds them tied
+        super()._apply(fn, recurse)
+        self._tie()
+        return self
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -534,6 +558,7 @@ class Llama(nn.Module):
 
         Works on materialised parameters of any placement (plain tensors or DTensors).
         """
+        self._tie()
         std = self.config.init_std
         out_std = std / math.sqrt(2 * self.config.n_layers) if self.config.scaled_init else std
         nn.init.normal_(self.embed_tokens.weight, std=std)
@@ -568,7 +593,27 @@ class Llama(nn.Module):
         logits are then never made. A head with forward
         hooks, or sharded by tensor parallelism, goes through its module and the logits.
         """
+        if input_ids.dim() != 2:
+            raise ValueError(
+                f"input_ids must be [batch, seq] token ids, got shape {tuple(input_ids.shape)}"
+            )
         batch, seq_len = input_ids.shape
+        # Note: shapes only, checked before any work; values would need a device read
+        if position_ids is not None and (
+            position_ids.dim() != 2 or position_ids.shape[1] != seq_len
+            or position_ids.shape[0] not in (1, batch)
+        ):  # fmt: skip
+            raise ValueError(
+                f"position_ids must be [batch, seq] = [{batch}, {seq_len}] (or [1, {seq_len}]), "
+                f"got {tuple(position_ids.shape)}"
+            )
+        if doc_lens is not None and (
+            doc_lens.dim() != 2 or doc_lens.shape[0] != batch or doc_lens.is_floating_point()
+        ):
+            raise ValueError(
+                f"doc_lens must be integer document lengths [batch, documents] with batch "
+                f"{batch}, zero padded, got {doc_lens.dtype} of shape {tuple(doc_lens.shape)}"
+            )
         if labels is not None:
             # Note: the losses' own check, made here before the first layer; the error types
             # are theirs (ValueError for the shape, TypeError for the dtype).
@@ -606,7 +651,7 @@ class Llama(nn.Module):
                 labels = labels.transpose(0, 1)
             head = self.lm_head
             hooked = head._forward_hooks or head._forward_pre_hooks
-            default_loss = getattr(self.loss_fn, "__wrapped__", self.loss_fn) is cross_entropy_loss
+            default_loss = _is_default_loss(self.loss_fn)
             if default_loss and fuses_head(h, head.weight) and not hooked:
                 return linear_cross_entropy(h, head.weight, labels)
             return self.loss_fn(head(h), labels)

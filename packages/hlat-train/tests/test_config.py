@@ -212,6 +212,7 @@ def test_a_held_out_set_with_fewer_documents_than_dp_fails_before_any_process_gr
         ("--spike.min_history=0", "spike.min_history must be at least 1"),
         ("--spike.min_history=10 --spike.window=5", r"spike.min_history \(10\) exceeds"),
         ("--data.block_size=0", "data.block_size must be at least 1"),
+        ("--spike.new_level_after=1", "spike.new_level_after must be 0 .never. or at least 2"),
     ],
 )
 def test_values_out_of_range_fail_before_any_process_group(corpus, tmp_path, override, needle):

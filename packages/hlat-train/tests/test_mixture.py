@@ -93,28 +93,56 @@ def _capped(corpus, cap: str) -> str:
     )
 
 
-def test_a_mixture_that_runs_out_keeps_its_last_step_and_says_why(corpus, tmp_path):
-    from hlat_ckpt import Checkpointer
-
-    config = tiny_config(
+def _runs_out(corpus, out, *extra):
+    return tiny_config(
         corpus,
-        tmp_path,
+        out,
         "--data.paths=[]",
         "--data.valid_paths=[]",
         "--data.block_size=4",
         _capped(corpus, "epochs = 1"),
         "--checkpoint.every=1000",
         "--optim.decay_steps=10",
+        *extra,
         steps=5000,
     )
-    with pytest.raises(DataError, match=r"ran out after step (\d+) of train.steps 5000: every "):
-        fit(config)
+
+
+def _saved_steps(out) -> list[int]:
+    from hlat_ckpt import Checkpointer
+
+    return [c.step for c in Checkpointer(str(out / "checkpoints"), async_save=False).list()]
+
+
+def test_a_mixture_that_runs_out_saves_its_last_step_and_ends(corpus, tmp_path, capfd):
+    summary = fit(_runs_out(corpus, tmp_path))
     train = [r for r in read_metrics(str(tmp_path / "metrics.jsonl")) if r["kind"] == "train"]
     last = train[-1]["step"]
+    assert summary["out_of_data"] is True and summary["step"] == last
     assert 10 < last < 5000
     assert train[-1]["data/a/epoch"] == 0  # the first and only pass of each source
-    saved = Checkpointer(str(tmp_path / "checkpoints"), async_save=False).list()
-    assert [c.step for c in saved] == [last]  # the steps since the last save are kept
+    assert _saved_steps(tmp_path) == [last]  # the steps since the last save are kept
+    assert f"the training data ran out after step {last} of train.steps 5000" in (
+        capfd.readouterr().err
+    )
+
+
+@pytest.mark.slow
+def test_data_parallel_ranks_that_run_out_at_different_steps_end_together(corpus, tmp_path):
+    import subprocess
+
+    from train_helpers import torchrun, write_config
+
+    # 8 documents in 2 blocks of 4: each rank reads one block, of its own length
+    path = write_config(_runs_out(corpus, tmp_path / "run"), tmp_path / "run.toml")
+    proc = torchrun(2, path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    train = [
+        r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "train"
+    ]
+    assert "the training data ran out after step" in output
+    assert _saved_steps(tmp_path / "run") == [train[-1]["step"]]
 
 
 def test_a_mixture_whose_token_caps_cannot_fill_the_run_is_refused_before_it_starts(

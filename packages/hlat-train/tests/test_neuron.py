@@ -195,17 +195,26 @@ def test_a_non_finite_loss_never_reaches_zero1_whatever_the_policy(policy):
 
     from hlat_train import SpikeGuard, Trainer
 
+    class Zero1Like(torch.optim.AdamW):
+        """What the trainer reads of NxD's ZeRO-1 besides ``step``: its ``grad_norm``."""
+
+        @property
+        def grad_norm(self) -> torch.Tensor:
+            return torch.tensor(1.0)
+
     config = TrainConfig.preset("hlat-7b")
     config.spike.policy = policy
-    guard = SpikeGuard(window=4, k=3.0, min_history=2) if policy != "off" else None
-    trainer = SimpleNamespace(config=config, state=SimpleNamespace(guard=guard))
     weight = torch.nn.Parameter(torch.ones(3))
-    optimizer = torch.optim.AdamW([weight], lr=0.1)
+    # the trainer's own step on the neuron path (building one needs a trn1)
+    trainer = Trainer.__new__(Trainer)
+    trainer.config, trainer.dims, trainer._extracting = config, neuron_dims(), False
+    guard = SpikeGuard(window=4, k=3.0, min_history=2) if policy != "off" else None
+    trainer.state = SimpleNamespace(guard=guard)  # type: ignore[assignment]
+    trainer.optimizer = Zero1Like([weight], lr=0.1)
     for loss, stepped in ((math.nan, False), (math.inf, False), (2.0, True)):
         weight.grad = torch.full((3,), loss)
-        # the trainer's own verdict on the neuron path: the loss alone (ZeRO-1 has the norm)
-        _, skip = Trainer._judge(trainer, torch.tensor(loss), torch.zeros(()))  # type: ignore[arg-type]
-        assert neuron_step(optimizer, skip, extracting=False) is not stepped
+        _, spike, skip = trainer._update(torch.tensor(loss))
+        assert bool(skip) is not stepped and bool(spike) is not stepped
         assert torch.equal(weight.detach(), torch.ones(3)) is not stepped, (policy, loss)
 
 

@@ -61,28 +61,37 @@ def _level_shift(guard: SpikeGuard, burst: int, steps: int = 300) -> list[bool]:
 
 
 def test_a_lasting_new_loss_level_is_learned_instead_of_flagged_forever():
-    guard = SpikeGuard(window=50, k=6.0, min_history=10)
+    guard = SpikeGuard(window=50, k=6.0, min_history=10, new_level_after=10)
     verdicts = _level_shift(guard, burst=300)
-    assert all(verdicts[:10])  # the first min_history steps of the new level are flagged
+    assert all(verdicts[:10])  # the first new_level_after steps of the new level are flagged
     assert sum(verdicts) < 25 and not any(verdicts[25:]), verdicts
     assert guard.limit() > 2.15  # the band has moved to the new level
+    never = SpikeGuard(window=50, k=6.0, min_history=10, new_level_after=0)
+    assert all(_level_shift(never, burst=300))
 
 
-def test_a_burst_shorter_than_min_history_stays_out_of_the_window():
-    guard = SpikeGuard(window=50, k=6.0, min_history=10)
+def test_a_burst_shorter_than_new_level_after_stays_out_of_the_window():
+    guard = SpikeGuard(window=50, k=6.0, min_history=2, new_level_after=10)
     verdicts = _level_shift(guard, burst=9, steps=20)
     assert verdicts[:9] == [True] * 9 and not any(verdicts[9:])
     assert max(guard.state_dict()["losses"]) < 2.1  # no loss of the burst was kept
     assert guard.state_dict()["streak"] == 0
 
 
-def test_non_finite_losses_never_enter_the_window():
-    guard = SpikeGuard(window=8, k=3.0, min_history=2)
-    for loss in (1.0, 1.1, 0.9):
+def test_only_losses_above_the_band_count_toward_a_new_level():
+    guard = SpikeGuard(window=8, k=3.0, min_history=2, new_level_after=3)
+    for loss in (1.0, 1.1, 0.9, 1.0):
         guard.accept(_t(loss))
-    for _ in range(5):
-        guard.accept(_t(math.nan), guard.check(_t(math.nan), _t(1.0)).logical_not())
-    assert guard.state_dict()["losses"] == pytest.approx([1.0, 1.1, 0.9])
+    # non-finite losses, and finite ones with a non-finite gradient norm: spikes that never
+    # enter the window, nor make a following spike part of a new level
+    for loss, norm in ((math.nan, 1.0), (1.0, math.inf), (1.05, math.nan)):
+        verdict = guard.check(_t(loss), _t(norm))
+        assert verdict
+        guard.accept(_t(loss), ~verdict)
+    verdict = guard.check(_t(50.0), _t(1.0))
+    guard.accept(_t(50.0), ~verdict)
+    assert guard.state_dict()["losses"] == pytest.approx([1.0, 1.1, 0.9, 1.0])
+    assert guard.state_dict()["streak"] == 1
 
 
 def test_guard_window_survives_state_dict_round_trip():

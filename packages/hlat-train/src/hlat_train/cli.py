@@ -270,6 +270,8 @@ def _report(summary: dict) -> None:
         print(f"hlat-train: nothing to train: already at step {summary['step']}")
     if summary.get("out_of_time"):
         print("hlat-train: stopped at train.time_limit; run the same command again to continue")
+    if summary.get("out_of_data"):
+        print("hlat-train: stopped where the training data ran out (see the log above)")
     if "sample" in summary:
         print("hlat-train: sample:\n" + summary["sample"])
     print(json.dumps({k: v for k, v in summary.items() if k != "sample"}))

@@ -314,15 +314,19 @@ class SpikeConfig:
     read. ``rollback`` goes back when the verdict is next read on the host, at the next
     logged step (``logging.every``) or before the next checkpoint, whichever comes first, so
     a checkpoint never holds a state past an unhandled spike. Whatever the policy, an update
-    with a non-finite loss or gradient norm is always dropped."""
+    with a non-finite loss or gradient norm is always dropped (on trn1, where NxD's ZeRO-1
+    clips by the norm inside its step, one with a non-finite loss)."""
     window: int = 50
     """Steps in the running mean and standard deviation."""
     k: float = 6.0
     """Standard deviations above the mean that count as a spike."""
     min_history: int = 10
-    """Steps seen before loss spikes are judged (non-finite norms always are), and the run
-    of flagged steps in a row after which the loss has moved to a new level that the window
-    takes in (see ``hlat_train.SpikeGuard``); at most ``window``."""
+    """Steps seen before loss spikes are judged (non-finite norms always are); at most
+    ``window``."""
+    new_level_after: int = 10
+    """Steps in a row with a loss above the band after which the loss has moved to a new
+    level (harder data, a changed mixture) that the window takes in, so the band follows it
+    (``hlat_train.SpikeGuard``); 0: never, every later step stays a spike."""
     max_rollbacks: int = 5
     """Rollbacks allowed in one run before giving up with an error."""
     inject_at: list[int] = field(default_factory=list)

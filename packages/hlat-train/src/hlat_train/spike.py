@@ -18,10 +18,11 @@ class SpikeGuard:
     verdict is read on the host only when a step is logged.
 
     Spiking losses are not added to the window, so one spike does not widen the band that
-    judges the next step. A run of ``min_history`` flagged steps in a row with finite losses
-    is no spike but a new loss level (harder data, a changed mixture): from then on those
-    losses enter the window, so the band follows the level within a few steps instead of
-    flagging every later step (and, under ``skip``, freezing the weights). The window is
+    judges the next step. A run of ``new_level_after`` steps in a row whose finite losses
+    (with finite gradient norms) lie above the band is no spike but a new loss level (harder
+    data, a changed mixture): from then on those losses enter the window, so the band follows
+    the level within a few steps instead of flagging every later step (and, under ``skip``,
+    freezing the weights); 0 never takes a new level in. The window is
     part of the training state (``state_dict``), so a resumed run judges exactly as the
     uninterrupted one would.
 
@@ -38,13 +39,16 @@ class SpikeGuard:
         k: float = 6.0,
         min_history: int = 10,
         device: torch.device | str | None = None,
+        new_level_after: int = 10,
     ) -> None:
         self.window, self.k, self.min_history = window, k, min_history
+        self.new_level_after = new_level_after
         self._losses = torch.zeros(window, dtype=torch.float32, device=device)
         self._slots = torch.arange(window, device=device)
         self._count = torch.zeros((), dtype=torch.long, device=device)  # at most `window`
         self._next = torch.zeros((), dtype=torch.long, device=device)  # slot of the next loss
-        self._streak = torch.zeros((), dtype=torch.long, device=device)  # finite losses flagged
+        self._streak = torch.zeros((), dtype=torch.long, device=device)  # steps above, in a row
+        self._above = torch.zeros((), dtype=torch.bool, device=device)  # the last check's
 
     def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
         """Whether this step spikes, as a 0-d bool tensor (does not record the loss: call
@@ -57,6 +61,7 @@ class SpikeGuard:
         mean = torch.where(valid, self._losses, 0.0).sum() / n.clamp(min=1.0)
         var = torch.where(valid, (self._losses - mean) ** 2, 0.0).sum() / (n - 1).clamp(min=1.0)
         high = (self._count >= self.min_history) & (loss > mean + self.k * var.sqrt())
+        self._above.copy_(high & ~bad)
         return bad | high
 
     def limit(self) -> float:
@@ -69,16 +74,17 @@ class SpikeGuard:
 
     def accept(self, loss: torch.Tensor, keep: torch.Tensor | bool = True) -> None:
         """Add ``loss`` to the window where ``keep`` is true (a 0-d bool tensor or a bool),
-        or where it is the ``min_history``-th finite loss or later flagged in a row (a new
-        level, see the class)."""
+        or where the last :meth:`check` found it above the band for the ``new_level_after``-th
+        step in a row (a new level, see the class)."""
         keep_t = torch.as_tensor(keep, device=self._losses.device)
         loss = loss.detach().float().to(self._losses.device)
-        finite = loss.isfinite()
-        flagged = ~keep_t & finite
+        above = ~keep_t & self._above
         self._streak.copy_(
-            torch.where(flagged, self._streak + 1, torch.where(keep_t, 0, self._streak))
+            torch.where(above, self._streak + 1, torch.where(keep_t, 0, self._streak))
         )
-        keep_t = keep_t | (flagged & (self._streak >= self.min_history))
+        if self.new_level_after:
+            keep_t = keep_t | (above & (self._streak >= self.new_level_after))
+        self._above.fill_(False)
         write = keep_t & (self._slots == self._next)
         self._losses.copy_(torch.where(write, loss, self._losses))
         self._next.copy_(torch.where(keep_t, (self._next + 1) % self.window, self._next))

@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,9 +37,6 @@ from hlat_train.spike import GUARD_FILE, SpikeGuard, read_guard_file, write_guar
 from hlat_train.validation import validate
 from hlat_train.watchdog import HangWatchdog, process_group_timeout
 from hlat_train.watchdog import describe as describe_watchdog
-
-if TYPE_CHECKING:
-    from hlat_data import DataError
 
 PEAK_CACHE_NAME = "peak_tflops.json"  # in train.out_dir: the measured peak, for restarts
 
@@ -103,29 +100,6 @@ class GlobalLoaderState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state)
-
-
-class _DataRanOut(Exception):
-    """The training data ended inside a step (every source of a mixture at its cap)."""
-
-    def error(self, step: int, steps: int) -> DataError:
-        from hlat_data import DataError
-
-        return DataError(
-            f"the training data ran out after step {step} of train.steps {steps}: every "
-            "source of the mixture reached its epochs or max_tokens cap (data.sources); "
-            f"step {step} is saved. Raise a cap, add a source without one, or set "
-            f"train.steps to {step}"
-        )
-
-
-def _draw(batches: Iterator[Any]) -> Any:
-    """The next micro-batch; the end of the data is :class:`_DataRanOut`, not a bare
-    ``StopIteration`` out of the loop."""
-    try:
-        return next(batches)
-    except StopIteration:
-        raise _DataRanOut from None
 
 
 class _Window:
@@ -411,8 +385,17 @@ class Trainer:
             c.data.tokenizer, num_threads=c.data.tokenizer_threads or None
         )
         self.loader = self._train_loader(dims)
+        self._data_can_end = bool(c.data.sources) and all(
+            s.epochs is not None or s.max_tokens is not None for s in c.data.sources
+        )
         self.state = TrainState()
-        self.state.guard = SpikeGuard(c.spike.window, c.spike.k, c.spike.min_history, device)
+        self.state.guard = SpikeGuard(
+            c.spike.window,
+            c.spike.k,
+            c.spike.min_history,
+            device,
+            new_level_after=c.spike.new_level_after,
+        )
         self.checkpointer: Any = (
             neuron.neuron_checkpointer(c, dims)
             if dims.backend == "neuron"
@@ -673,144 +656,141 @@ class Trainer:
         if snapshot.note:
             self._log(snapshot.note)
         try:
-            exhausted: DataError | None = None
-            try:
-                while self.state.step < c.train.steps:
-                    step = self.state.step + 1
-                    watchdog.beat(step, "forward/backward")
-                    profiler.begin(step)
-                    step_start = time.perf_counter()
-                    logged = step % c.logging.every == 0 or step == c.train.steps
+            out_of_data = False
+            while self.state.step < c.train.steps:
+                step = self.state.step + 1
+                watchdog.beat(step, "forward/backward")
+                profiler.begin(step)
+                step_start = time.perf_counter()
+                logged = step % c.logging.every == 0 or step == c.train.steps
 
-                    # forward and backward over the micro-batches of one optimizer step
-                    loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-                    used: list[int] = []
-                    if self.pipeline is not None:
-                        micro_batches = []
-                        for _ in range(self.grad_accum):
-                            micro_batches.append(_draw(batches))
-                            used.append(self._last_index)
-                        loss_sum += self._pipeline_step(micro_batches, train=True)
-                    for micro in range(self.grad_accum if self.pipeline is None else 0):
-                        batch = _draw(batches)
-                        used.append(self._last_index)
-                        last_micro = micro == self.grad_accum - 1
-                        loss = self._forward_backward(batch, last_micro)
-                        loss_sum += loss.detach()
-                    compute_s = math.nan
-                    if logged:  # this step's device work, timed on the steps that read the device
-                        if self.dims.backend == "torch":  # XLA runs the step at mark_step instead
-                            _synchronize(self.device)
-                        compute_s = time.perf_counter() - step_start
-                    watchdog.activity("loss all-reduce")
-                    loss_value = self._mean_over_dp(loss_sum)
-                    if step in self._spike_injections:  # a drill: see SpikeConfig.inject_at
-                        self._spike_injections.discard(step)
-                        loss_value = loss_value * 100.0
-                    if step in self._nan_injections:  # a drill: see SpikeConfig.inject_nan_at
-                        self._nan_injections.discard(step)
-                        loss_value = loss_value * math.nan
+                # forward and backward over the micro-batches of one optimizer step
+                drawn = self._draw_step(batches)
+                if drawn is None:
+                    out_of_data = True
+                    break
+                micro_batches, used = drawn
+                loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+                if self.pipeline is not None:
+                    loss_sum += self._pipeline_step(micro_batches, train=True)
+                for micro in range(self.grad_accum if self.pipeline is None else 0):
+                    last_micro = micro == self.grad_accum - 1
+                    loss = self._forward_backward(micro_batches[micro], last_micro)
+                    loss_sum += loss.detach()
+                compute_s = math.nan
+                if logged:  # this step's device work, timed on the steps that read the device
+                    if self.dims.backend == "torch":  # XLA runs the step at mark_step instead
+                        _synchronize(self.device)
+                    compute_s = time.perf_counter() - step_start
+                watchdog.activity("loss all-reduce")
+                loss_value = self._mean_over_dp(loss_sum)
+                if step in self._spike_injections:  # a drill: see SpikeConfig.inject_at
+                    self._spike_injections.discard(step)
+                    loss_value = loss_value * 100.0
+                if step in self._nan_injections:  # a drill: see SpikeConfig.inject_nan_at
+                    self._nan_injections.discard(step)
+                    loss_value = loss_value * math.nan
 
-                    watchdog.activity("optimizer step")
-                    grad_norm, spike, skip = self._update(loss_value)
-                    if self.state.guard is not None:
-                        self.state.guard.accept(loss_value, ~spike)
-                    self.optimizer.zero_grad(set_to_none=True)
-                    lr = float(self.scheduler.get_last_lr()[0])  # the rate this step used
-                    self.scheduler.step()
-                    mark_step()
-                    self.state.step = step
-                    self.state.tokens += tokens_per_step
-                    window.add(step, used, spike, skip)
-                    if first_loss is None:
-                        first_loss = loss_value
-                    last_loss = loss_value
+                watchdog.activity("optimizer step")
+                grad_norm, spike, skip = self._update(loss_value)
+                if self.state.guard is not None:
+                    self.state.guard.accept(loss_value, ~spike)
+                self.optimizer.zero_grad(set_to_none=True)
+                lr = float(self.scheduler.get_last_lr()[0])  # the rate this step used
+                self.scheduler.step()
+                mark_step()
+                self.state.step = step
+                self.state.tokens += tokens_per_step
+                window.add(step, used, spike, skip)
+                if first_loss is None:
+                    first_loss = loss_value
+                last_loss = loss_value
 
-                    watchdog.activity("stop-flag all-reduce")
-                    stop = self._stop_requested(step == c.train.steps)
-                    if math.isnan(self._restart_s):
-                        self._restart_s = time.monotonic() - self._created
-                    save = checkpoint_step(step) or step == c.train.steps or stop
-                    if stop and self.preempted and not self._preempt_save_fits(step, last_saved):
-                        save, skip_final_save = False, True
-                    log = step % c.logging.every == 0 or step == c.train.steps
-                    if log or save:
-                        watchdog.activity("metrics (device read, all-reduces)")
-                        # The device is read here, once. The verdicts since the last read come
-                        # first, so a rollback never saves or logs a state past a spike.
-                        seen = self._read(window, loss_value, grad_norm, spike, skip, log)
-                        if (
-                            seen["first_spike"]
-                            and c.spike.policy == "rollback"
-                            and not self._extracting
-                        ):
-                            first = int(seen["first_spike"])
-                            watchdog.activity("spike rollback (checkpoint load)", region="startup")
-                            batches = self._rollback(first, window.batches[first], batches)
-                            window = _Window(self.device, self.state.step)
-                            continue
-                    if log:
-                        record = self._metrics(step, seen, lr, window, tokens_per_step, compute_s)
-                        if self.writer:
-                            self.writer.write(record)
-                        progress.update(
-                            step,
-                            f"loss {record['loss']:.3f} lr {record['lr']:.2e} "
-                            f"{record['tokens_per_s']:.0f} tok/s",
+                watchdog.activity("stop-flag all-reduce")
+                stop = self._stop_requested(step == c.train.steps)
+                if math.isnan(self._restart_s):
+                    self._restart_s = time.monotonic() - self._created
+                save = checkpoint_step(step) or step == c.train.steps or stop
+                if stop and self.preempted and not self._preempt_save_fits(step, last_saved):
+                    save, skip_final_save = False, True
+                log = step % c.logging.every == 0 or step == c.train.steps
+                if log or save:
+                    watchdog.activity("metrics (device read, all-reduces)")
+                    # The device is read here, once. The verdicts since the last read come
+                    # first, so a rollback never saves or logs a state past a spike.
+                    seen = self._read(window, loss_value, grad_norm, spike, skip, log)
+                    if (
+                        seen["first_spike"]
+                        and c.spike.policy == "rollback"
+                        and not self._extracting
+                    ):
+                        first = int(seen["first_spike"])
+                        watchdog.activity("spike rollback (checkpoint load)", region="startup")
+                        batches = self._rollback(first, window.batches[first], batches)
+                        window = _Window(self.device, self.state.step)
+                        continue
+                if log:
+                    record = self._metrics(step, seen, lr, window, tokens_per_step, compute_s)
+                    if self.writer:
+                        self.writer.write(record)
+                    progress.update(
+                        step,
+                        f"loss {record['loss']:.3f} lr {record['lr']:.2e} "
+                        f"{record['tokens_per_s']:.0f} tok/s",
+                    )
+                    if record["spikes"]:
+                        band = (
+                            f"; the band is now loss <= {self.state.guard.limit():.4f}"
+                            if self.state.guard is not None
+                            else ""
                         )
-                        if record["spikes"]:
-                            band = (
-                                f"; the band is now loss <= {self.state.guard.limit():.4f}"
-                                if self.state.guard is not None
-                                else ""
-                            )
-                            progress.write(
-                                f"step {step}: {record['spikes']} loss spike(s) since the last log, "
-                                f"{record['skipped']} update(s) skipped (policy {c.spike.policy})"
-                                f"{band}"
-                            )
-                        window = _Window(self.device, step)
-                    paused = time.perf_counter()
-                    if c.train.eval_every and step % c.train.eval_every == 0:
+                        progress.write(
+                            f"step {step}: {record['spikes']} loss spike(s) since the last log, "
+                            f"{record['skipped']} update(s) skipped (policy {c.spike.policy})"
+                            f"{band}"
+                        )
+                    window = _Window(self.device, step)
+                paused = time.perf_counter()
+                if c.train.eval_every and step % c.train.eval_every == 0:
+                    watchdog.activity("validation", region="long")
+                    self._validate(step, progress)
+                if save:
+                    if not c.train.eval_every and self._validation_sets() and checkpoint_step(step):
                         watchdog.activity("validation", region="long")
                         self._validate(step, progress)
-                    if save:
-                        if (
-                            not c.train.eval_every
-                            and self._validation_sets()
-                            and checkpoint_step(step)
-                        ):
-                            watchdog.activity("validation", region="long")
-                            self._validate(step, progress)
-                        watchdog.activity("checkpoint save", region="long")
-                        self.checkpointer.save(step, self.checkpoint_state)
-                        last_saved = step
-                    self._log_saves()
-                    window.paused_s += time.perf_counter() - paused
-                    if save and auto_every and not stop and step < c.train.steps:
-                        watchdog.activity("checkpoint interval all-reduce", region="long")
-                        step_s = (time.monotonic() - since[1]) / max(1, step - since[0])
-                        next_save = step + self._auto_interval(step, step_s)
-                        since = (step, time.monotonic())
-                    if c.logging.profile_steps or c.logging.memory_snapshot_step:
-                        watchdog.activity("profiler and memory snapshot", region="long")
-                    profiler.end(step)
-                    snapshot.after(step)
-                    if stop:
-                        reason = "time limit" if self.out_of_time else "SIGTERM"
-                        saved = "no save (see above)" if skip_final_save else f"saved step {step}"
-                        self._log(f"{reason}: {saved}, exiting")
-                        break
-            except _DataRanOut as e:
-                exhausted = e.error(self.state.step, c.train.steps)
+                    watchdog.activity("checkpoint save", region="long")
+                    self.checkpointer.save(step, self.checkpoint_state)
+                    last_saved = step
+                self._log_saves()
+                window.paused_s += time.perf_counter() - paused
+                if save and auto_every and not stop and step < c.train.steps:
+                    watchdog.activity("checkpoint interval all-reduce", region="long")
+                    step_s = (time.monotonic() - since[1]) / max(1, step - since[0])
+                    next_save = step + self._auto_interval(step, step_s)
+                    since = (step, time.monotonic())
+                if c.logging.profile_steps or c.logging.memory_snapshot_step:
+                    watchdog.activity("profiler and memory snapshot", region="long")
+                profiler.end(step)
+                snapshot.after(step)
+                if stop:
+                    reason = "time limit" if self.out_of_time else "SIGTERM"
+                    saved = "no save (see above)" if skip_final_save else f"saved step {step}"
+                    self._log(f"{reason}: {saved}, exiting")
+                    break
+            if out_of_data:
+                self._log(
+                    f"the training data ran out after step {self.state.step} of train.steps "
+                    f"{c.train.steps}: every source of the mixture reached its epochs or "
+                    "max_tokens cap (data.sources); saving the last step and ending. To train "
+                    "on, raise a cap or add a source and run again with "
+                    "data.mixture_change = 'continue'"
+                )
             if self.state.step > last_saved and self.state.step > 0 and not skip_final_save:
                 watchdog.activity("checkpoint save (final)", region="long")
                 self.checkpointer.save(self.state.step, self.checkpoint_state)
             watchdog.activity("checkpoint wait (final)", region="long")
             self.checkpointer.wait()
             self._log_saves()
-            if exhausted is not None:
-                raise exhausted
         except torch.OutOfMemoryError:
             snapshot.on_oom()
             raise
@@ -825,6 +805,7 @@ class Trainer:
             "resumed_from": resumed,
             "preempted": self.preempted,
             "out_of_time": self.out_of_time,
+            "out_of_data": out_of_data,
             "first_loss": math.nan if first_loss is None else float(first_loss),
             "last_loss": math.nan if last_loss is None else float(last_loss),
             "out_dir": c.train.out_dir,
@@ -839,6 +820,31 @@ class Trainer:
         return summary
 
     # --- pieces of a step ------------------------------------------------------------------
+
+    def _draw_step(self, batches: Iterator[Any]) -> tuple[list[Any], list[int]] | None:
+        """The micro-batches of the next step and their indices, or ``None`` where the data
+        has ended: on every rank alike, so that no rank leaves the loop while others wait in
+        a collective.
+
+        Note: only a mixture whose every source is capped can end (``data.sources`` with
+        ``epochs`` or ``max_tokens``), and its ranks end after different numbers of batches;
+        there the ranks agree each step with an all-reduce (MIN) of one host integer on the
+        gloo control group, which never waits for the device. Other data never ends.
+        """
+        micro_batches: list[Any] = []
+        used: list[int] = []
+        for _ in range(self.grad_accum):
+            batch = next(batches, None)
+            if batch is None:
+                break
+            micro_batches.append(batch)
+            used.append(self._last_index)
+        have = len(micro_batches) == self.grad_accum
+        if self._data_can_end and self._control is not None:
+            flag = torch.tensor([int(have)], dtype=torch.int32)
+            dist.all_reduce(flag, dist.ReduceOp.MIN, self._control)
+            have = bool(flag.tolist()[0])
+        return (micro_batches, used) if have else None
 
     def _batches(self) -> Iterator[Any]:
         """Micro-batches, skipping the ones a rollback marked bad; counts what it consumes."""

@@ -135,6 +135,11 @@ def validate(
             "the guard keeps only the last window losses, so it would never judge a spike; "
             "lower min_history or widen the window"
         )
+    if spike.new_level_after == 1 or spike.new_level_after < 0:
+        raise ConfigError(
+            f"spike.new_level_after must be 0 (never) or at least 2, got "
+            f"{spike.new_level_after}: at 1 every spike would enter the window at once"
+        )
     if not (math.isfinite(spike.k) and spike.k > 0):
         raise ConfigError(
             f"spike.k (standard deviations above the mean) must be positive, got {spike.k}"

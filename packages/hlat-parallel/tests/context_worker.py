@@ -12,12 +12,12 @@ parallelism twice and by a document-masked forward.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from spawn import end_worker
 from torch.distributed.device_mesh import init_device_mesh
 
 from hlat_model import Llama, LlamaConfig, cross_entropy_loss
@@ -69,10 +69,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Note: the work is saved and the process group destroyed; end before the interpreter's
-    # finalization, where torch's threads of a destroyed group now and then abort a finished
-    # rank (SIGABRT, "terminate called without an active exception"); hlat-train's CLI ends
-    # the same way
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_worker()

@@ -13,6 +13,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from spawn import end_worker
 
 from hlat_model import Llama, LlamaConfig
 from hlat_parallel import ParallelDims, match_plan
@@ -68,10 +69,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Note: the work is saved and the process group destroyed; end before the interpreter's
-    # finalization, where torch's threads of a destroyed group now and then abort a finished
-    # rank (SIGABRT, "terminate called without an active exception"); hlat-train's CLI ends
-    # the same way
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_worker()

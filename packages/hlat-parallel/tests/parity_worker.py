@@ -13,13 +13,13 @@ import dataclasses
 import functools
 import itertools
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from spawn import end_worker
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
@@ -205,10 +205,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Note: the work is saved and the process group destroyed; end before the interpreter's
-    # finalization, where torch's threads of a destroyed group now and then abort a finished
-    # rank (SIGABRT, "terminate called without an active exception"); hlat-train's CLI ends
-    # the same way
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_worker()

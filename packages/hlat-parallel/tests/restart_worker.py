@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from spawn import end_worker
 
 from hlat_parallel import init_parallel
 
@@ -55,10 +56,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Note: the work is saved and the process group destroyed; end before the interpreter's
-    # finalization, where torch's threads of a destroyed group now and then abort a finished
-    # rank (SIGABRT, "terminate called without an active exception"); hlat-train's CLI ends
-    # the same way
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_worker()

@@ -18,13 +18,13 @@ compares to WORKDIR/rank<r>.pt:
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from spawn import end_worker
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -193,7 +193,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Note: end before the interpreter's finalization, as parity_worker.py does
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_worker()

@@ -267,7 +267,7 @@ def test_positions_and_document_lengths_of_the_wrong_shape_are_refused_before_ru
     lens = torch.tensor([[10, 6], [16, 0]])
     for kwargs, needle in (
         ({"doc_lens": lens[0]}, r"doc_lens must be integer .* batch 2.* shape \(2,\)"),
-        ({"doc_lens": lens[:1]}, r"doc_lens .* got torch.int64 of shape \(1, 2\)"),
+        ({"doc_lens": lens[None]}, r"doc_lens .* got torch.int64 of shape \(1, 2, 2\)"),
         ({"doc_lens": lens.float()}, r"doc_lens .* got torch.float32"),
         ({"position_ids": torch.arange(16)}, r"position_ids must be \[batch, seq\] = \[2, 16\]"),
         ({"position_ids": torch.arange(15).expand(2, 15)}, r"got \(2, 15\)"),
@@ -277,9 +277,11 @@ def test_positions_and_document_lengths_of_the_wrong_shape_are_refused_before_ru
     with pytest.raises(ValueError, match=r"input_ids must be \[batch, seq\]"):
         model(ids[0])
     assert calls == []
-    # a position row shared by the batch is accepted
+    # a position row and document lengths shared by the batch are accepted
     shared = model(ids, position_ids=torch.arange(16)[None])
     torch.testing.assert_close(shared, model(ids))
+    one = model(ids, doc_lens=lens[:1])
+    torch.testing.assert_close(one, model(ids, doc_lens=lens[:1].expand(2, -1)))
 
 
 def test_a_label_outside_the_vocabulary_is_refused(kernels):

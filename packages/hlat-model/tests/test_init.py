@@ -58,3 +58,10 @@ def test_tied_embeddings_stay_tied_when_materialised_from_the_meta_device():
     inner = wrapped[0]
     assert inner.lm_head.weight is inner.embed_tokens.weight
     assert inner.num_params() == Llama(config).num_params()
+    # a state loaded by assignment (its head and embedding are distinct tensors here)
+    with torch.device("meta"):
+        assigned = Llama(config)
+    state = {k: v.clone() for k, v in Llama(config).state_dict().items()}
+    assigned.load_state_dict(state, assign=True)
+    assert assigned.lm_head.weight is assigned.embed_tokens.weight
+    assert torch.equal(assigned.embed_tokens.weight, state["embed_tokens.weight"])

@@ -9,12 +9,12 @@ and writes the losses and full gradients to WORKDIR/<compiled|eager>-rank<r>.pt.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from spawn import end_worker
 from torch.distributed.tensor import DTensor
 
 from hlat_model import Llama, LlamaConfig, cross_entropy_loss
@@ -58,7 +58,7 @@ def main() -> None:
         torch.save(result, workdir / f"{name}-rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
-    os._exit(0)
+    end_worker()
 
 
 if __name__ == "__main__":

@@ -95,3 +95,23 @@ def test_a_directory_of_another_shape_or_no_directory_is_refused(
     with pytest.raises(ConfigError, match=needle):
         Trainer(config)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_directory_without_the_head_of_an_untied_model_is_refused(corpus, tmp_path, hf_dir):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    headless = tmp_path / "headless"
+    shutil.copytree(hf_dir, headless)
+    index = json.loads((headless / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"].pop("lm_head.weight")
+    tensors = load_file(str(headless / shard))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(headless / shard))
+    (headless / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = tiny_config(corpus, tmp_path / "run", *SHAPE, f'--model.init_from_hf="{headless}"')
+    with pytest.raises(ConfigError, match=r"holds no lm_head.weight, but the model does not tie"):
+        Trainer(config)
+    assert not (tmp_path / "run").exists()

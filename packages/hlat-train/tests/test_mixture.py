@@ -115,16 +115,30 @@ def _saved_steps(out) -> list[int]:
 
 
 def test_a_mixture_that_runs_out_saves_its_last_step_and_ends(corpus, tmp_path, capfd):
-    summary = fit(_runs_out(corpus, tmp_path))
+    # logged every 1,000 steps: the steps since the last log are read and logged at the end
+    summary = fit(_runs_out(corpus, tmp_path, "--logging.every=1000"))
     train = [r for r in read_metrics(str(tmp_path / "metrics.jsonl")) if r["kind"] == "train"]
-    last = train[-1]["step"]
-    assert summary["out_of_data"] is True and summary["step"] == last
+    last = summary["step"]
+    assert summary["out_of_data"] is True and [r["step"] for r in train] == [last]
     assert 10 < last < 5000
     assert train[-1]["data/a/epoch"] == 0  # the first and only pass of each source
     assert _saved_steps(tmp_path) == [last]  # the steps since the last save are kept
     assert f"the training data ran out after step {last} of train.steps 5000" in (
         capfd.readouterr().err
     )
+    # a spike among those steps is rolled back before the end, as at the last step
+    spiked = _runs_out(
+        corpus,
+        tmp_path / "spiked",
+        "--logging.every=1000",
+        "--checkpoint.every=5",
+        "--spike.policy=rollback",
+        f"--spike.inject_at=[{last - 1}]",
+    )
+    again = fit(spiked)
+    logged = capfd.readouterr().err
+    assert f"loss spike at step {last - 1}: rolled back to step" in logged
+    assert again["out_of_data"] is True and _saved_steps(tmp_path / "spiked")[-1] == again["step"]
 
 
 @pytest.mark.slow

@@ -535,6 +535,8 @@ class Llama(nn.Module):
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.lm_head = Linear(config.dim, config.vocab_size)
         self._tie()
+        # ``load_state_dict(assign=True)`` puts a Parameter of the state into each module
+        self.register_load_state_dict_post_hook(lambda module, _: module._tie())
         if self.embed_tokens.weight.device.type != "meta":
             self.init_weights()
 
@@ -544,9 +546,9 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def _apply(self, fn: Any, recurse: bool = True) -> Llama:
-        # Note: materialising from the meta device (``to_empty``, ``to``) gives each module
-        # a new Parameter of its own, which would untie the head from the embedding; FSDP2
-        # keeps the tie itself, and then this finds them tied
+        # Note: materialising from the meta device (``to_empty``) gives each module a new
+        # Parameter of its own, which would untie the head from the embedding; FSDP2 keeps
+        # the tie itself, and then this finds them tied
         super()._apply(fn, recurse)
         self._tie()
         return self
@@ -608,11 +610,13 @@ class Llama(nn.Module):
                 f"got {tuple(position_ids.shape)}"
             )
         if doc_lens is not None and (
-            doc_lens.dim() != 2 or doc_lens.shape[0] != batch or doc_lens.is_floating_point()
-        ):
+            doc_lens.dim() != 2 or doc_lens.shape[0] not in (1, batch)
+            or doc_lens.is_floating_point()
+        ):  # fmt: skip
             raise ValueError(
                 f"doc_lens must be integer document lengths [batch, documents] with batch "
-                f"{batch}, zero padded, got {doc_lens.dtype} of shape {tuple(doc_lens.shape)}"
+                f"{batch} (or 1, shared by the rows), zero padded, got {doc_lens.dtype} of "
+                f"shape {tuple(doc_lens.shape)}"
             )
         if labels is not None:
             # Note: the losses' own check, made here before the first layer; the error types

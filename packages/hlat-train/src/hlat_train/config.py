@@ -326,7 +326,8 @@ class SpikeConfig:
     new_level_after: int = 10
     """Steps in a row with a loss above the band after which the loss has moved to a new
     level (harder data, a changed mixture) that the window takes in, so the band follows it
-    (``hlat_train.SpikeGuard``); 0: never, every later step stays a spike."""
+    (``hlat_train.SpikeGuard``); 0: never, every later step stays a spike. Under ``warn``
+    and ``skip``: ``rollback`` goes back at the first spike."""
     max_rollbacks: int = 5
     """Rollbacks allowed in one run before giving up with an error."""
     inject_at: list[int] = field(default_factory=list)

@@ -660,60 +660,68 @@ class Trainer:
             while self.state.step < c.train.steps:
                 step = self.state.step + 1
                 watchdog.beat(step, "forward/backward")
-                profiler.begin(step)
-                step_start = time.perf_counter()
-                logged = step % c.logging.every == 0 or step == c.train.steps
-
-                # forward and backward over the micro-batches of one optimizer step
                 drawn = self._draw_step(batches)
                 if drawn is None:
-                    out_of_data = True
-                    break
-                micro_batches, used = drawn
-                loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-                if self.pipeline is not None:
-                    loss_sum += self._pipeline_step(micro_batches, train=True)
-                for micro in range(self.grad_accum if self.pipeline is None else 0):
-                    last_micro = micro == self.grad_accum - 1
-                    loss = self._forward_backward(micro_batches[micro], last_micro)
-                    loss_sum += loss.detach()
-                compute_s = math.nan
-                if logged:  # this step's device work, timed on the steps that read the device
-                    if self.dims.backend == "torch":  # XLA runs the step at mark_step instead
-                        _synchronize(self.device)
-                    compute_s = time.perf_counter() - step_start
-                watchdog.activity("loss all-reduce")
-                loss_value = self._mean_over_dp(loss_sum)
-                if step in self._spike_injections:  # a drill: see SpikeConfig.inject_at
-                    self._spike_injections.discard(step)
-                    loss_value = loss_value * 100.0
-                if step in self._nan_injections:  # a drill: see SpikeConfig.inject_nan_at
-                    self._nan_injections.discard(step)
-                    loss_value = loss_value * math.nan
+                    # the data has ended, on every rank at this step: the steps since the last
+                    # read of the device are read, logged (a rollback may act) and saved below,
+                    # as at the last step
+                    out_of_data, step, stop, compute_s = True, self.state.step, False, math.nan
+                    if window.start_step >= step:  # none since the last read
+                        break
+                else:
+                    profiler.begin(step)
+                    step_start = time.perf_counter()
+                    logged = step % c.logging.every == 0 or step == c.train.steps
 
-                watchdog.activity("optimizer step")
-                grad_norm, spike, skip = self._update(loss_value)
-                if self.state.guard is not None:
-                    self.state.guard.accept(loss_value, ~spike)
-                self.optimizer.zero_grad(set_to_none=True)
-                lr = float(self.scheduler.get_last_lr()[0])  # the rate this step used
-                self.scheduler.step()
-                mark_step()
-                self.state.step = step
-                self.state.tokens += tokens_per_step
-                window.add(step, used, spike, skip)
-                if first_loss is None:
-                    first_loss = loss_value
-                last_loss = loss_value
+                    # forward and backward over the micro-batches of one optimizer step
+                    micro_batches, used = drawn
+                    loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+                    if self.pipeline is not None:
+                        loss_sum += self._pipeline_step(micro_batches, train=True)
+                    for micro in range(self.grad_accum if self.pipeline is None else 0):
+                        last_micro = micro == self.grad_accum - 1
+                        loss = self._forward_backward(micro_batches[micro], last_micro)
+                        loss_sum += loss.detach()
+                    compute_s = math.nan
+                    if logged:  # this step's device work, timed on the steps that read the device
+                        if self.dims.backend == "torch":  # XLA runs the step at mark_step instead
+                            _synchronize(self.device)
+                        compute_s = time.perf_counter() - step_start
+                    watchdog.activity("loss all-reduce")
+                    loss_value = self._mean_over_dp(loss_sum)
+                    if step in self._spike_injections:  # a drill: see SpikeConfig.inject_at
+                        self._spike_injections.discard(step)
+                        loss_value = loss_value * 100.0
+                    if step in self._nan_injections:  # a drill: see SpikeConfig.inject_nan_at
+                        self._nan_injections.discard(step)
+                        loss_value = loss_value * math.nan
 
-                watchdog.activity("stop-flag all-reduce")
-                stop = self._stop_requested(step == c.train.steps)
+                    watchdog.activity("optimizer step")
+                    grad_norm, spike, skip = self._update(loss_value)
+                    if self.state.guard is not None:
+                        self.state.guard.accept(loss_value, ~spike)
+                    self.optimizer.zero_grad(set_to_none=True)
+                    lr = float(self.scheduler.get_last_lr()[0])  # the rate this step used
+                    self.scheduler.step()
+                    mark_step()
+                    self.state.step = step
+                    self.state.tokens += tokens_per_step
+                    window.add(step, used, spike, skip)
+                    if first_loss is None:
+                        first_loss = loss_value
+                    last_loss = loss_value
+
+                    watchdog.activity("stop-flag all-reduce")
+                    stop = self._stop_requested(step == c.train.steps)
                 if math.isnan(self._restart_s):
                     self._restart_s = time.monotonic() - self._created
-                save = checkpoint_step(step) or step == c.train.steps or stop
+                fresh = not out_of_data  # this pass ran a step
+                save = (fresh and (checkpoint_step(step) or step == c.train.steps or stop)) or (
+                    out_of_data and step > last_saved
+                )
                 if stop and self.preempted and not self._preempt_save_fits(step, last_saved):
                     save, skip_final_save = False, True
-                log = step % c.logging.every == 0 or step == c.train.steps
+                log = step % c.logging.every == 0 or step == c.train.steps or out_of_data
                 if log or save:
                     watchdog.activity("metrics (device read, all-reduces)")
                     # The device is read here, once. The verdicts since the last read come
@@ -728,6 +736,7 @@ class Trainer:
                         watchdog.activity("spike rollback (checkpoint load)", region="startup")
                         batches = self._rollback(first, window.batches[first], batches)
                         window = _Window(self.device, self.state.step)
+                        out_of_data = False  # the data is read again from the checkpoint's place
                         continue
                 if log:
                     record = self._metrics(step, seen, lr, window, tokens_per_step, compute_s)
@@ -751,7 +760,7 @@ class Trainer:
                         )
                     window = _Window(self.device, step)
                 paused = time.perf_counter()
-                if c.train.eval_every and step % c.train.eval_every == 0:
+                if fresh and c.train.eval_every and step % c.train.eval_every == 0:
                     watchdog.activity("validation", region="long")
                     self._validate(step, progress)
                 if save:
@@ -763,15 +772,18 @@ class Trainer:
                     last_saved = step
                 self._log_saves()
                 window.paused_s += time.perf_counter() - paused
-                if save and auto_every and not stop and step < c.train.steps:
+                if save and auto_every and fresh and not stop and step < c.train.steps:
                     watchdog.activity("checkpoint interval all-reduce", region="long")
                     step_s = (time.monotonic() - since[1]) / max(1, step - since[0])
                     next_save = step + self._auto_interval(step, step_s)
                     since = (step, time.monotonic())
                 if c.logging.profile_steps or c.logging.memory_snapshot_step:
                     watchdog.activity("profiler and memory snapshot", region="long")
-                profiler.end(step)
-                snapshot.after(step)
+                if fresh:
+                    profiler.end(step)
+                    snapshot.after(step)
+                if out_of_data:
+                    break
                 if stop:
                     reason = "time limit" if self.out_of_time else "SIGTERM"
                     saved = "no save (see above)" if skip_final_save else f"saved step {step}"
@@ -1240,7 +1252,9 @@ class Trainer:
         if self.state.rollbacks >= c.spike.max_rollbacks:
             raise RuntimeError(
                 f"loss spike at step {spike_step} after {self.state.rollbacks} "
-                "rollbacks (spike.max_rollbacks); inspect the data around it or lower the LR"
+                "rollbacks (spike.max_rollbacks); inspect the data around it or lower the LR; "
+                "if the loss has moved to a new level (other data), spike.policy = 'skip' "
+                "lets the band follow it (spike.new_level_after)"
             )
         self.checkpointer.wait()
         bad_all = sorted({*self.state.bad_micro_batches, *bad})

@@ -427,11 +427,16 @@ def _check_hf_init(path: str, llama: Any) -> None:
             "(no config.json there)"
         )
     try:
-        hf_files(path)
+        names = hf_files(path)
         with open(config_path) as f:
             theirs = config_from_hf(json.load(f))
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"model.init_from_hf {path!r}: {e}") from None
+    if not llama.tie_embeddings and not {"lm_head.weight", "model.lm_head.weight"} & set(names):
+        raise ConfigError(
+            f"model.init_from_hf {path!r} holds no lm_head.weight, but the model does not tie "
+            "its embeddings (model.tie_embeddings = false): the head would have no weights"
+        )
     for field in (
         "vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "ffn_dim", "rope_theta",
         "norm_eps", "tie_embeddings",

@@ -20,17 +20,22 @@ def _sources(corpus, code_weight=3, extra=""):
     )
 
 
-def _config(corpus, out, *extra, steps=6, code_weight=3):
+def _mixture(corpus, out, sources: str, *extra, steps: int):
+    """The tiny config over the mixture ``sources`` (a ``--data.sources`` override)."""
     return tiny_config(
         corpus,
         out,
         "--data.paths=[]",
         "--data.valid_paths=[]",
         "--data.block_size=4",
-        _sources(corpus, code_weight),
+        sources,
         *extra,
         steps=steps,
     )
+
+
+def _config(corpus, out, *extra, steps=6, code_weight=3):
+    return _mixture(corpus, out, _sources(corpus, code_weight), *extra, steps=steps)
 
 
 def test_a_mixture_logs_its_shares_validates_per_source_and_resumes_exactly(corpus, tmp_path):
@@ -94,18 +99,8 @@ def _capped(corpus, cap: str) -> str:
 
 
 def _runs_out(corpus, out, *extra):
-    return tiny_config(
-        corpus,
-        out,
-        "--data.paths=[]",
-        "--data.valid_paths=[]",
-        "--data.block_size=4",
-        _capped(corpus, "epochs = 1"),
-        "--checkpoint.every=1000",
-        "--optim.decay_steps=10",
-        *extra,
-        steps=5000,
-    )
+    settings = ("--checkpoint.every=1000", "--optim.decay_steps=10", *extra)
+    return _mixture(corpus, out, _capped(corpus, "epochs = 1"), *settings, steps=5000)
 
 
 def _saved_steps(out) -> list[int]:
@@ -163,15 +158,7 @@ def test_a_mixture_whose_token_caps_cannot_fill_the_run_is_refused_before_it_sta
     corpus, tmp_path
 ):
     # 2 sources of 640 tokens at most: 10 rows of 64 tokens a source, 10 steps of 2 rows
-    fits = tiny_config(
-        corpus,
-        tmp_path,
-        "--data.paths=[]",
-        "--data.valid_paths=[]",
-        "--data.block_size=4",
-        _capped(corpus, "max_tokens = 640"),
-        steps=10,
-    )
+    fits = _mixture(corpus, tmp_path, _capped(corpus, "max_tokens = 640"), steps=10)
     validate(fits, world_size=1)
     fits.train.steps = 11
     with pytest.raises(

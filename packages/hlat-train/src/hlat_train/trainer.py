@@ -666,6 +666,7 @@ class Trainer:
                     # read of the device are read, logged (a rollback may act) and saved below,
                     # as at the last step
                     out_of_data, step, stop, compute_s = True, self.state.step, False, math.nan
+                    watchdog.activity("end of the data (read, log, save of the last step)")
                     if window.start_step >= step:  # none since the last read
                         break
                 else:
@@ -736,6 +737,9 @@ class Trainer:
                         watchdog.activity("spike rollback (checkpoint load)", region="startup")
                         batches = self._rollback(first, window.batches[first], batches)
                         window = _Window(self.device, self.state.step)
+                        # the checkpoint loaded may be older than the last save (one past a
+                        # damaged checkpoint): the steps after it are unsaved again
+                        last_saved = min(last_saved, self.state.step)
                         out_of_data = False  # the data is read again from the checkpoint's place
                         continue
                 if log:
@@ -793,7 +797,7 @@ class Trainer:
                 self._log(
                     f"the training data ran out after step {self.state.step} of train.steps "
                     f"{c.train.steps}: every source of the mixture reached its epochs or "
-                    "max_tokens cap (data.sources); saving the last step and ending. To train "
+                    "max_tokens cap (data.sources); the last step is saved. To train "
                     "on, raise a cap or add a source and run again with "
                     "data.mixture_change = 'continue'"
                 )

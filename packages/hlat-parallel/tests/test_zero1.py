@@ -29,10 +29,15 @@ def runs(tmp_path_factory) -> dict:
     found = {}
     for name, (world, tp) in LAYOUTS.items():
         workdir = tmp_path_factory.mktemp(f"zero1-{name}")
-        run_ranks(WORKER, [str(workdir), str(tp)], world)
-        found[name] = [
-            torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(world)
-        ]
+        ranks: list[dict] = [{"resume": {}, "model_only": {}} for _ in range(world)]
+        for dtype in ("float32", "bfloat16"):  # a process of each weight dtype
+            run_ranks(WORKER, [str(workdir), str(tp), dtype], world)
+            for r in range(world):
+                part = torch.load(workdir / f"rank{r}-{dtype}.pt", weights_only=False)
+                for key in ("resume", "model_only"):
+                    ranks[r][key].update(part.pop(key))
+                ranks[r].update(part)
+        found[name] = ranks
     return found
 
 

@@ -125,12 +125,13 @@ def test_every_row_is_exact_with_next_token_labels_and_consistent_positions(refe
 @pytest.mark.parametrize("dp_size", [1, 2, 4])
 def test_an_epoch_packs_every_document_once_across_ranks(source, tokenizer, documents, dp_size):
     expected = sorted(tuple(tokenizer.encode(d)) for d in documents if d)
-    seen, packed = [], 0
+    seen, packed, counts = [], 0, []
     for rank in range(dp_size):
         loader = make_loader(
             source, tokenizer, dp_rank=rank, dp_size=dp_size, num_epochs=1, drop_last=False
         )
         batches = list(loader)
+        counts.append(len(batches))
         real = [b.input_ids.reshape(-1)[: b.doc_lens.sum()] for b in batches]
         packed += sum(len(r) for r in real)
         stream = np.concatenate(real)
@@ -143,6 +144,8 @@ def test_an_epoch_packs_every_document_once_across_ranks(source, tokenizer, docu
         )
     assert sorted(seen) == expected
     assert packed == sum(len(d) for d in expected) + len(expected)  # + one EOS each
+    if dp_size == 2:  # ranks hold the same blocks, not the same tokens (README: Epochs)
+        assert counts[0] != counts[1], counts
 
 
 def test_final_partial_batch_is_padded_past_doc_lens(source, tokenizer):

@@ -217,8 +217,7 @@ class MixedLoader:
                 d = self._pick()
                 if d is None:
                     return
-                cap = self._max_rows[d]
-                if cap is not None and self._rows[d] >= cap:
+                if self._at_cap(d):
                     self._end(d)
                     continue
                 stream = streams[d]
@@ -380,14 +379,17 @@ class MixedLoader:
                 self._segment = [int(v) for v in ranks[0]["segment"]]
         self._batches = max(int(r["batches"]) for r in ranks) if moved else int(schedule["batches"])
 
+    def _at_cap(self, d: int) -> bool:
+        """Whether this rank has drawn its share of source ``d``'s ``max_tokens`` cap."""
+        cap = self._max_rows[d]
+        return cap is not None and self._rows[d] >= cap
+
     def _exhausted(self, d: int) -> bool:
         """Whether source ``d`` has nothing left for this rank: its row cap is reached, or
         its loader is past its last epoch."""
-        cap = self._max_rows[d]
-        if cap is not None and self._rows[d] >= cap:
-            return True
         loader = self.loaders[d]
-        return loader.num_epochs is not None and loader.epoch >= loader.num_epochs
+        past_epochs = loader.num_epochs is not None and loader.epoch >= loader.num_epochs
+        return self._at_cap(d) or past_epochs
 
     def __repr__(self) -> str:
         parts = ", ".join(

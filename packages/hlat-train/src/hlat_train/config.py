@@ -145,6 +145,12 @@ class DataConfig:
     block_size: int = 1024
     """Documents per shuffle block; each data-parallel rank needs at least one block."""
 
+    def held_out_sets(self) -> list[tuple[str, list[str]]]:
+        """(name, paths) of each held-out set: ``valid_paths`` as ``""``, then each mixture
+        source's own."""
+        sets = [("", self.valid_paths)] if self.valid_paths else []
+        return sets + [(s.name, s.valid_paths) for s in self.sources if s.valid_paths]
+
 
 @dataclass
 class OptimConfig:

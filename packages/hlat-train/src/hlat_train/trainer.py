@@ -768,7 +768,7 @@ class Trainer:
                     watchdog.activity("validation", region="long")
                     self._validate(step, progress)
                 if save:
-                    if not c.train.eval_every and self._validation_sets() and checkpoint_step(step):
+                    if not c.train.eval_every and c.data.held_out_sets() and checkpoint_step(step):
                         watchdog.activity("validation", region="long")
                         self._validate(step, progress)
                     watchdog.activity("checkpoint save", region="long")
@@ -1164,19 +1164,12 @@ class Trainer:
         c = self.config.data
         return open_source(paths, c.text_column, on_bad_record=c.on_bad_record)
 
-    def _validation_sets(self) -> list[tuple[str, list[str]]]:
-        """(name, paths) of each held-out set: ``data.valid_paths`` as ``""``, then each
-        mixture source's own."""
-        c = self.config
-        sets = [("", c.data.valid_paths)] if c.data.valid_paths else []
-        return sets + [(s.name, s.valid_paths) for s in c.data.sources if s.valid_paths]
-
     def _validate(self, step: int, progress: Progress) -> float | None:
-        """The validation loss of each held-out set (:meth:`_validation_sets`), logged as
+        """The validation loss of each held-out set (``DataConfig.held_out_sets``), logged as
         ``"valid"`` records (with ``"source"`` for a mixture source's own); returns the
         first."""
         first = None
-        for name, paths in self._validation_sets():
+        for name, paths in self.config.data.held_out_sets():
             value = self._validation_loss(paths)
             record: dict[str, Any] = {"kind": "valid", "step": step, "loss": value}
             if name:

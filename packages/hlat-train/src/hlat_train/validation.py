@@ -372,13 +372,8 @@ def validate(
                         f"would get no data; set data.block_size to at most {documents // dp}"
                     )
             # held-out sets are read in order, one document a block, split over dp
-            held_out = [("data.valid_paths", data.valid_paths)] if data.valid_paths else []
-            held_out += [
-                (f"data.sources[{s.name}].valid_paths", s.valid_paths)
-                for s in data.sources
-                if s.valid_paths
-            ]
-            for key, paths in held_out:
+            for name, paths in data.held_out_sets():
+                key = f"data.sources[{name}].valid_paths" if name else "data.valid_paths"
                 documents = len(open_source(paths, data.text_column))
                 if documents < dp:
                     raise ConfigError(

@@ -1,7 +1,9 @@
 """Worker processes of the hlat-ckpt tests: a TP=2 DTensor job that saves, a DP=2 job that
 loads, a job that resumes from the newest undamaged checkpoint, a job that resumes from an
-older step (a new lineage), a job saving replicated and sharded tensors, a trainer that
-checkpoints in a loop until it is killed, and a save that runs past a file size limit.
+older step (a new lineage), a job that rewinds and saves a step it saved before, pipeline
+stages that load the layers of their own, a job saving replicated and sharded tensors, a
+trainer that checkpoints in a loop until it is killed, and a save that runs past a file size
+limit.
 
 Run as ``python ckpt_workers.py <scenario> <root>`` with torchrun's environment variables
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) for the distributed scenarios.
@@ -142,6 +144,71 @@ def fork(root: str) -> None:
         )
 
 
+def rewind(root: str) -> None:
+    """One async Checkpointer per rank saves steps 1-3, loads step 1 and saves step 2 again
+    (into the new lineage); every rank writes the steps it then lists."""
+    rank = dist.get_rank()
+    model = nn.Linear(4, 4)
+    ck = Checkpointer(root, async_save=True)
+    for step in (1, 2, 3):
+        ck.save(step, {"model": model})
+    ck.wait()
+    ck.load(1, {"model": model})
+    ck.save(2, {"model": model})
+    ck.wait()
+    listed = [(c.step, c.current) for c in ck.list()]
+    ck.close()
+    with open(os.path.join(root, f"rewind_rank{rank}.json"), "w") as f:
+        json.dump(listed, f)
+
+
+def stage(names: list[str], value: float) -> nn.ModuleDict:
+    """A pipeline stage: the layers ``names`` of a model, every parameter filled with
+    ``value``."""
+    stage = nn.ModuleDict({n: nn.Linear(2, 2) for n in names})
+    with torch.no_grad():
+        for p in stage.parameters():
+            p.fill_(value)
+    return stage
+
+
+def stages(root: str) -> None:
+    """Two pipeline stages (rank 0 layer a, rank 1 layers b and c) save after a step; each
+    loads its own layers back; then both hold layer a only, which strict loading refuses
+    (layers b and c are no rank's) and strict=False loads. Every rank writes what it got."""
+    rank = dist.get_rank()
+    names = ["a"] if rank == 0 else ["b", "c"]
+    ck = Checkpointer(root, async_save=False)
+    saved = stage(names, 1.0)
+    optimizer = torch.optim.AdamW(saved.parameters())
+    sum(p.sum() for p in saved.parameters()).backward()
+    optimizer.step()
+    ck.save(1, {"model": saved, "optimizer": optimizer})
+    own = stage(names, 0.0)
+    ck.load(1, {"model": own, "optimizer": torch.optim.AdamW(own.parameters())})
+    pairs = zip(own.parameters(), saved.parameters(), strict=True)
+    loaded = all(torch.equal(a, b) for a, b in pairs)
+    fewer = stage(["a"], 0.0)
+    try:
+        ck.load(1, {"model": fewer})
+        refused = ""
+    except CheckpointError as e:
+        refused = str(e)
+    untouched = all(not p.any() for p in fewer.parameters())
+    ck.load(1, {"model": fewer}, strict=False)
+    with open(os.path.join(root, f"stages_rank{rank}.json"), "w") as f:
+        json.dump(
+            {
+                "loaded": loaded,
+                "refused": refused,
+                "untouched": untouched,
+                "a": float(fewer["a"].weight[0, 0]),
+                "saved_a": float(saved["a"].weight[0, 0]) if rank == 0 else None,
+            },
+            f,
+        )
+
+
 REPLICATED_NUMEL = 256 * 1024  # 1 MiB of fp32 per replicated tensor
 SHARDED_NUMEL = 512 * 1024  # 2 MiB of fp32 in all, 1 MiB on each of the two ranks
 
@@ -229,6 +296,8 @@ if __name__ == "__main__":
             "dp_load": dp_load,
             "latest": latest,
             "fork": fork,
+            "rewind": rewind,
+            "stages": stages,
             "replicated": replicated,
         }[scenario](root_dir)
     finally:

@@ -357,3 +357,120 @@ def test_a_checkpoint_with_the_nested_optimizer_state_of_earlier_versions_loads(
         assert torch.equal(tensor, expected[name]), name
     assert b["optimizer"].param_groups[0]["lr"] == lr
     assert train_step(b) == expected_loss
+
+
+def test_a_tensor_whose_shape_changed_is_refused_naming_it(tmp_path):
+    ck = Checkpointer(tmp_path, async_save=False)
+    ck.save(1, {"model": torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))})
+    wider = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Linear(16, 2))
+    # DCP raises its CheckpointException, a BaseException whose text is a traceback
+    with pytest.raises(
+        CheckpointError,
+        match=r"reading .*step_0000000001 failed: rank 0: ValueError: Size mismatch between "
+        r"saved torch\.Size\(\[8.*\]\) and current.*torch\.Size\(\[16.*\]\) for model/0\.",
+    ):
+        ck.load(1, {"model": wider})
+
+
+def test_a_checkpoint_of_a_larger_model_is_refused_unless_not_strict(tmp_path):
+    ck = Checkpointer(tmp_path, async_save=False)
+    a = make_state(0)
+    train_step(a)
+    ck.save(1, a)
+    fewer = torch.nn.Sequential(torch.nn.Linear(8, 32))  # the first layer only
+    initial = fewer[0].weight.detach().clone()
+    optimizer = torch.optim.AdamW(fewer.parameters())
+    for state in ({"model": fewer}, {"model": fewer, "optimizer": optimizer}):
+        with pytest.raises(
+            CheckpointError,
+            match=r"entry 'model' holds 2 tensors that the current module has on no rank, "
+            r"e\.g\. \['model/3\.bias', 'model/3\.weight'\].*strict=False",
+        ):
+            ck.load(1, state)
+        assert torch.equal(fewer[0].weight, initial)  # refused before anything was loaded
+    whole = make_state(1)["model"]
+    last_frozen = torch.optim.AdamW(whole[0].parameters())
+    with pytest.raises(
+        CheckpointError,
+        match=r"entry 'optimizer' holds 6 tensors that the current optimizer has on no rank, "
+        r"e\.g\. \['optimizer/state\.3\.bias\.exp_avg'",
+    ):
+        ck.load(1, {"model": whole, "optimizer": last_frozen})
+    ck.load(1, {"model": fewer, "optimizer": optimizer}, strict=False)
+    assert torch.equal(fewer[0].weight, a["model"][0].weight)
+    exp_avg = a["optimizer"].state[a["model"][0].weight]["exp_avg"]
+    assert torch.equal(optimizer.state[fewer[0].weight]["exp_avg"], exp_avg)
+
+
+def _without_metadata(path, how: str) -> None:
+    """Take DCP's ``.metadata`` from the committed checkpoint ``path``: removed (and left out
+    of the manifest, as a commit of a write that left ``.metadata.tmp`` recorded it), or
+    garbled at its size."""
+    metadata = path / ".metadata"
+    if how == "garbled":
+        metadata.write_bytes(b"\0" * metadata.stat().st_size)
+        return
+    metadata.unlink()
+    record = json.loads((path / MANIFEST_NAME).read_text())
+    del record["files"][".metadata"], record["checksums"][".metadata"]
+    (path / MANIFEST_NAME).write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("how", ["missing", "garbled"])
+def test_a_checkpoint_whose_dcp_metadata_cannot_be_read_is_skipped_as_damaged(tmp_path, how):
+    ck = Checkpointer(tmp_path, async_save=False, verify_checksums=False)
+    a = make_state(0)
+    ck.save(1, a)
+    train_step(a)
+    ck.save(2, a)
+    _without_metadata(tmp_path / "step_0000000002", how)
+    with pytest.raises(CheckpointError, match=r"cannot load step 2: .*step_0000000002.*\.metadata"):
+        ck.load(2, make_state(1))
+    b = make_state(1)
+    with pytest.warns(UserWarning, match=r"skipping damaged checkpoint: .*\.metadata"):
+        assert ck.load_latest(b) == 1
+    assert b["counters"].steps == 0
+    ck.save(2, b)  # the resumed run replaces it
+    assert ck.load_latest(make_state(2)) == 2
+
+
+@pytest.mark.parametrize("name", ["run?v=1", "run[7b]", "run*"])
+def test_an_object_store_root_with_pattern_characters_is_refused_before_any_write(s3_bucket, name):
+    # fsspec (and DCP's fsspec writer, which renames and cleans up through it) expands *, ?
+    # and [ on object stores: "run[7b]" matches "run7", whose files a failed write deleted
+    url, options = s3_bucket
+    other = Checkpointer(f"{url}/run7", storage_options=options, async_save=False)
+    other.save(1, {"model": torch.nn.Linear(2, 2)})
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    kept = sorted(fs.find(path))
+    with pytest.raises(ValueError, match=r"object-store checkpoint root cannot contain"):
+        Checkpointer(f"{url}/{name}", storage_options=options, async_save=False)
+    with pytest.raises(ValueError, match=r"object-store checkpoint root cannot contain"):
+        consolidate(f"{url}/{name}", storage_options=options)
+    fs.invalidate_cache()
+    assert sorted(fs.find(path)) == kept
+    assert other.load_latest({"model": torch.nn.Linear(2, 2)}) == 1
+
+
+def test_a_write_without_dcp_metadata_or_with_unfinished_files_is_not_committed(tmp_path):
+    ck = Checkpointer(tmp_path, async_save=False)
+    ck._check_written({".metadata": 10, "__0_0.distcp": 20}, "here")
+    with pytest.raises(CheckpointError, match=r"here: DCP's write did not complete \(no "):
+        ck._check_written({".metadata.tmp": 10, "__0_0.distcp": 20}, "here")
+    with pytest.raises(CheckpointError, match=r"unfinished files \['__0_0.distcp.tmp'\]"):
+        ck._check_written({".metadata": 10, "__0_0.distcp.tmp": 20}, "here")
+
+
+def test_a_failed_save_under_a_root_with_glob_characters_removes_its_own_files_only(tmp_path):
+    other = Checkpointer(tmp_path / "run7", async_save=False)
+    other.save(1, {"model": torch.nn.Linear(2, 2)})
+    (tmp_path / "run7" / "step_0000000002.tmp").mkdir()  # a save of that run in progress
+    kept = sorted(tmp_path.rglob("*"))
+    ck = Checkpointer(tmp_path / "run[7b]", async_save=False, io_threads=1)
+    model = torch.nn.Linear(2, 2)
+    model.register_buffer("lazy", torch.empty(4, device="meta"))  # DCP cannot write it
+    for step in (1, 2):
+        with pytest.raises(CheckpointError, match=rf"writing step {step} to .*run\[7b\]/step_"):
+            ck.save(step, {"model": model})
+        assert sorted(tmp_path.rglob("*")) == [*kept, tmp_path / "run[7b]"]
+    assert other.load_latest({"model": torch.nn.Linear(2, 2)}) == 1

@@ -1,8 +1,10 @@
 """Two-process jobs on real gloo groups: a TP=2 DTensor checkpoint loads at other layouts;
 each rank checks the checksums of its own shard files; the checksums computed while writing
-reach the manifest; replicated tensors are written once."""
+reach the manifest; replicated tensors are written once; a rewound job saves a step again;
+pipeline stages load their own layers, and layers no stage holds are refused."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -106,6 +108,29 @@ def test_a_damaged_shard_of_rank_1_is_found_by_rank_1_and_skipped_by_both(tp2_ch
     warned = json.loads((copy / "latest_rank0.json").read_text())["warnings"]
     assert len(warned) == 1 and "skipping damaged checkpoint" in warned[0], warned
     assert "file __1_0.distcp has checksum" in warned[0], warned
+
+
+def test_each_rank_saves_a_step_again_after_loading_an_older_one(tmp_path):
+    # every rank's Checkpointer forgets the steps it saved on load: one that remembered
+    # step 2 refused it before any collective, while the others went on to save
+    launch("rewind", tmp_path)
+    for rank in range(2):
+        listed = json.loads((tmp_path / f"rewind_rank{rank}.json").read_text())
+        assert [step for step, current in listed if current] == [1, 2], listed
+
+
+def test_pipeline_stages_load_their_own_layers_and_layers_no_stage_holds_are_refused(tmp_path):
+    launch("stages", tmp_path)
+    got = [json.loads((tmp_path / f"stages_rank{rank}.json").read_text()) for rank in range(2)]
+    for rank in range(2):
+        assert got[rank]["loaded"], got[rank]  # the union of the stages is the checkpoint
+        assert re.search(
+            r"entry 'model' holds 4 tensors that the current module has on no rank, "
+            r"e\.g\. \['model/b\.bias', 'model/b\.weight', 'model/c\.bias'\].*strict=False",
+            got[rank]["refused"],
+        ), got[rank]
+        assert got[rank]["untouched"], got[rank]  # refused before anything was loaded
+        assert got[rank]["a"] == got[0]["saved_a"] != 1.0  # strict=False: layer a, rank 0's
 
 
 @pytest.fixture(scope="module")

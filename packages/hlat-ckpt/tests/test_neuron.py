@@ -61,6 +61,7 @@ def test_load_always_names_the_tag_hlat_ckpt_chose():
     kwargs = load_checkpoint_kwargs("/ckpt", 20, state, num_workers=4)
     assert (kwargs["path"], kwargs["tag"], kwargs["num_workers"]) == ("/ckpt", "step_0000000020", 4)
     assert kwargs["model"] is state["model"] and kwargs["strict"] is True
+    assert load_checkpoint_kwargs("/ckpt", 20, state, strict=False)["strict"] is False
 
 
 def test_load_gives_nxd_its_own_optimizer_and_any_other_as_a_dict_to_fill():

@@ -9,7 +9,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hlat_data import ArrowSource, DataError, Tokenizer, convert_to_arrow, corpus_stats
+from hlat_data import (
+    ArrowSource,
+    DataError,
+    JsonlSource,
+    Tokenizer,
+    convert_to_arrow,
+    corpus_stats,
+)
 from hlat_data.cli import main
 
 
@@ -80,6 +87,48 @@ def test_convert_of_a_missing_or_non_string_field_is_an_error(tmp_path):
         convert_to_arrow(str(tmp_path / "y.jsonl"), tmp_path / "out.arrow")
 
 
+def test_convert_of_an_unpaired_surrogate_escape_names_file_and_line(tmp_path, capsys):
+    (tmp_path / "x.jsonl").write_text('{"text": "a"}\n{"text": "x\\ud800y"}\n')
+    with pytest.raises(DataError, match=r"x\.jsonl:2: field 'text' holds an unpaired surrogate"):
+        convert_to_arrow(str(tmp_path / "x.jsonl"), tmp_path / "out.arrow")
+    convert = ["convert", str(tmp_path / "x.jsonl"), "-o", str(tmp_path / "out.arrow")]
+    assert main([*convert, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hlat-data convert: "), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.jsonl"]
+
+
+def test_convert_and_train_tokenizer_read_json_lines_as_jsonl_source_does(
+    tmp_path, documents, capsys
+):
+    docs = [d for d in documents if d][:12]
+    bom = b"\xef\xbb\xbf"
+    folder = tmp_path / "in"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.jsonl").write_bytes(
+        bom + b"".join(json.dumps({"text": d}).encode() + b"\n" for d in docs[:6])
+    )
+    (folder / "sub" / "b.jsonl.gz").write_bytes(
+        gzip.compress(bom + b"".join(json.dumps({"text": d}).encode() + b"\n" for d in docs[6:]))
+    )
+    (folder / "notes.txt").write_text("not a document")
+    expected = JsonlSource(folder).texts(range(12))
+    assert expected == docs
+    for inputs in ([str(folder / "a.jsonl"), str(folder / "sub" / "b.jsonl.gz")], [str(folder)]):
+        counts = convert_to_arrow(inputs, tmp_path / "out.arrow")
+        assert counts["documents"] == 12
+        assert ArrowSource(tmp_path / "out.arrow").texts(range(12)) == expected
+    assert (
+        main(["train-tokenizer", str(folder), "-o", str(tmp_path / "sp"), "--vocab-size", "500"])
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["vocab_size"] <= 500
+    # a directory of both kinds names both
+    pq.write_table(pa.table({"text": ["t"]}), folder / "c.parquet")
+    with pytest.raises(DataError, match=r"holds JSON lines .* and Arrow/Parquet .*c\.parquet"):
+        convert_to_arrow(str(folder), tmp_path / "out2.arrow")
+
+
 def test_stats_counts_documents_characters_tokens_and_lengths(corpus, documents, tokenizer):
     stats = corpus_stats(ArrowSource(corpus), tokenizer)
     assert stats["documents"] == len(documents)
@@ -119,6 +168,18 @@ def test_command_line_converts_trains_a_tokenizer_and_reports_stats(tmp_path, do
             [d for d in documents if d]
         )
     )
+
+
+def test_a_negative_document_count_is_refused(corpus, capsys):
+    with pytest.raises(DataError, match=r"max_documents must be 0 or more, got -1"):
+        corpus_stats(ArrowSource(corpus), max_documents=-1)
+    with pytest.raises(SystemExit) as exit_:
+        main(["stats", str(corpus), "--max-documents", "-1"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "hlat-data stats: error: argument --max-documents: must be 0 or more, got -1"
+    assert main(["stats", str(corpus), "--max-documents", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["documents_read"] == 0
 
 
 def test_command_line_reports_bad_input_in_one_line_with_status_2(tmp_path):

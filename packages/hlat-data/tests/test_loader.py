@@ -9,6 +9,7 @@ import pytest
 from data_helpers import BATCH, SEQ, assert_same_batches, deadline, make_loader
 
 from hlat_data import IGNORE_INDEX, ArrowSource, DataError, JsonlSource, Tokenizer
+from hlat_data.packer import Chunk, Packer
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +155,24 @@ def test_final_partial_batch_is_padded_past_doc_lens(source, tokenizer):
     assert 0 < real < BATCH * SEQ
     assert (last.labels.reshape(-1)[real - 1 :] == IGNORE_INDEX).all()
     assert last.input_ids.shape == (BATCH, SEQ)
+    # the real tokens keep their next-token labels, within each row and across rows
+    np.testing.assert_array_equal(
+        last.labels.reshape(-1)[: real - 1], last.input_ids.reshape(-1)[1:real]
+    )
+    for row, n in enumerate(last.doc_lens.sum(-1)):
+        if n:
+            np.testing.assert_array_equal(last.labels[row, : n - 1], last.input_ids[row, 1:n])
+
+
+@pytest.mark.parametrize("count", [1, 5, 8])
+def test_a_partial_batch_labels_each_real_token_with_the_next(count):
+    packer = Packer(seq_len=4, micro_batch_size=2)
+    packer.push(Chunk(0, 0, np.arange(10, 10 + count), np.array([count])))
+    batch = packer.pop_partial()
+    expected = np.full(8, IGNORE_INDEX)
+    expected[: count - 1] = np.arange(11, 10 + count)
+    np.testing.assert_array_equal(batch.labels.reshape(-1), expected)
+    assert packer.pop_partial() is None
 
 
 def test_bos_and_eos_surround_each_document(source, tokenizer):
@@ -244,6 +263,10 @@ def test_invalid_arguments_are_errors_before_any_work(source, tokenizer):
         make_loader(source, tokenizer, seq_len=0)
     with pytest.raises(DataError, match=r"fewer than dp_size 64"):
         make_loader(source, tokenizer, dp_rank=0, dp_size=64)
+    for seed in (-1, 1.5, "7", None):
+        with pytest.raises(DataError, match=rf"seed must be an integer of 0 or more, got {seed!r}"):
+            make_loader(source, tokenizer, seed=seed)
+    make_loader(source, tokenizer, seed=np.int64(2**40))
 
 
 def test_reading_from_s3_gives_the_same_batches_as_the_local_file(
@@ -277,6 +300,52 @@ print(batch.input_ids.shape)
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "(2, 32)"
+
+
+def test_a_corpus_of_more_files_than_the_descriptor_limit_is_read(tmp_path, tokenizer_path):
+    import gzip
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    count = 300
+    for i in range(count):
+        line = json.dumps({"text": f"document {i} of the corpus"}).encode() + b"\n"
+        (tmp_path / f"{i:03d}.jsonl").write_bytes(line)
+        (tmp_path / f"{i:03d}.jsonl.gz").write_bytes(gzip.compress(line))
+        table = pa.table({"text": [f"document {i} of the corpus"]})
+        with pa.ipc.new_file(tmp_path / f"{i:03d}.arrow", table.schema) as writer:
+            writer.write_table(table)
+        pq.write_table(table, tmp_path / f"{i:03d}.parquet")
+    code = f"""
+import os, resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from hlat_data import ArrowSource, JsonlSource, PackedLoader, Tokenizer
+from hlat_data.source import _OPEN_FILES
+base = len(os.listdir("/proc/self/fd"))
+for cls, pattern in [(JsonlSource, "*.jsonl"), (JsonlSource, "*.jsonl.gz"),
+                     (ArrowSource, "*.arrow"), (ArrowSource, "*.parquet")]:
+    source = cls(os.path.join({str(tmp_path)!r}, pattern))
+    for _ in range(2):
+        texts = [source.text(i) for i in range(len(source))]
+        assert texts == [f"document {{i}} of the corpus" for i in range({count})], pattern
+    assert len(os.listdir("/proc/self/fd")) <= base + _OPEN_FILES, pattern
+    tokenizer = Tokenizer.from_file({tokenizer_path!r})
+    loader = PackedLoader(source, tokenizer, 16, 1, block_size=8, num_epochs=2, drop_last=False)
+    real = (b.input_ids.reshape(-1)[: b.doc_lens.sum()] for b in loader)
+    print(pattern, sum(int((ids == tokenizer.eos_id).sum()) for ids in real))
+    del source, loader
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [
+        word
+        for pattern in ("*.jsonl", "*.jsonl.gz", "*.arrow", "*.parquet")
+        for word in (pattern, str(2 * count))
+    ]
 
 
 def _consumed(source, tokenizer, dp_size, steps):

@@ -282,6 +282,12 @@ def test_bad_specs_are_named(parts, tokenizer, sources, message):
         MixedLoader(spec, tokenizer, SEQ, 1)
 
 
+def test_a_negative_seed_is_refused(parts, tokenizer):
+    spec = [MixtureSource("web", ArrowSource(parts["web"]), 1)]
+    with pytest.raises(DataError, match=r"seed must be an integer of 0 or more, got -1"):
+        MixedLoader(spec, tokenizer, SEQ, 1, seed=-1)
+
+
 def test_stats_show_the_composition_and_a_plan_after_the_caps(
     parts, tokenizer, tokenizer_path, tmp_path, capsys
 ):

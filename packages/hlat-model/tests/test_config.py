@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -67,6 +69,12 @@ def test_unknown_override_field_is_named():
         (dict(n_kv_heads=0), "n_kv_heads must be a positive integer"),
         (dict(norm_eps=0.0), "norm_eps must be a positive number"),
         (dict(rope_theta=-1.0), "rope_theta must be a positive number"),
+        (dict(norm_eps=math.nan), "norm_eps must be a positive number, got nan"),
+        (dict(rope_theta=math.inf), "rope_theta must be a positive number, got inf"),
+        (dict(init_std=math.nan), "init_std must be a positive number, got nan"),
+        (dict(init_std=-math.inf), "init_std must be a positive number, got -inf"),
+        (dict(norm_eps=True), "norm_eps must be a positive number, got True"),
+        (dict(n_kv_heads=True), "n_kv_heads must be a positive integer, got True"),
         (dict(checkpointing="some"), "checkpointing must be 'none', 'selective' or 'full'"),
         (dict(attention="xformers"), "attention must be 'auto', 'sdpa', 'flex' or 'blocked'"),
     ],

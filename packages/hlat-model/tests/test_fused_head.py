@@ -143,12 +143,19 @@ def test_bf16_fused_rounds_as_the_path_through_the_logits(
     assert fused[0][0, :4].abs().max() == 0  # ignored positions get no gradient
 
 
-def test_all_positions_ignored_gives_nan_as_f_cross_entropy_does(kernels):
-    hidden = torch.randn(1, 3, 8, requires_grad=True)
-    weight = torch.randn(20, 8, requires_grad=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_positions_ignored_gives_nan_and_zero_gradients_as_f_cross_entropy_does(kernels, dtype):
+    hidden = torch.randn(1, 3, 8, dtype=dtype, requires_grad=True)
+    weight = torch.randn(20, 8, dtype=dtype, requires_grad=True)
     labels = torch.full((1, 3), -100)
-    assert linear_cross_entropy(hidden, weight, labels).isnan()
-    assert F.cross_entropy(F.linear(hidden[0], weight), labels[0]).isnan()
+    value = linear_cross_entropy(hidden, weight, labels)
+    assert value.isnan()
+    value.backward()
+    expected, expected_hidden, expected_weight = _reference(hidden, weight, labels)
+    assert expected.isnan()
+    assert not expected_hidden.any() and not expected_weight.any()  # zeros
+    torch.testing.assert_close(hidden.grad, expected_hidden, rtol=0, atol=0)
+    torch.testing.assert_close(weight.grad, expected_weight, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fused", "logits"])
@@ -245,6 +252,31 @@ def test_the_model_computes_its_loss_with_its_loss_fn():
     assert seen == []  # fp32 on a CPU: the head and the loss fused, no logits made
 
 
+def test_another_loss_gets_batch_first_logits_and_labels_with_sequence_first():
+    config = LlamaConfig.preset("tiny", n_layers=2)
+    batch_first = Llama(config)
+    sequence_first = Llama(dataclasses.replace(config, sequence_first=True))
+    sequence_first.load_state_dict(batch_first.state_dict())
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    labels = torch.randint(0, config.vocab_size, (2, 16))
+    labels[1, :5] = -100
+    seen: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def row_weighted(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Each row's mean loss, rows weighted 1, 2, ...: the layout matters."""
+        seen.append((tuple(logits.shape), tuple(labels.shape)))
+        terms = F.cross_entropy(logits.transpose(1, 2).float(), labels, reduction="none")
+        valid = labels != -100
+        per_row = (terms * valid).sum(1) / valid.sum(1)
+        return (per_row * torch.arange(1, len(per_row) + 1)).sum()
+
+    batch_first.loss_fn = sequence_first.loss_fn = row_weighted
+    expected = batch_first(ids, labels=labels)
+    value = sequence_first(ids, labels=labels)
+    assert seen == [((2, 16, config.vocab_size), (2, 16))] * 2
+    torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_the_model_refuses_labels_that_do_not_fit_before_running():
     config = LlamaConfig.preset("tiny")
     model = Llama(config)
@@ -282,6 +314,12 @@ def test_positions_and_document_lengths_of_the_wrong_shape_are_refused_before_ru
     torch.testing.assert_close(shared, model(ids))
     one = model(ids, doc_lens=lens[:1])
     torch.testing.assert_close(one, model(ids, doc_lens=lens[:1].expand(2, -1)))
+    # flex attention too (its mask reads the shared row for every batch row)
+    models = {name: Llama(dataclasses.replace(config, attention=name)) for name in ("sdpa", "flex")}
+    models["flex"].load_state_dict(models["sdpa"].state_dict())
+    with torch.no_grad():
+        flex, sdpa = (models[name](ids, doc_lens=lens[:1]) for name in ("flex", "sdpa"))
+    torch.testing.assert_close(flex, sdpa, rtol=1e-5, atol=1e-5)
 
 
 def test_a_label_outside_the_vocabulary_is_refused(kernels):

@@ -99,11 +99,15 @@ def test_keeps_the_logits_and_one_number_per_row_for_backward(kernels, saved_for
     assert any(t.dtype == torch.float32 and t.numel() == logits.numel() for t in saved)
 
 
-def test_all_positions_ignored_gives_nan_as_f_cross_entropy_does(kernels):
-    logits = torch.randn(1, 3, 8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_positions_ignored_gives_nan_and_zero_gradients_as_f_cross_entropy_does(kernels, dtype):
+    logits = torch.randn(1, 3, 8, dtype=dtype)
     labels = torch.full((1, 3), -100)
-    assert cross_entropy_loss(logits, labels).isnan()
-    assert F.cross_entropy(logits[0], labels[0]).isnan()
+    value, grad = _ours(logits, labels)
+    expected, expected_grad = _reference(logits, labels)
+    assert value.isnan() and expected.isnan()
+    assert grad.dtype == dtype and not expected_grad.any()  # zeros
+    torch.testing.assert_close(grad, expected_grad, rtol=0, atol=0)
 
 
 def test_bad_labels_are_refused_before_any_work():

@@ -62,6 +62,18 @@ def test_flex_and_sdpa_document_masking_agree():
         )
 
 
+def test_flex_attention_refuses_to_train_on_cpu_before_any_work():
+    model = _model(attention="flex").train()
+    calls: list[int] = []
+    model.embed_tokens.register_forward_hook(lambda *_: calls.append(1))
+    tokens = torch.randint(0, 8192, (3, 64))
+    with pytest.raises(ValueError, match=r"attention='flex' cannot train on CPU.*'blocked'"):
+        model(tokens, doc_lens=DOC_LENS, labels=tokens)
+    assert calls == []
+    with torch.no_grad():  # inference runs
+        assert model(tokens, doc_lens=DOC_LENS).isfinite().all()
+
+
 def test_one_document_per_row_equals_plain_causal_attention():
     model = _model(attention="sdpa")
     tokens = torch.randint(0, 8192, (2, 64))

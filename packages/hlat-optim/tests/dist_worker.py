@@ -3,13 +3,14 @@
 Usage: python dist_worker.py RANK WORLD_SIZE PORT OUT_DIR
 """
 
+import copy
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from hlat_optim import AdamW, clip_grad_norm_, stochastic_round
 
@@ -102,6 +103,25 @@ def main() -> None:
             opt.step()
         suffix = "" if impl == "reference" else "_compiled"
         result["shard0_replicated_grad" + suffix] = realigned.detach().full_tensor()
+    # A replicated parameter whose gradient arrives Partial (each rank holds a summand, as a
+    # sequence-parallel norm weight's), clipped inside the compiled step: four steps straight,
+    # and two, a state_dict round trip into a new optimizer, and two more. The first step
+    # after loading takes the full path, where the straight run reuses its first step's work.
+    init = globals_(8, 4096).bfloat16()
+    for resumed in (False, True):
+        param = torch.nn.Parameter(distribute_tensor(init.clone(), mesh, [Replicate()]))
+        opt = AdamW([param], lr=1e-2, weight_decay=0.1, impl="compiled", compile_backend="eager")
+        for step in range(4):
+            if resumed and step == 2:
+                state = copy.deepcopy(opt.state_dict())
+                local = param.detach().to_local().clone()
+                param = torch.nn.Parameter(distribute_tensor(local, mesh, [Replicate()]))
+                opt = AdamW([param], impl="compiled", compile_backend="eager")
+                opt.load_state_dict(state)
+            summand = globals_(200 + 10 * step + rank, 4096).bfloat16()
+            param.grad = DTensor.from_local(summand, mesh, [Partial()], run_check=False)
+            opt.step(clip_coef=torch.tensor(0.3))
+        result["partial_clipped" + ("_resumed" if resumed else "")] = param.detach().to_local()
     # stochastic_round on a DTensor rounds the local shard and keeps the placements.
     x = distribute_tensor(globals_(6, 8, 6), mesh, [Shard(0)])
     rounded = stochastic_round(x, torch.Generator().manual_seed(rank))

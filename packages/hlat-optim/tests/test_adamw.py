@@ -1,5 +1,8 @@
+import copy
 import io
 import math
+import re
+import warnings
 
 import pytest
 import torch
@@ -329,24 +332,56 @@ def test_a_bad_gradient_is_reported_before_any_parameter_changes(impl):
         assert torch.equal(a, b)  # parameters, states and step counts as they were
 
 
+def _no_compiler(gm, example_inputs):
+    raise RuntimeError("no C++ compiler found")
+
+
 def test_failed_compilation_falls_back_to_the_reference_update_with_a_warning(monkeypatch):
+    from torch._dynamo.backends import registry
+
     import hlat_optim.adamw as adamw_module
 
-    def broken_compiler_output(*args):
-        raise RuntimeError("no C++ compiler found")
-
-    # Fault injection: what torch.compile returns on a machine without a working toolchain
-    # (where the native CPU kernel cannot be built either).
-    monkeypatch.setitem(adamw_module._compiled, ("inductor", "cpu"), broken_compiler_output)
+    # Fault injection: a torch.compile backend that fails as inductor does on a machine
+    # without a working toolchain (where the native CPU kernel cannot be built either).
+    registry._lazy_import()  # torch's own backends first, so none is registered later
+    monkeypatch.setitem(registry._BACKENDS, "hlat-no-compiler", None)
+    monkeypatch.setitem(registry._COMPILER_FNS, "hlat-no-compiler", _no_compiler)
+    monkeypatch.setattr(adamw_module, "_compiled", {})
     monkeypatch.setattr(adamw_module._native, "load", lambda: None)
     params, expected = _params(torch.bfloat16), _params(torch.bfloat16)
-    opt = AdamW(params, lr=1e-2, impl="auto")
+    opt = AdamW(params, lr=1e-2, impl="auto", compile_backend="hlat-no-compiler")
     with pytest.warns(RuntimeWarning, match="torch.compile of the update failed"):
         _run(opt, params, 3)
     assert opt.impl == "reference"
     _run(AdamW(expected, lr=1e-2, impl="reference"), expected, 3)
     for a, b in zip(params, expected, strict=True):
         assert torch.equal(_bits(a), _bits(b))
+
+
+def test_an_error_of_the_first_compiled_step_that_is_no_compile_failure_is_raised(monkeypatch):
+    import hlat_optim.adamw as adamw_module
+
+    compiled = adamw_module._compiled_update("eager")
+    calls = []
+
+    def out_of_memory_once(*args):
+        calls.append(args[0].numel())
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("out of memory (injected)")
+        compiled(*args)
+
+    # Fault injection: a transient out-of-memory error in the first call of the compiled update.
+    monkeypatch.setitem(adamw_module._compiled, ("inductor", "cpu"), out_of_memory_once)
+    monkeypatch.setattr(adamw_module._native, "load", lambda: None)
+    params = _params(torch.bfloat16)
+    opt = AdamW(params, lr=1e-2, impl="auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(torch.OutOfMemoryError, match="injected"):
+            _run(opt, params, 1)
+        assert opt.impl == "auto"  # not taken for a failed compilation
+        _run(opt, params, 2, start=1)
+    assert len(calls) == 3  # the later steps went through the compiled update
 
 
 def test_the_update_compiles_to_static_shapes_for_neurons_backend(monkeypatch):
@@ -379,3 +414,165 @@ def test_the_update_compiles_to_static_shapes_for_neurons_backend(monkeypatch):
     assert graphs
     for a, b in zip(params, expected, strict=True):
         assert torch.equal(_bits(a), _bits(b))
+
+
+def _stepped(params, **kwargs):
+    """An optimizer over ``params`` one step in, and its state dict."""
+    opt = AdamW(params, lr=1e-2, impl="reference", **kwargs)
+    _run(opt, params, 1)
+    return opt, opt.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [((6, 4), (4, 6)), ((100,), (10,)), ((4,), (10,))],
+    ids=["same-numel", "larger-state", "smaller-state"],
+)
+def test_a_saved_state_of_another_shape_than_its_parameter_is_refused_at_load(saved, loaded):
+    _, state = _stepped(
+        [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(saved))]
+    )
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(loaded))]
+    opt = AdamW(params, lr=1e-2)
+    shapes = rf"{re.escape(str(saved))}.*{re.escape(str(loaded))}"
+    with pytest.raises(ValueError, match=rf"parameter 1's exp_avg has shape {shapes}"):
+        opt.load_state_dict(state)
+    assert not opt.state  # nothing was loaded
+
+
+@pytest.mark.parametrize("impl", ["reference", "compiled", "native"])
+def test_a_state_of_another_shape_set_by_hand_is_refused_before_any_change(impl):
+    params = [torch.nn.Parameter(torch.zeros(6, 4)), torch.nn.Parameter(torch.zeros(4, 6))]
+    opt = AdamW(params, lr=1e-2, impl=impl)
+    _run(opt, params, 1)
+    state = opt.state[params[1]]
+    state["exp_avg_sq"] = state["exp_avg_sq"].reshape(6, 4).clone()  # same numel
+    before = [_bits(t).clone() for p in params for t in [p, *opt.state[p].values()]]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(
+        RuntimeError, match=r"parameter 1 \(shape \(4, 6\)\).*exp_avg_sq has shape \(6, 4\)"
+    ):
+        opt.step()
+    after = [_bits(t) for p in params for t in [p, *opt.state[p].values()]]
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a, b)  # parameters, states and step counts as they were
+
+
+@pytest.mark.parametrize("impl", ["reference", "native"])
+def test_a_state_the_update_cannot_use_is_refused_before_the_step_counts_advance(impl):
+    params = [torch.nn.Parameter(torch.zeros(8))]
+    opt = AdamW(params, lr=1e-2, impl=impl)
+    _run(opt, params, 1)
+    opt.state[params[0]]["master"] = torch.zeros(8)  # master weights of an fp32 parameter
+    before = [_bits(t).clone() for t in [params[0], *opt.state[params[0]].values()]]
+    params[0].grad = torch.ones(8)
+    with pytest.raises(RuntimeError, match=r"parameter 0 .* is torch.float32 and has master"):
+        opt.step()
+    after = [_bits(t) for t in [params[0], *opt.state[params[0]].values()]]
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a, b)
+    assert opt.state[params[0]]["step"].item() == 1
+
+
+# (saved with, loaded into, the loaded state's entries and their dtypes, the warning)
+CONVERSIONS = {
+    "mixed-to-sr": (
+        {"master_weights": True},
+        {},
+        {"exp_avg": torch.float32, "master": None},
+        "dropped master weights",
+    ),
+    "mixed-to-kahan": (
+        {"master_weights": True},
+        {"kahan_sum": True},
+        {"master": None, "compensation": torch.bfloat16},
+        "dropped master weights.*zero Kahan compensation",
+    ),
+    "sr-to-mixed": (
+        {},
+        {"master_weights": True},
+        {"exp_avg": torch.bfloat16, "master": torch.float32},
+        "fp32 master weights from the parameters",
+    ),
+    "kahan-to-sr": ({"kahan_sum": True}, {}, {"compensation": None}, "dropped Kahan"),
+    "sr-to-fp32-states": (
+        {},
+        {"state_dtype": torch.float32},
+        {"exp_avg": torch.float32, "exp_avg_sq": torch.float32},
+        "exp_avg and exp_avg_sq cast to torch.float32",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CONVERSIONS))
+def test_a_state_dict_of_another_precision_mode_is_converted_to_the_constructors(case):
+    saved_with, loaded_into, entries, warning = CONVERSIONS[case]
+    params = _params(torch.bfloat16)
+    _, state = _stepped(params, **saved_with)
+    runs = []
+    for impl in ("reference", "native"):
+        loaded = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        opt = AdamW(loaded, lr=1e-2, impl=impl, **loaded_into)
+        with pytest.warns(UserWarning, match=warning) as record:
+            opt.load_state_dict(copy.deepcopy(state))
+        assert len(record) == 1
+        for p in loaded:
+            for name, dtype in entries.items():
+                assert (opt.state[p][name].dtype if name in opt.state[p] else None) == dtype
+            if "master" in opt.state[p] and not saved_with.get("master_weights"):
+                assert torch.equal(opt.state[p]["master"], p.detach().float())
+            if "compensation" in opt.state[p]:
+                assert not opt.state[p]["compensation"].any()
+        _run(opt, loaded, 2, start=1)
+        runs.append([_bits(t).clone() for p in loaded for t in [p, *opt.state[p].values()]])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)  # the converted state steps alike on both paths
+
+
+def test_master_weights_loaded_for_fp32_parameters_are_dropped_and_the_step_runs():
+    _, state = _stepped(
+        [torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16))], master_weights=True
+    )
+    params = [torch.nn.Parameter(torch.zeros(8))]
+    opt = AdamW(params, lr=1e-2)
+    with pytest.warns(UserWarning, match="dropped master weights"):
+        opt.load_state_dict(state)
+    params[0].grad = torch.ones(8)
+    opt.step()
+    assert sorted(opt.state[params[0]]) == ["exp_avg", "exp_avg_sq", "step"]
+
+
+def test_a_state_dict_of_the_same_mode_loads_without_a_warning():
+    params = _params(torch.bfloat16)
+    _, state = _stepped(params, kahan_sum=True)
+    opt = AdamW(params, kahan_sum=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.load_state_dict(state)
+
+
+def test_add_param_group_refuses_float16_and_float64_parameters():
+    opt = AdamW([torch.nn.Parameter(torch.zeros(2))])
+    for dtype in (torch.float16, torch.float64):
+        bad = torch.nn.Parameter(torch.zeros(3, dtype=dtype))
+        with pytest.raises(TypeError, match=rf"parameter 1 of param group 1 .* is {dtype}"):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4)), bad]})
+        assert len(opt.param_groups) == 1  # the group was not added
+
+
+def test_a_torch_adamw_state_dict_loads_with_the_constructors_seed_and_steps_on():
+    ours, theirs = _params(torch.float32), _params(torch.float32)
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    torch_opt = torch.optim.AdamW(theirs, **kw)
+    _run(torch_opt, theirs, 3)
+    with torch.no_grad():
+        for a, b in zip(ours, theirs, strict=True):
+            a.copy_(b)
+    opt = AdamW(ours, seed=7, **kw)
+    opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    assert opt.param_groups[0]["seed"] == 7
+    _run(opt, ours, 3, start=3)
+    _run(torch_opt, theirs, 3, start=3)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

@@ -218,3 +218,28 @@ def test_bf16_cpu_squares_come_from_the_kernel_in_one_read_as_exact_as_before(th
             assert torch.equal(_square(t), ours)
         finally:
             torch.set_num_threads(before)
+
+
+def test_global_norm_of_gradients_leaves_out_parameters_without_one():
+    params = [*_params((5,), (3, 2)), torch.nn.Parameter(torch.ones(4))]
+    expected = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params[:2]]))
+    torch.testing.assert_close(global_norm(params, [p.grad for p in params]), expected)
+    assert global_norm(params[2:], [None]).item() == 0.0
+
+
+def test_clipping_inside_the_step_as_the_readme_shows_with_a_parameter_without_gradient():
+    from hlat_optim import AdamW, clip_coefficient
+
+    runs = []
+    for fused in (False, True):
+        params = [*_params((5,), (3, 2), dtype=torch.bfloat16), torch.nn.Parameter(torch.ones(4))]
+        opt = AdamW(params, lr=1e-2, impl="reference")
+        if fused:
+            norm = global_norm(params, [p.grad for p in params])
+            opt.step(skip=~norm.isfinite(), clip_coef=clip_coefficient(norm, 1.0))
+        else:
+            norm = clip_grad_norm_(params, 1.0)
+            opt.step(skip=~norm.isfinite())
+        runs.append([p.detach().clone() for p in params])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)

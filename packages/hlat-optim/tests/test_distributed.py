@@ -89,6 +89,14 @@ def test_a_gradient_in_another_layout_than_its_parameter_gives_the_same_update(r
             assert torch.equal(r[key].view(torch.int16), expected.view(torch.int16)), key
 
 
+def test_a_resumed_compiled_run_with_partial_gradients_and_clip_coef_is_bit_exact(ranks):
+    # the steady and the full compiled step multiply a gradient by the coefficient at the
+    # same point: after it is brought to its parameter's layout
+    for r in ranks:
+        expected = r["partial_clipped"].view(torch.int16)
+        assert torch.equal(r["partial_clipped_resumed"].view(torch.int16), expected)
+
+
 def test_replicated_dtensor_stays_identical_on_every_rank(ranks):
     expected = _single_process(5, 2)
     for r in ranks:

@@ -14,6 +14,9 @@ wraps it, as hlat-train does: the blocks take their RoPE tables and mask from th
 ``position_ids`` passed to every rank (a later stage's hidden state holds only this TP
 rank's part of the sequence), the logits are vocabulary-sharded and the loss is computed
 under ``loss_parallel``.
+
+With ``tp`` 1 it then steps a 1F1B pipeline on 6 rows, which ``n_microbatches`` (4) does
+not divide, and writes the error each rank raised to WORKDIR/uneven-rank<r>.pt.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from hlat_model import Llama, LlamaConfig, block_inputs, cross_entropy_loss
 from hlat_model.attention import AttentionMask, document_positions
 from hlat_model.model import rope_cos_sin
 from hlat_parallel import (
+    ParallelConfigError,
     ParallelDims,
     build_pipeline,
     init_parallel,
@@ -121,6 +125,28 @@ def run(data: dict, schedule: str, split: list[int] | None, dims: ParallelDims) 
     return out
 
 
+def uneven_batch_refusal(data: dict) -> str:
+    """The error of a step on 6 rows split into 4 micro-batches ("" if none)."""
+    config = LlamaConfig(**data["config"])
+    model = Llama(config)
+    model.load_state_dict(data["state"])
+    pipe = build_pipeline(
+        model,
+        schedule="1F1B",
+        n_microbatches=data["n_microbatches"],
+        loss_fn=cross_entropy_loss,
+        block_args=llama_block_args(config),
+    )
+    tokens, doc_lens = data["tokens"].repeat(2, 1)[:6], data["doc_lens"].repeat(2, 1)[:6]
+    args = (tokens[:, :-1],) if pipe.has_first_stage else ()
+    last = {"target": tokens[:, 1:], "losses": []} if pipe.has_last_stage else {}
+    try:
+        pipe.schedule.step(*args, doc_lens=doc_lens, **last)
+    except ParallelConfigError as error:
+        return str(error)
+    return ""
+
+
 def main() -> None:
     workdir = Path(sys.argv[1])
     torch.use_deterministic_algorithms(True)
@@ -138,6 +164,10 @@ def main() -> None:
             torch.save(result, workdir / f"{schedule}-rank{rank}.pt")
             raise
         torch.save(result, workdir / f"{schedule}-rank{rank}.pt")
+        dist.barrier()
+    if tp == 1:
+        refused = uneven_batch_refusal(data)
+        torch.save({"refused": refused}, workdir / f"uneven-rank{rank}.pt")
         dist.barrier()
     dist.destroy_process_group()
 

@@ -93,6 +93,29 @@ def test_auto_backend_takes_the_legacy_nxd_path_on_trn1():
         choose_backend(None, nxd_available=False, instance="trn1.32xlarge")
 
 
+@pytest.mark.parametrize(
+    ("instance", "generation"),
+    [
+        ("trn1.2xlarge", "trn1"),
+        ("trn1.32xlarge", "trn1"),
+        ("trn1n.32xlarge", "trn1"),
+        ("trn2.48xlarge", "trn2"),
+        ("trn2u.48xlarge", "trn2"),
+        ("trn3.48xlarge", "trn3"),
+    ],
+)
+def test_each_trainium_family_takes_its_generations_path(instance, generation):
+    if generation == "trn1":
+        choice = choose_backend(None, nxd_available=True, instance=instance)
+        assert choice.backend == "neuron" and instance in choice.reason
+        with pytest.raises(DeviceError, match=rf"{instance}.*NeuronX Distributed"):
+            choose_backend(None, nxd_available=False, instance=instance)
+    else:
+        assert choose_backend("neuron", nxd_available=True, instance=instance).backend == "torch"
+        with pytest.raises(DeviceError, match=rf"{instance}.*native"):
+            choose_backend(None, nxd_available=True, instance=instance)
+
+
 def test_auto_backend_is_native_on_gpus_and_cpus():
     assert choose_backend("cuda", nxd_available=False, instance="p5.48xlarge").backend == "torch"
     assert choose_backend(None, nxd_available=False).backend == "torch"
@@ -102,7 +125,7 @@ def test_auto_backend_is_native_on_gpus_and_cpus():
 def test_an_explicit_cpu_device_takes_the_native_path_where_nxd_imports():
     # device="cpu" asks for the CPU: NxD importing, or a Trainium instance, does not turn
     # it into the legacy XLA path (or a refusal to run without TorchNeuron)
-    for instance in (None, "m7i.large", "trn1.32xlarge", "trn2.48xlarge"):
+    for instance in (None, "m7i.large", "trn1.32xlarge", "trn1n.32xlarge", "trn2.48xlarge"):
         for nxd in (True, False):
             choice = choose_backend("cpu", nxd_available=nxd, instance=instance)
             assert choice.backend == "torch", (instance, nxd, choice)

@@ -1,14 +1,18 @@
 """The neuron backend's pure parts: which shard each rank owns and how it is filled, the
-refusal of tied embeddings, the loss that ignores padding labels, the precision and clip
-arguments of NxD's ZeRO-1, and the initialisation of split weights (on real gloo groups).
+refusal of tied embeddings, which gradients sequence parallelism sums over TP, the loss that
+ignores padding labels, the precision and clip arguments of NxD's ZeRO-1, and the
+initialisation of split weights (on real gloo groups).
 
 Everything here runs with or without NxD installed: the checks tested run before NxD is
-imported, and the rest is plain torch.
+imported, the sums over TP run with a stand-in for the few NxD and torch-xla names they use,
+and the rest is plain torch.
 """
 
 from __future__ import annotations
 
 import math
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -140,6 +144,105 @@ def test_a_weight_shared_between_swapped_modules_is_refused_without_a_config_fla
         check_untied(model, matched)
     untied = Llama(LlamaConfig.preset("tiny", n_layers=1))
     check_untied(untied, match_plan(untied, untied.parallel_plan()))
+
+
+# --- which gradients sequence parallelism sums over TP -----------------------------------------
+
+SUMMED = 7.0  # what the stand-in all-reduce returns, so a summed gradient is recognised
+
+
+@pytest.fixture
+def nxd_stand_in(monkeypatch) -> list:
+    """NxD's parallel layers and torch-xla's all-reduce as far as ``parallelize`` uses them,
+    on the CPU: the layers hold whole weights and tag them as NxD's do (a RowParallelLinear
+    marks its bias ``sequence_parallel_enabled`` under SP); the all-reduce records its
+    groups and returns :data:`SUMMED`."""
+    calls: list = []
+
+    def all_reduce(op: str, grad: torch.Tensor, groups: list) -> torch.Tensor:
+        calls.append((op, groups))
+        return torch.full_like(grad, SUMMED)
+
+    def built(layer: torch.nn.Module, init_method) -> torch.nn.Module:
+        init_method(layer.weight)
+        layer.weight.tensor_model_parallel = True
+        return layer
+
+    def row(input_size, output_size, bias, sequence_parallel_enabled, init_method, **_):
+        layer = built(torch.nn.Linear(input_size, output_size, bias=bias), init_method)
+        if bias:
+            layer.bias.sequence_parallel_enabled = sequence_parallel_enabled
+        return layer
+
+    def column(input_size, output_size, bias, init_method, **_):
+        return built(torch.nn.Linear(input_size, output_size, bias=bias), init_method)
+
+    def embedding(num_embeddings, embedding_dim, init_method, **_):
+        return built(torch.nn.Embedding(num_embeddings, embedding_dim), init_method)
+
+    states: dict = {}
+    tracker = types.SimpleNamespace(get_states=lambda: states, add=states.__setitem__)
+    layers = types.SimpleNamespace(
+        get_xla_rng_tracker=lambda: tracker,
+        RowParallelLinear=row,
+        ColumnParallelLinear=column,
+        ParallelEmbedding=embedding,
+        mappings=types.SimpleNamespace(scatter_to_sequence_parallel_region=lambda x: x),
+        parallel_state=types.SimpleNamespace(
+            get_tensor_model_parallel_group=lambda as_list=False: [[0, 1]]
+        ),
+    )
+    xm = types.ModuleType("torch_xla.core.xla_model")
+    xm.REDUCE_SUM, xm.all_reduce = "sum", all_reduce
+    core = types.ModuleType("torch_xla.core")
+    core.xla_model = xm
+    xla = types.ModuleType("torch_xla")
+    xla.core = core
+    nxd = types.ModuleType("neuronx_distributed")
+    nxd.parallel_layers = layers
+    for name, module in [("torch_xla", xla), ("torch_xla.core", core), (xm.__name__, xm)]:
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setitem(sys.modules, "neuronx_distributed", nxd)
+    return calls
+
+
+class SequenceFirstLM(torch.nn.Module):
+    """A block with a LayerNorm (weight and bias) and biased linear layers, sequence-first."""
+
+    sequence_first = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.norm = torch.nn.Embedding(16, 8), torch.nn.LayerNorm(8)
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids).transpose(0, 1)
+        return h + self.down(torch.relu(self.up(self.norm(h))))
+
+
+def test_sequence_parallelism_sums_every_norm_parameter_and_the_row_parallel_bias(nxd_stand_in):
+    plan = {"embed": "embedding", "norm": "norm", "up": "colwise", "down": "rowwise"}
+    model = parallelize(SequenceFirstLM(), neuron_dims(sp=True), plan)
+    ids = torch.randint(0, 16, (2, 4))
+    model(ids).sum().backward()
+    # the partial gradients: both LayerNorm parameters and the bias added after the
+    # row-parallel layer's reduce-scatter; a column-parallel bias is split, not partial
+    expected = ["down.bias", "norm.bias", "norm.weight"]
+    summed = sorted(n for n, p in model.named_parameters() if bool((p.grad == SUMMED).all()))
+    assert summed == expected
+    assert nxd_stand_in == [("sum", [[0, 1]])] * len(expected)  # each summed once
+    for name in expected:  # NxD's ZeRO-1 and checkpoints read the tag
+        assert model.get_parameter(name).sequence_parallel_enabled is True, name
+    model(ids).sum().backward()  # a second forward attaches no second hook
+    assert len(nxd_stand_in) == 2 * len(expected)
+
+
+def test_without_sequence_parallelism_no_gradient_is_summed_over_tp(nxd_stand_in):
+    plan = {"embed": "embedding", "norm": "norm", "up": "colwise", "down": "rowwise"}
+    model = parallelize(SequenceFirstLM(), neuron_dims(sp=False), plan)
+    model(torch.randint(0, 16, (2, 4))).sum().backward()
+    assert nxd_stand_in == []
 
 
 # --- the loss ignores padding labels ------------------------------------------------------------

@@ -341,3 +341,66 @@ def test_sequence_not_divisible_by_tp_is_refused_at_forward_under_sp(layout):
     for _, _, ranks in _runs(layout):
         for out in ranks.values():
             assert "got a sequence of 31 tokens; feed a multiple of 2" in out["odd_sequence"]
+
+
+# --- FSDP beside the Llama runs: nested lists, and the bytes CollectiveLog counts ------------
+
+FSDP_WORKER = Path(__file__).with_name("fsdp_worker.py")
+
+
+@pytest.fixture(scope="module")
+def fsdp_ranks(tmp_path_factory) -> list[dict]:
+    """tests/fsdp_worker.py on two ranks (dp 2): what each wrote, and its input."""
+    from fsdp_worker import Nested, pair
+
+    workdir = tmp_path_factory.mktemp("fsdp")
+    torch.manual_seed(0)
+    data = {
+        "nested": Nested().state_dict(),
+        "pair": pair().state_dict(),
+        "x": torch.randn(4, 8),
+    }
+    torch.save(data, workdir / "input.pt")
+    run_ranks(FSDP_WORKER, [str(workdir)], 2)
+    return [data] + [torch.load(workdir / f"rank{r}.pt") for r in range(2)]
+
+
+def test_blocks_holding_their_own_lists_shard_below_their_block_and_match_one_process(
+    fsdp_ranks,
+):
+    from fsdp_worker import Nested
+
+    data, *ranks = fsdp_ranks
+    reference = Nested()
+    reference.load_state_dict(data["nested"])
+    reference(data["x"]).sum().div(2).backward()  # FSDP averages the ranks' sums
+    blocks = [f"layers.{i}" for i in range(2)]
+    expected_units = ["", *blocks, *(f"{b}.sub.{j}" for b in blocks for j in range(2))]
+    for rank, out in enumerate(ranks):
+        # the root, and every block and sub-layer in a unit of its own
+        assert out["nested"]["units"] == sorted(expected_units), rank
+        for name, param in reference.named_parameters():
+            error = relative_error(out["nested"]["grads"][name], param.grad)
+            assert error < TOL, f"rank {rank}: grad of {name} off by {error:.2e}"
+
+
+def test_collective_log_counts_the_bytes_of_fsdp_and_torch_distributed_collectives(fsdp_ranks):
+    data, *ranks = fsdp_ranks
+    whole = sum(t.numel() * t.element_size() for t in data["pair"].values())
+    piece = 8 * 4  # fsdp_worker.N fp32 elements per rank
+    expected_direct = {
+        "all_reduce": [("all_reduce", piece, 2)],
+        "all_gather": [("all_gather", 2 * piece, 2)],
+        "all_gather_into_tensor": [("all_gather", 2 * piece, 2)],
+        "reduce_scatter_tensor": [("reduce_scatter", 2 * piece, 2)],
+        "gather": [("gather", 2 * piece, 2)],
+        "scatter": [("scatter", 2 * piece, 2)],
+    }
+    for rank, out in enumerate(ranks):
+        # one unit: the forward gathers every parameter once, the backward reduce-scatters
+        # every gradient once, each over the 2 ranks
+        assert out["fsdp_calls"] == [("all_gather", whole, 2), ("reduce_scatter", whole, 2)], (
+            rank,
+            whole,
+        )
+        assert out["direct_calls"] == expected_direct, rank

@@ -25,6 +25,7 @@ from hlat_parallel import (
     StageSplit,
     bubble_fraction,
     build_pipeline,
+    check_microbatches,
     check_schedule,
     match_plan,
     rank_module,
@@ -170,6 +171,20 @@ def test_every_offered_schedule_passes_its_own_checks():
     for name in SCHEDULES:
         virtual = 1 if name in ("1F1B", "GPipe") else 2
         check_schedule(name, 4, virtual, 8)
+
+
+def test_a_batch_the_micro_batches_do_not_divide_is_refused_with_its_name():
+    batch = torch.zeros(8, 5)
+    check_microbatches(4, (batch,), {"target": batch, "doc_lens": [batch], "losses": []})
+    check_microbatches(4, (), {"scale": torch.tensor(2.0), "return_outputs": False})  # 0-d
+    with pytest.raises(
+        ParallelConfigError, match=r"n_microbatches=3 .* positional argument 0 has 8 rows"
+    ):
+        check_microbatches(3, (batch,), {})
+    with pytest.raises(ParallelConfigError, match=r"but target has 6 rows .*multiple of 4 rows"):
+        check_microbatches(4, (), {"target": batch[:6]})
+    with pytest.raises(ParallelConfigError, match="but doc_lens has 2 rows"):
+        check_microbatches(4, (), {"doc_lens": [batch[:2]]})
 
 
 def test_bubble_fractions_follow_the_papers():
@@ -466,6 +481,17 @@ def test_pipeline_splits_follow_the_request(pipelines, layout):
     }
     for name, pp_ranks in pipelines(layout).items():
         assert [list(s.layers) for s in pp_ranks[0][0]["splits"]] == expected[name], name
+
+
+@needs_pipeline_torch
+def test_a_step_on_a_batch_the_micro_batches_do_not_divide_is_refused_on_every_rank(
+    pipelines, case
+):
+    pipelines("pp2")  # its job ends with a 1F1B step on 6 rows in 4 micro-batches
+    for rank in range(2):  # the first stage's rank is passed ids, the last's the target
+        refused = torch.load(case["workdir"] / "pp2" / f"uneven-rank{rank}.pt")["refused"]
+        assert "splits each batch into n_microbatches=4 equal micro-batches" in refused, rank
+        assert "has 6 rows" in refused, rank
 
 
 @pytest.mark.skipif(not OLD_TORCH, reason="runs on a torch older than the pipeline needs")

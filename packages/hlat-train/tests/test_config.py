@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import tomllib
 
+import pyarrow as pa
 import pytest
 import torch.distributed as dist
 from train_helpers import tiny_config
@@ -31,6 +32,15 @@ def test_every_preset_parses_and_validates(name):
     config = TrainConfig.preset(name)
     llama = validate(config, check_files=False)
     assert llama.n_heads % config.parallel.tp == 0
+
+
+@pytest.mark.parametrize("model", ["llama3-8b", "hlat-7b", "llama2-7b"])
+def test_a_toml_that_sets_only_the_model_validates_with_the_default_schedule(model):
+    """A TOML that sets neither train.steps nor the warmup (the README's continued
+    pre-training one) takes the defaults, whose warmup fits in the run."""
+    config = TrainConfig.from_dict(tomllib.loads(f'[model]\npreset = "{model}"\n'))
+    assert (config.train.steps, config.optim.warmup_steps) == (10000, 200)
+    validate(config, check_files=False)
 
 
 def test_hlat_7b_preset_is_the_papers_recipe():
@@ -120,6 +130,35 @@ def test_merged_config_round_trips_through_toml():
     assert again == c
 
 
+def test_strings_with_newlines_and_control_characters_round_trip_through_toml(tmp_path):
+    prompt = 'def main():\n\t"""Say \\hi\\."""\r\n    \x00\x1b\x7f\u00e9\u2581'
+    c = TrainConfig.preset("tiny-demo", ['--train.sample_prompt="def main():\\n    "'])
+    assert c.train.sample_prompt == "def main():\n    "
+    c.train.sample_prompt = prompt
+    c.data.paths = ["a\nb.arrow", "c\\d\x01.arrow"]
+    path = tmp_path / "run.toml"
+    path.write_text(c.to_toml(), encoding="utf-8")
+    again = TrainConfig.from_toml(path)
+    assert again == c and again.train.sample_prompt == prompt
+    assert again.data.paths == ["a\nb.arrow", "c\\d\x01.arrow"]
+
+
+def test_the_comma_form_of_a_list_override_parses_each_item():
+    c = TrainConfig.preset(
+        "tiny-demo",
+        [
+            "--logging.profile_steps=5,10",
+            "--parallel.pp_split=7,9",
+            "--spike.inject_at=3,",
+            "--data.paths=a.arrow,b.arrow",
+        ],
+    )
+    assert c.logging.profile_steps == [5, 10] and c.parallel.pp_split == [7, 9]
+    assert c.spike.inject_at == [3] and c.data.paths == ["a.arrow", "b.arrow"]
+    with pytest.raises(ConfigError, match=r"logging.profile_steps must be an integer, got 'x'"):
+        TrainConfig.preset("tiny-demo", ["--logging.profile_steps=5,x"])
+
+
 def test_tp_that_does_not_divide_the_heads_fails_before_any_process_group(corpus, tmp_path):
     with pytest.raises(ConfigError, match="tp 3 does not divide the 4 attention heads"):
         Trainer(tiny_config(corpus, tmp_path, "--parallel.tp=3"))
@@ -191,6 +230,26 @@ def test_a_held_out_set_with_fewer_documents_than_dp_fails_before_any_process_gr
         ConfigError, match=r"data.valid_paths hold\(s\) 8 documents, fewer than dp 16"
     ):
         validate(config, world_size=16)
+    assert not dist.is_initialized()
+
+
+def test_an_empty_held_out_set_fails_before_any_process_group(corpus, tmp_path):
+    empty = tmp_path / "empty.arrow"
+    table = pa.table({"text": pa.array([], pa.string())})
+    with pa.OSFile(str(empty), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    config = tiny_config(corpus, tmp_path, f'--data.valid_paths=["{empty}"]')
+    with pytest.raises(ConfigError, match=r"data.valid_paths: the corpus is empty: 1 file"):
+        validate(config, world_size=1)
+    mixture = tiny_config(
+        corpus,
+        tmp_path,
+        "--data.paths=[]",
+        "--data.valid_paths=[]",
+        f'--data.sources=[{{name="code", paths=["{corpus["train"]}"], valid_paths=["{empty}"]}}]',
+    )
+    with pytest.raises(ConfigError, match=r"data.sources\[code\].valid_paths: the corpus is"):
+        validate(mixture)
     assert not dist.is_initialized()
 
 

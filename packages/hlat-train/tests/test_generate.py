@@ -4,6 +4,7 @@ ending at the first blank line of the continuation."""
 from __future__ import annotations
 
 import pytest
+import torch
 from train_helpers import tiny_config
 
 from hlat_train import ConfigError, Trainer
@@ -58,3 +59,33 @@ def test_bad_sampling_settings_are_refused(trained, corpus, tmp_path):
         config = tiny_config(corpus, tmp_path, f"--train.{key}={value}")
         with pytest.raises(ConfigError, match=f"train.{key} must be at least 0"):
             validate(config)
+
+
+class ForcedContinuation(torch.nn.Module):
+    """A model whose greedy continuation of a ``prompt_len``-token prompt is ``wanted``,
+    then the end-of-sequence token."""
+
+    def __init__(self, prompt_len: int, wanted: list[int], eos_id: int, vocab: int):
+        super().__init__()
+        self.prompt_len, self.wanted, self.eos_id, self.vocab = prompt_len, wanted, eos_id, vocab
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1] - self.prompt_len
+        logits = torch.zeros(1, x.shape[1], self.vocab)
+        logits[0, -1, self.wanted[n] if n < len(self.wanted) else self.eos_id] = 1.0
+        return logits
+
+
+@pytest.mark.parametrize(
+    ("prompt", "continuation"),
+    [("import", " os"), ("x =", " 1"), ("if x:\n", "    return 1"), ("def f():\n", "    pass")],
+)
+def test_the_first_new_word_keeps_its_leading_space(trained, monkeypatch, prompt, continuation):
+    tokenizer = trained.tokenizer
+    ids, prompt_ids = tokenizer.encode(prompt + continuation), tokenizer.encode(prompt)
+    assert ids[: len(prompt_ids)] == prompt_ids
+    new = ids[len(prompt_ids) :]
+    assert tokenizer.decode(new) == continuation[1:]  # decoded alone, one space is lost
+    forced = ForcedContinuation(len(prompt_ids), new, tokenizer.eos_id, tokenizer.vocab_size)
+    monkeypatch.setattr(trained, "model", forced)
+    assert trained.generate(prompt, 20) == prompt + continuation

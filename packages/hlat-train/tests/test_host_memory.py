@@ -13,6 +13,7 @@ import textwrap
 import pytest
 from train_helpers import fit, tiny_config
 
+import hlat_train.host_memory as host_memory
 from hlat_parallel.device import accelerator
 from hlat_train import ConfigError, Trainer
 from hlat_train.host_memory import auto_host_malloc, glibc_available, resolve_host_malloc
@@ -142,3 +143,50 @@ def test_a_run_logs_its_choice(corpus, tmp_path, capsys):
     config = tiny_config(corpus, tmp_path, "--train.host_malloc=system", steps=2)
     fit(config)
     assert "host malloc system: the C library's defaults" in capsys.readouterr().err
+
+
+class Glibc234Mallopt:
+    """Stand-in for the C library handle (``host_memory._glibc``) of glibc 2.34 or earlier:
+    its ``mallopt`` refuses ``M_MMAP_THRESHOLD`` above 32 MiB (``HEAP_MAX_SIZE / 2`` in
+    malloc.c's ``do_set_mmap_threshold``) and passes every other call to this process's C
+    library."""
+
+    def __init__(self, libc):
+        self.libc = libc
+
+    def mallopt(self, option, value):
+        if option.value == -3 and value.value > 32 * 2**20:  # M_MMAP_THRESHOLD
+            return 0
+        return self.libc.mallopt(option, value)
+
+
+@pytest.fixture
+def glibc_234(monkeypatch):
+    real = host_memory._glibc()
+    if real is None:
+        pytest.skip("glibc's malloc only")
+    monkeypatch.setattr(host_memory, "_glibc", lambda: Glibc234Mallopt(real))
+
+
+def test_auto_keeps_the_defaults_where_glibc_refuses_the_threshold(glibc_234):
+    choice = resolve_host_malloc("auto", "cpu")
+    assert not choice.retain
+    line = choice.describe()
+    assert line.startswith("host malloc system: the C library's defaults; auto: a CPU run on ")
+    assert "mallopt refused M_MMAP_THRESHOLD = 256 MiB" in line
+    assert "glibc before 2.35 takes an mmap threshold of at most 32 MiB" in line
+
+
+def test_retain_on_a_glibc_that_refuses_the_threshold_is_refused(glibc_234):
+    with pytest.raises(ValueError, match=r"glibc before 2\.35 .*; use 'system' or 'auto'"):
+        resolve_host_malloc("retain", "cpu")
+
+
+def test_a_cpu_run_trains_on_a_glibc_that_refuses_the_threshold(
+    glibc_234, corpus, tmp_path, capsys
+):
+    summary = fit(tiny_config(corpus, tmp_path, steps=2))
+    assert summary["step"] == 2
+    assert "host malloc system: the C library's defaults; auto: " in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"glibc before 2\.35"):
+        Trainer(tiny_config(corpus, tmp_path, "--train.host_malloc=retain"))._setup()

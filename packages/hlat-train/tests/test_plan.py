@@ -218,13 +218,25 @@ def test_llama2_128_node_plan_shows_the_world_and_zero1_roles(capsys):
 
 def test_a_layout_that_cannot_fit_exits_nonzero_naming_the_biggest_item_and_a_fix(capsys):
     argv = ["plan", "--config", "hlat-7b", "--parallel.tp=1", "--model.checkpointing=none"]
-    assert main([*argv, "--device-memory-gib", "16"]) == 1
+    assert main([*argv, "--device", "trn1"]) == 1
     captured = capsys.readouterr()
     assert "DOES NOT FIT" in captured.out
     assert "the biggest item is activations" in captured.err
     assert "rerun with --parallel.tp=" in captured.err
     fix = captured.err.split("rerun with ")[1].split()
-    assert main([*argv, "--device-memory-gib", "16", *fix]) == 0
+    assert main([*argv, "--device", "trn1", *fix]) == 0
+
+
+@pytest.mark.parametrize(
+    "backend, planned",
+    [("auto", "backend torch (DTensor + FSDP2)"), ("neuron", "backend neuron (NxD + ZeRO-1)")],
+)
+def test_device_memory_without_a_device_plans_a_custom_device(backend, planned, capsys):
+    argv = ["plan", "--config", "hlat-7b", f"--parallel.backend={backend}"]
+    assert main([*argv, "--device-memory-gib", "40", "--procs-per-node", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "on custom device: 1 node(s) x 8 = 8 processes, 40 GiB each" in out
+    assert planned in out
 
 
 @pytest.mark.parametrize(
@@ -507,6 +519,26 @@ def test_a_pipeline_that_cannot_fit_names_the_biggest_item_and_suggests_more_sta
     assert main([*argv, *fix]) == 0
 
 
+def test_a_suggestion_that_changes_dp_keeps_the_global_batch_of_micro_batch_x_dp(tmp_path, capsys):
+    # train.global_batch_size = 0: 1 x dp 2 here; pp 2 halves dp, and a rerun that
+    # recomputed the batch (1 x dp 1) would give 1F1B one micro-batch for two stages
+    config = tmp_path / "run.toml"
+    config.write_text(
+        '[train]\nsteps = 10000\n[model]\npreset = "llama3-8b"\ncheckpointing = "selective"\n'
+        "[data]\nseq_len = 8192\n"
+    )
+    argv = [
+        "plan", "--config", str(config), "--parallel.backend=torch", "--parallel.tp=4",
+        "--device-memory-gib", "40", "--procs-per-node", "8",
+    ]  # fmt: skip
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert "tp 4, dp 1, pp 2 (1F1B" in captured.err
+    fix = captured.err.split("rerun with ")[1].split()
+    assert fix == ["--parallel.pp=2", "--train.global_batch_size=2"]
+    assert main([*argv, *fix]) == 0
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -559,3 +591,21 @@ def test_the_plans_loss_term_is_what_the_loss_keeps_for_backward():
         cross_entropy_loss(logits, torch.randint(0, vocab, logits.shape[:-1]))
     kept = sum(t.numel() * t.element_size() for t in saved)
     assert tokens * vocab * 2 <= kept <= tokens * vocab * 2 + tokens * 16 + 8
+
+
+def test_a_vocabulary_that_follows_the_tokenizer_is_the_tokenizers_where_its_file_is(
+    corpus, tmp_path
+):
+    def plan(*extra: str):
+        return make_plan(small_config("fp32", *extra), device_memory_gib=1.0, procs_per_node=1)
+
+    pieces = f'--data.tokenizer="{corpus["tokenizer"]}"'
+    followed = plan("--model.vocab_size=0", pieces)  # 384 pieces
+    assert followed.params_total == plan("--model.vocab_size=384").params_total
+    assert followed.roles[0].total == plan("--model.vocab_size=384").roles[0].total
+    assert f"model.vocab_size 0: 384, the 384 pieces of data.tokenizer {corpus['tokenizer']}" in (
+        followed.render()
+    )
+    missing = plan("--model.vocab_size=0", f'--data.tokenizer="{tmp_path}/none.model"')
+    assert missing.params_total == plan("--model.vocab_size=64").params_total
+    assert "is not a file here: the plan assumes a vocabulary of 64" in missing.render()

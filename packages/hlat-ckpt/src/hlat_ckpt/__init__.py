@@ -35,7 +35,7 @@ __all__ = [
     "SaveStats",
     "consolidate",
 ]
-__version__ = "0.8.7"
+__version__ = "0.9.0"
 
 
 def __getattr__(name: str) -> Any:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import replicas, state_json
-from .manifest import Manifest
+from .manifest import IncompleteCheckpointError, Manifest
 from .policy import CheckpointError as CheckpointError
 from .policy import CheckpointInfo as CheckpointInfo
 from .policy import CheckpointPolicy, Written
@@ -42,6 +42,7 @@ warnings.filterwarnings(
     category=UserWarning,
 )
 _GLOBAL_JSON = "_global/_json"
+_METADATA = ".metadata"  # DCP's index of a checkpoint's tensors
 
 
 def _rank_prefix(rank: int) -> str:
@@ -161,6 +162,7 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         self._buffers: dict[str, torch.Tensor] = {}
         self._not_mine: set[str] = set()
         self._rng = RNGState()
+        self._metadata: tuple[str, Any] | None = None  # (dirname, DCP metadata) of _check
 
     # --- public API ------------------------------------------------------------------------
 
@@ -259,10 +261,43 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
     def _checksum_share(self, names: builtins.list[str]) -> builtins.list[str]:
         return [n for n in names if _owner(n, self.world_size) == self.rank]
 
+    def _check_written(self, sizes: dict[str, int], where: str) -> None:
+        # Note: an object store on which DCP's rename of ".metadata.tmp" did nothing (a root
+        # with glob characters) leaves no ".metadata"; without it nothing can be loaded
+        problems = [] if _METADATA in sizes else [f"no {_METADATA}"]
+        unfinished = sorted(n for n in sizes if n.endswith(".tmp"))
+        if unfinished:
+            problems.append(f"unfinished files {unfinished}")
+        if problems:
+            raise CheckpointError(f"{where}: DCP's write did not complete ({'; '.join(problems)})")
+
+    def _check_readable(self, dirname: str, manifest: Manifest) -> None:
+        where = self._storage.url_of(dirname)
+        self._metadata = None
+        if _METADATA not in manifest.files:
+            raise IncompleteCheckpointError(f"{where} has no {_METADATA} (DCP's index)")
+        try:
+            metadata = self._reader(dirname).read_metadata()
+        except OSError as e:
+            if not isinstance(e, FileNotFoundError):
+                raise  # the storage failed, not the file: checking fails on every rank
+            raise IncompleteCheckpointError(f"{where}: {_METADATA} is missing") from e
+        except Exception as e:
+            raise IncompleteCheckpointError(
+                f"{where}: {_METADATA} cannot be read ({type(e).__name__}: {e})"
+            ) from e
+        self._metadata = (dirname, metadata)  # read once: _read takes it from here
+
     def _read(
-        self, step: int, dirname: str, manifest: Manifest, entries: dict[str, tuple[str, Any]]
+        self,
+        step: int,
+        dirname: str,
+        manifest: Manifest,
+        entries: dict[str, tuple[str, Any]],
+        strict: bool,
     ) -> None:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         where = self._storage.url_of(dirname)
         if RNG_ENTRY not in manifest.entries and entries.get(RNG_ENTRY, ("",))[0] == "rank":
@@ -289,10 +324,17 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
                 )
 
         reader = self._reader(dirname)
-        metadata = reader.read_metadata().state_dict_metadata
+        checked, self._metadata = self._metadata, None
+        try:
+            if checked is None or checked[0] != dirname:
+                checked = (dirname, reader.read_metadata())
+        except (Exception, CheckpointException) as e:
+            raise CheckpointError(f"reading {where} failed: {_cause(e)}") from e
+        metadata = checked[1].state_dict_metadata
         request: dict[str, torch.Tensor] = {_GLOBAL_JSON: _placeholder(metadata, _GLOBAL_JSON)}
         current: dict[str, dict[str, torch.Tensor]] = {}
         keys: dict[str, builtins.list[str] | None] = {}  # None: a nested (pre-0.4) optimizer
+        problem = ""
         for name, (kind, obj) in entries.items():
             if kind in ("module", "optimizer"):
                 nested = kind == "optimizer" and any(
@@ -302,13 +344,15 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
                 keys[name] = None if nested else builtins.list(value)
                 _, tensors = state_json.split(value, name)
                 absent = [k for k in tensors if k not in metadata]
-                if absent:
-                    raise CheckpointError(
+                if absent and not problem:
+                    on = f" on rank {self.rank}" if self._group is not None else ""
+                    problem = (
                         f"{where}: entry {name!r} lacks {len(absent)} tensors of the current "
-                        f"{kind}, e.g. {absent[:3]}; was it saved from a different model?"
+                        f"{kind}{on}, e.g. {absent[:3]}; was it saved from a different model?"
                     )
                 current[name] = tensors
                 request.update(tensors)
+        self._refuse_mismatch(where, metadata, entries, current, problem, strict)
         source = self.rank
         if self.rank_state_from is not None:
             source = self.rank_state_from(manifest.layout, manifest.world_size)
@@ -334,8 +378,10 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
                 process_group=self._group,
                 no_dist=self._group is None,
             )
-        except Exception as e:
-            raise CheckpointError(f"reading {where} failed: {type(e).__name__}: {e}") from e
+        except (Exception, CheckpointException) as e:
+            # Note: DCP's CheckpointException (a tensor whose shape changed, on any rank) is
+            # a BaseException; its message is every failed rank's traceback
+            raise CheckpointError(f"reading {where} failed: {_cause(e)}") from e
 
         global_skel = state_json.loads(_tensor_bytes(request[_GLOBAL_JSON]))
         rank_skel = state_json.loads(_tensor_bytes(request[rank_json])) if per_rank else {}
@@ -363,6 +409,41 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
                     obj.update(value)
                 else:
                     obj.load_state_dict(value)
+
+    def _refuse_mismatch(
+        self,
+        where: str,
+        metadata: Mapping[str, Any],
+        entries: dict[str, tuple[str, Any]],
+        current: dict[str, dict[str, torch.Tensor]],
+        problem: str,
+        strict: bool,
+    ) -> None:
+        """Raise on every rank, before anything is read, if a rank found tensors of its
+        modules or optimizers missing from the checkpoint (``problem``) or, with ``strict``,
+        if a module or optimizer entry of the checkpoint holds tensors that no rank asked
+        for (collective: the union of every rank's keys counts, as ranks may hold different
+        parameters)."""
+        mine = {name: builtins.list(tensors) if strict else [] for name, tensors in current.items()}
+        gathered: builtins.list[Any] = [(mine, problem)]
+        if self._group is not None:
+            gathered = [None] * self.world_size
+            dist.all_gather_object(gathered, (mine, problem), group=self._group)
+        problems = [p for _, p in gathered if p]
+        if problems:
+            raise CheckpointError(problems[0])
+        if not strict:
+            return
+        for name in current:
+            asked = {key for keys, _ in gathered for key in keys.get(name, ())}
+            unread = sorted(k for k in metadata if k.startswith(f"{name}/") and k not in asked)
+            if unread:
+                kind = entries[name][0]
+                raise CheckpointError(
+                    f"{where}: entry {name!r} holds {len(unread)} tensors that the current "
+                    f"{kind} has on no rank, e.g. {unread[:3]}; was it saved from a different "
+                    "model? (load with strict=False to load the others)"
+                )
 
     # --- save internals --------------------------------------------------------------------
 
@@ -602,7 +683,7 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
             if self.rank == 0:
                 self._discard(dirname)
             raise CheckpointError(
-                f"writing step {step} to {where} failed: {type(e).__name__}: {e}; earlier "
+                f"writing step {step} to {where} failed: {_cause(e)}; earlier "
                 "checkpoints are untouched"
             ) from e
         # DCP's final collective returns only after every rank's files and the metadata are
@@ -622,6 +703,19 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
             self._storage.remove_dir(dirname)
         except Exception as e:  # the original error matters more than the cleanup's
             warnings.warn(f"could not remove {self._storage.url_of(dirname)}: {e}", stacklevel=2)
+
+
+def _cause(e: BaseException) -> str:
+    """``e`` as ``Type: message``; for DCP's ``CheckpointException``, each failed rank's own
+    error (its ``str`` is every rank's traceback)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(e, CheckpointException):
+        return "; ".join(
+            f"rank {rank}: {_cause(failure[0] if isinstance(failure, tuple) else failure)}"
+            for rank, failure in sorted(e.failures.items())
+        )
+    return f"{type(e).__name__}: {e}"
 
 
 def _placeholder(metadata: Mapping[str, Any], key: str) -> torch.Tensor:

@@ -174,10 +174,17 @@ def nxd_optimizer(optimizer: Any) -> bool:
 
 
 def load_checkpoint_kwargs(
-    root: str, step: int, state: Mapping[str, Any], *, num_workers: int = 8, tag: str = ""
+    root: str,
+    step: int,
+    state: Mapping[str, Any],
+    *,
+    num_workers: int = 8,
+    tag: str = "",
+    strict: bool = True,
 ) -> dict[str, Any]:
     """Keyword arguments of ``neuronx_distributed.load_checkpoint`` for step ``step``, from
-    the checkpoint directory ``tag`` (default ``step_<N>``).
+    the checkpoint directory ``tag`` (default ``step_<N>``); ``strict`` is NxD's (the
+    model's ``load_state_dict``).
 
     The optimizer is passed as it is when it is one of NxD's (:func:`nxd_optimizer`); any
     other is replaced by an empty dict, the form NxD's ``load_checkpoint`` takes for
@@ -197,7 +204,7 @@ def load_checkpoint_kwargs(
         "optimizer": optimizer if optimizer is None or nxd_optimizer(optimizer) else {},
         "scheduler": scheduler,
         "num_workers": num_workers,
-        "strict": True,
+        "strict": strict,
     }
 
 
@@ -424,7 +431,9 @@ class NeuronCheckpointer(CheckpointPolicy[Written]):
         if DONE not in sizes:
             raise CheckpointError(f"NxD did not mark {where} {DONE}")
 
-    def _read(self, step: int, dirname: str, manifest: Manifest, state: Mapping[str, Any]) -> None:
+    def _read(
+        self, step: int, dirname: str, manifest: Manifest, state: Mapping[str, Any], strict: bool
+    ) -> None:
         where = self._storage.url_of(dirname)
         _, optimizer, _, others = split_state(state)
         self._check_entries(where, manifest, manifest_entries(state, save_rng=False))
@@ -443,7 +452,7 @@ class NeuronCheckpointer(CheckpointPolicy[Written]):
                 f"for rank {self.rank}; resume with the same number of ranks"
             )
         kwargs = load_checkpoint_kwargs(
-            self.root, step, state, num_workers=self.num_workers, tag=dirname
+            self.root, step, state, num_workers=self.num_workers, tag=dirname, strict=strict
         )
         try:
             content = self._nxd.load_checkpoint(**kwargs)

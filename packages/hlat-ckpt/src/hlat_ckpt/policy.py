@@ -213,9 +213,12 @@ class CheckpointPolicy(Generic[PendingT]):
         and return what :meth:`_read` takes."""
         raise NotImplementedError
 
-    def _read(self, step: int, dirname: str, manifest: Manifest, resolved: Any) -> None:
+    def _read(
+        self, step: int, dirname: str, manifest: Manifest, resolved: Any, strict: bool
+    ) -> None:
         """Read checkpoint ``step`` from directory ``dirname``, checked against ``manifest``,
-        into the state (collective)."""
+        into the state (collective); with ``strict``, refuse a module or optimizer entry
+        that holds state no rank's object has."""
         raise NotImplementedError
 
     def _checksum_share(self, names: builtins.list[str]) -> builtins.list[str]:
@@ -225,6 +228,10 @@ class CheckpointPolicy(Generic[PendingT]):
 
     def _check_written(self, sizes: dict[str, int], where: str) -> None:
         """Raise if the files ``sizes`` of a written step are not all the engine wrote."""
+
+    def _check_readable(self, dirname: str, manifest: Manifest) -> None:
+        """Raise :class:`IncompleteCheckpointError` if the engine cannot read the committed
+        checkpoint ``dirname`` (every rank, after the manifest's checks)."""
 
     def _abandon(self, dirname: str) -> None:
         """Deal with the files of a step whose commit failed (on rank 0)."""
@@ -252,7 +259,7 @@ class CheckpointPolicy(Generic[PendingT]):
             finished, self._finished = self._finished, []
         return finished
 
-    def load_latest(self, state: Mapping[str, Any]) -> int | None:
+    def load_latest(self, state: Mapping[str, Any], *, strict: bool = True) -> int | None:
         """Load the newest complete checkpoint of the current run lineage into ``state``;
         return its step, or ``None`` when there is none (a fresh start).
 
@@ -263,6 +270,7 @@ class CheckpointPolicy(Generic[PendingT]):
         ``verify_checksums``, damaged ones (a file whose checksum differs from the
         manifest's) are skipped with a warning; resuming from an older checkpoint than the
         newest starts a new lineage. Rank 0 chooses and every rank loads the same step.
+        ``strict`` is :meth:`load`'s.
         """
         resolved = self._resolve(state)
         self.wait()
@@ -297,12 +305,14 @@ class CheckpointPolicy(Generic[PendingT]):
             if step < 0:
                 if self.rank == 0:
                     self._begin_lineage(commits, None)
+                self._saved_steps.clear()
                 return None
             manifest, problem = self._check(step, dirname)
             if manifest is not None and problem is None:
-                self._read(step, dirname, manifest, resolved)
+                self._read(step, dirname, manifest, resolved, strict)
                 if self.rank == 0:
                     self._begin_lineage(commits, manifest.commit(dirname))
+                self._saved_steps.clear()
                 return step
             if self.rank == 0:
                 warnings.warn(f"skipping damaged checkpoint: {problem}", stacklevel=2)
@@ -320,11 +330,15 @@ class CheckpointPolicy(Generic[PendingT]):
             except IncompleteCheckpointError as e:
                 warnings.warn(f"skipping incomplete checkpoint: {e}", stacklevel=3)
 
-    def load(self, step: int, state: Mapping[str, Any]) -> None:
+    def load(self, step: int, state: Mapping[str, Any], *, strict: bool = True) -> None:
         """Load checkpoint ``step`` into ``state`` (collective).
 
         Entries of the checkpoint that ``state`` does not name are ignored, so a model alone
-        can be loaded from a full training checkpoint. Per-rank entries need a rank of the
+        can be loaded from a full training checkpoint. With ``strict``, a module or
+        optimizer entry that holds tensors no rank's object has (a model with fewer layers)
+        is refused with :class:`CheckpointError` naming some of them; ranks may hold
+        different parameters (pipeline stages), their union counts. ``strict=False`` loads
+        what the ranks' objects have and ignores the rest. Per-rank entries need a rank of the
         same number in the saving job. Where two lineages saved ``step``, the current
         lineage's is loaded. Saving after loading a step older than the newest commit starts
         a new lineage (:mod:`hlat_ckpt.lineage`).
@@ -348,9 +362,10 @@ class CheckpointPolicy(Generic[PendingT]):
         manifest, problem = self._check(step, dirname)
         if manifest is None or problem is not None:
             raise CheckpointError(f"cannot load step {step}: {problem}")
-        self._read(step, dirname, manifest, resolved)
+        self._read(step, dirname, manifest, resolved, strict)
         if self.rank == 0:
             self._begin_lineage(commits, manifest.commit(dirname))
+        self._saved_steps.clear()
 
     def list(self) -> builtins.list[CheckpointInfo]:
         """The committed checkpoints under the root, in commit order (manifests are read;
@@ -395,9 +410,10 @@ class CheckpointPolicy(Generic[PendingT]):
         """``(manifest, None)`` when checkpoint ``step`` is complete and, with
         ``verify_checksums``, undamaged; ``(manifest or None, what is wrong)`` otherwise.
 
-        Collective: every rank checks the sizes and reads back its share of the files (see
-        :meth:`_checksum_share`), and all ranks get the same answer. A read error other than
-        a mismatch raises :class:`CheckpointError` on every rank (the checkpoint may be fine).
+        Collective: every rank checks the sizes, reads back its share of the files (see
+        :meth:`_checksum_share`) and runs the engine's :meth:`_check_readable`, and all ranks
+        get the same answer. A read error other than a mismatch raises
+        :class:`CheckpointError` on every rank (the checkpoint may be fine).
         """
         manifest: Manifest | None = None
         outcome: tuple[str, str] | None = None
@@ -406,6 +422,7 @@ class CheckpointPolicy(Generic[PendingT]):
             if self.verify_checksums:
                 mine = self._checksum_share(builtins.list(manifest.checksums))
                 verify_checksums(self._storage, dirname, manifest, mine)
+            self._check_readable(dirname, manifest)
         except IncompleteCheckpointError as e:
             outcome = ("damaged", str(e))
         except Exception as e:
@@ -464,7 +481,6 @@ class CheckpointPolicy(Generic[PendingT]):
             self._lineage = lineages.new_lineage_id()
             self._parent = None if resumed is None else resumed.as_parent()
         self._seq = lineages.next_seq(commits)
-        self._saved_steps.clear()
 
     def _ensure_lineage(self) -> None:
         """Before the first save of a checkpointer that loaded nothing (rank 0): continue the

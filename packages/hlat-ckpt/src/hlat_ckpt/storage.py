@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import uuid
 from typing import Any
 
@@ -18,6 +19,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 _STEP_DIR = re.compile(r"^step_(\d+)(?:-([0-9a-z]+))?$")
 _TMP_SUFFIX = ".tmp"
+_GLOB = re.compile(r"[*?[]")  # what fsspec's rm (and copy, mv) expands as a pattern
 STEP_DIGITS = 10
 
 
@@ -53,6 +55,13 @@ class Storage:
         self.is_local = isinstance(self.fs, LocalFileSystem)
         if self.is_local:
             self.root = os.path.abspath(self.root)
+        elif _GLOB.search(self.root):
+            # Note: DCP's fsspec writer renames and cleans up through fsspec, which expands
+            # these as patterns: a failed write could delete another root's files
+            raise ValueError(
+                f"{self.url}: an object-store checkpoint root cannot contain '*', '?' or '[' "
+                "(fsspec reads them as patterns); choose another name"
+            )
 
     # --- names -----------------------------------------------------------------------------
 
@@ -142,7 +151,7 @@ class Storage:
         _fsync_dir(self.root)
 
     def remove_file(self, *parts: str) -> None:
-        """Delete one file if it exists."""
+        """Delete one file if it exists (``rm_file`` takes the path as it is, no pattern)."""
         path = self.path(*parts)
         if self.fs.exists(path):
             self.fs.rm_file(path)
@@ -150,8 +159,15 @@ class Storage:
     def remove_dir(self, *parts: str) -> None:
         """Delete a directory and everything in it, if it exists."""
         path = self.path(*parts)
-        if self.fs.exists(path):
-            self.fs.rm(path, recursive=True)
+        if not self.fs.exists(path):
+            return
+        if self.is_local:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+            return
+        self.fs.rm(path, recursive=True)  # the root holds no pattern characters
 
 
 def _fsync_dir(path: str) -> None:

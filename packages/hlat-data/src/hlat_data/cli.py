@@ -14,6 +14,17 @@ from hlat_data.mixture import mixture_stats, read_mixture
 from hlat_data.tokenizer import Tokenizer, train_tokenizer
 
 
+def _count(value: str) -> int:
+    """An argument that is an integer of 0 or more."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {number}")
+    return number
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``hlat-data`` (help in plain text, defaults shown)."""
     fmt = argparse.ArgumentDefaultsHelpFormatter
@@ -82,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a null text or a bad JSON line: stop with its file and line (error), or count "
         "it as an empty document (skip)",
     )
-    stats.add_argument("--max-documents", type=int, help="read only the first N documents")
+    stats.add_argument("--max-documents", type=_count, help="read only the first N documents")
     stats.add_argument(
         "--mixture",
         help="a TOML file of [[sources]] tables (or an hlat-train config with "
@@ -92,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     stats.add_argument(
         "--planned-tokens",
-        type=int,
+        type=_count,
         help="with --mixture: the run's training tokens, to show what each source gives and "
         "in how many epochs, after its caps",
     )

@@ -18,8 +18,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hlat_data.errors import DataError
-from hlat_data.jsonl import compression, decompressed, is_jsonl
-from hlat_data.source import ArrowSource, Source, _File
+from hlat_data.jsonl import (
+    _BOM,
+    _KIND,
+    JSONL_SUFFIXES,
+    _encodable,
+    _kinds,
+    compression,
+    decompressed,
+    is_jsonl,
+)
+from hlat_data.source import ArrowSource, Source, _File, _resolve
 from hlat_data.tokenizer import Tokenizer
 
 _TABLE_SUFFIXES = (".arrow", ".parquet", ".pq", ".ipc", ".feather")
@@ -39,11 +48,13 @@ def convert_to_arrow(
     """Write the documents of ``inputs`` to one Arrow IPC file with a ``text`` column.
 
     Args:
-        inputs: files or globs: JSON lines (``.jsonl``, ``.ndjson``, ``.json``, each plain,
-            ``.gz`` or ``.zst`` as :class:`~hlat_data.JsonlSource` reads them, gzip members
-            and zstd frames of any size; the document is field ``text_field`` of each line),
-            Parquet and Arrow files and ``save_to_disk`` directories (column ``text_field``),
-            and plain text files (any other suffix; one document per file).
+        inputs: files, globs or directories: JSON lines (``.jsonl``, ``.ndjson``, ``.json``,
+            each plain, ``.gz`` or ``.zst`` as :class:`~hlat_data.JsonlSource` reads them, gzip
+            members and zstd frames of any size; the document is field ``text_field`` of each
+            line), Parquet and Arrow files and ``save_to_disk`` directories (column
+            ``text_field``), and plain text files (any other suffix; one document per file).
+            A directory stands for its JSON lines files, or else for its Arrow and Parquet
+            files, as the sources read it.
         output: the Arrow file to write (written to ``<output>.tmp``, then renamed; removed
             when the conversion fails).
         batch_rows, batch_bytes: a record batch is written once either is reached; they
@@ -112,6 +123,8 @@ def corpus_stats(
     counts the records a source with ``on_bad_record="skip"`` read as empty (they count in
     ``empty`` too).
     """
+    if max_documents is not None and max_documents < 0:
+        raise DataError(f"max_documents must be 0 or more, got {max_documents}")
     total = len(source) if max_documents is None else min(len(source), max_documents)
     lengths: list[np.ndarray] = []
     tokens = 0
@@ -157,7 +170,17 @@ def _expand(entries: list[str], options: dict[str, Any]) -> list[str]:
                 raise DataError(f"{entry}: the pattern matches no files")
             files += [entry if fs.protocol == "file" else fs.unstrip_protocol(m) for m in matches]
         elif fs.isdir(path):
-            files.append(entry)  # read as a table directory by ArrowSource
+            kinds = dict(_kinds(entry, options))
+            if len(kinds) > 1:
+                raise DataError(
+                    f"{entry}: the directory holds JSON lines ({kinds['jsonl']}) and Arrow/Parquet "
+                    f"({kinds['table']}) files; give each kind as its own input (a glob)"
+                )
+            if "jsonl" in kinds:  # its JSON lines files, as JsonlSource reads the directory
+                found = _resolve(entry, options, dir_suffixes=JSONL_SUFFIXES, dir_kind=_KIND)
+                files += [f.url for f in found]
+            else:
+                files.append(entry)  # read as a table directory by ArrowSource
         elif fs.exists(path):
             files.append(entry)
         else:
@@ -196,6 +219,8 @@ def _json_lines(url: str, field: str, options: dict[str, Any]) -> Iterator[str]:
         fmt = compression(url)
         lines: Iterator[bytes] = iter(f) if fmt == "plain" else _lines(_text(url, fmt, f))
         for number, raw in enumerate(lines, start=1):
+            if number == 1 and raw.startswith(_BOM):  # ignored, as JsonlSource does
+                raw = raw[len(_BOM) :]
             if not raw.strip():
                 continue
             try:
@@ -221,6 +246,11 @@ def _json_lines(url: str, field: str, options: dict[str, Any]) -> Iterator[str]:
             if not isinstance(text, str):
                 raise DataError(
                     f"{url}:{number}: field {field!r} is {type(text).__name__}, not a string"
+                )
+            if "\\u" in line and not _encodable(text):
+                raise DataError(
+                    f"{url}:{number}: field {field!r} holds an unpaired surrogate escape, not "
+                    "Unicode text"
                 )
             yield text
 

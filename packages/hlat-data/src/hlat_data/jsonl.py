@@ -36,6 +36,7 @@ from hlat_data.source import (
     FileSource,
     _File,
     _is_local,
+    _OpenFiles,
     _resolve,
     bad_record_policy,
 )
@@ -124,7 +125,7 @@ class JsonlSource(FileSource):
         for file in self._files:
             if file.fmt == "zstd":
                 _zstandard(file.url)
-        self._handles: dict[int, np.ndarray] = {}
+        self._handles = _OpenFiles()  # memory maps of local files
         self._starts: list[np.ndarray] = []  # per file: where each document's line starts
         self._sizes: list[int] = []  # per file: bytes of its (decompressed) text
         self._blanks: list[np.ndarray] = []  # per file: documents before each blank line
@@ -206,8 +207,8 @@ class JsonlSource(FileSource):
                 lines.feed(block)
         else:
             members = _scan_members(file, self._blocks(index, file), lines, self.max_member_bytes)
-        self._handles.pop(index, None)  # mapped again when read: a corpus of many files
-        starts, blanks, size = lines.finish()  # does not hold them all open
+        self._handles.close(index)  # mapped again when read
+        starts, blanks, size = lines.finish()
         self._starts.append(starts)
         self._blanks.append(blanks)
         self._sizes.append(size)
@@ -237,18 +238,17 @@ class JsonlSource(FileSource):
     # --- reading --------------------------------------------------------------------------
 
     def _map(self, index: int) -> np.ndarray:
-        data = self._handles.get(index)
-        if data is None:
+        """The bytes of local file ``index``, memory-mapped; callers copy out what they keep."""
+        mapped = self._handles.get(index)
+        if mapped is None:
             file = self._files[index]
             try:
                 with open(file.path, "rb") as f:
-                    data = np.frombuffer(
-                        mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8
-                    )
+                    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             except FileNotFoundError:
                 raise DataError(f"{file.url}: no such file") from None
-            self._handles[index] = data
-        return data
+            self._handles.add(index, mapped)
+        return np.frombuffer(mapped, dtype=np.uint8)
 
     def _fetch(self, requests: list[tuple[int, int, int]]) -> list[bytes]:
         """The stored bytes ``[start, end)`` of each ``(file, start, end)``; the remote ones in

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from hlat_data.errors import DataError
-from hlat_data.order import RankShare, ResumedShare, check_layout, num_blocks
+from hlat_data.order import RankShare, ResumedShare, check_layout, check_seed, num_blocks
 from hlat_data.packer import Batch, Chunk, Packer
 from hlat_data.source import Source
 from hlat_data.tokenizer import Tokenizer, usable_cores
@@ -115,6 +115,7 @@ class PackedLoader:
             )
         if add_bos and tokenizer.bos_id < 0:
             raise DataError(f"add_bos=True but tokenizer {tokenizer.name} has no BOS token")
+        check_seed(seed)
         check_layout(len(source), block_size, dp_rank, dp_size)
         self.source = source
         self.tokenizer = tokenizer

@@ -38,6 +38,7 @@ import numpy as np
 
 from hlat_data.errors import DataError
 from hlat_data.loader import MIXTURE_STATE_FORMAT, PackedLoader, merge_states
+from hlat_data.order import check_seed
 from hlat_data.packer import Batch
 from hlat_data.tokenizer import Tokenizer
 
@@ -140,6 +141,7 @@ class MixedLoader:
             raise DataError(f"on_change must be one of {', '.join(_CHANGES)}, got {on_change!r}")
         if micro_batch_size < 1:
             raise DataError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
+        check_seed(seed)
         total = float(sum(s.weight for s in sources))
         self.sources = list(sources)
         self.shares = [s.weight / total for s in sources]
@@ -487,6 +489,8 @@ def mixture_stats(
     from hlat_data.convert import corpus_stats
 
     check_mixture(sources)
+    if planned_tokens is not None and planned_tokens < 0:
+        raise DataError(f"planned_tokens must be 0 or more, got {planned_tokens}")
     total = float(sum(s.weight for s in sources))
     out: dict[str, dict[str, Any]] = {}
     caps: dict[str, float] = {}

@@ -113,6 +113,13 @@ class RankShare(_Share):
         return self._cached[1]
 
 
+def check_seed(seed: object) -> None:
+    """Raise a :class:`DataError` unless ``seed`` is an integer of 0 or more (NumPy's
+    generators take no other)."""
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+        raise DataError(f"seed must be an integer of 0 or more, got {seed!r}")
+
+
 def check_layout(num_docs: int, block_size: int, dp_rank: int, dp_size: int) -> None:
     """Raise a :class:`DataError` unless every DP rank gets at least one block."""
     if block_size < 1:

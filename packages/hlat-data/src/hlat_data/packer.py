@@ -102,14 +102,15 @@ class Packer:
         Padding tokens are ``pad_id`` with label ``-100``; they lie past ``doc_lens.sum(-1)``.
         """
         n = self.micro_batch_size * self.seq_len
-        real = min(len(self._tokens), n)
+        available = min(len(self._tokens), n + 1)  # counted before _emit consumes them
+        real = min(available, n)
         if real == 0:
             return None
         stream = np.full(n + 1, self.pad_id, dtype=np.int64)
-        stream[: len(self._tokens[: n + 1])] = self._tokens[: n + 1]
+        stream[:available] = self._tokens[:available]
         batch = self._emit(stream, real)
         labels = batch.labels.reshape(-1)
-        labels[max(0, min(len(self._tokens), n + 1) - 1) :] = IGNORE_INDEX
+        labels[available - 1 :] = IGNORE_INDEX
         return batch
 
     def cursor(self) -> tuple[int, int, int] | None:

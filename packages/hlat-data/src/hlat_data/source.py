@@ -8,8 +8,10 @@ s3fs) is read through ranged requests without copying the file to local disk.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import mmap
 import os
 import re
 import struct
@@ -32,6 +34,8 @@ _ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
 _CONTINUATION = b"\xff\xff\xff\xff"
 _RECORD_BATCH, _DICTIONARY_BATCH = 3, 2  # Arrow's MessageHeader union tags
 _INDEX_BLOCK = 8 * 1024  # read-ahead while indexing a remote file: one metadata block
+_OPEN_FILES = 64
+"""Data files a source keeps open at once; the least recently read beyond this are closed."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,44 @@ def split_text(text: str, max_chars: int) -> list[str]:
     return pieces
 
 
+class _OpenFiles:
+    """Open handles of a source's files by file index, at most ``_OPEN_FILES``: adding one
+    more closes the least recently used, so a corpus of many files stays within the
+    process's file descriptor limit."""
+
+    def __init__(self) -> None:
+        self._open: OrderedDict[int, Any] = OrderedDict()
+
+    def get(self, index: int) -> Any:
+        handle = self._open.get(index)
+        if handle is not None:
+            self._open.move_to_end(index)
+        return handle
+
+    def add(self, index: int, handle: Any) -> None:
+        self._open[index] = handle
+        while len(self._open) > _OPEN_FILES:
+            _close(self._open.popitem(last=False)[1])
+
+    def close(self, index: int) -> None:
+        handle = self._open.pop(index, None)
+        if handle is not None:
+            _close(handle)
+
+
+def _close(handle: Any) -> None:
+    """Close a handle of :class:`_OpenFiles`. Arrow buffers already read from a memory map
+    keep their mapping alive after it closes; a Python ``mmap`` still viewed by an array is
+    unmapped, its descriptor closed, when the last view goes."""
+    if isinstance(handle, pq.ParquetFile):
+        handle.close(force=True)
+    elif isinstance(handle, mmap.mmap):
+        with contextlib.suppress(BufferError):
+            handle.close()
+    else:
+        handle.close()
+
+
 class FileSource:
     """What :class:`ArrowSource` and :class:`~hlat_data.JsonlSource` share: documents over
     indexed files (``_files``, the cumulative document counts ``_offsets``), read through
@@ -163,7 +205,7 @@ class FileSource:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_handles"] = {}
+        state["_handles"] = _OpenFiles()
         state["_cache"] = OrderedDict()
         return state
 
@@ -241,7 +283,7 @@ class ArrowSource(FileSource):
                 f"the corpus is empty: {len(self._files)} file(s) with no rows "
                 f"({', '.join(f.url for f in self._files[:3])})"
             )
-        self._handles: dict[int, Any] = {}
+        self._handles = _OpenFiles()
         self._cache: OrderedDict[int, pa.Array] = OrderedDict()
 
     # --- public ---------------------------------------------------------------------------
@@ -287,7 +329,7 @@ class ArrowSource(FileSource):
             handle = _open(file)
             if file.fmt == "parquet":
                 handle = pq.ParquetFile(handle)
-            self._handles[index] = handle
+            self._handles.add(index, handle)
         return handle
 
     def _check_schema(self, file: _File, schema: pa.Schema) -> None:

@@ -517,8 +517,8 @@ def train_tokenizer(
         inputs: Arrow/Parquet files or directories (anything :class:`ArrowSource` reads;
             null texts are skipped), JSON lines (``.jsonl``, ``.ndjson``, ``.json``, plain,
             ``.gz`` or ``.zst``, read by :class:`~hlat_data.JsonlSource`; bad records are
-            skipped), or UTF-8 text files, one document each (``.txt``, ``.md`` or any
-            suffix it does not know).
+            skipped) or directories of them, or UTF-8 text files, one document each
+            (``.txt``, ``.md`` or any suffix it does not know).
         text_column: the column (Arrow, Parquet) or field (JSON lines) with the text.
         output: where to write the model; ``.model`` is appended when missing, and a
             ``.vocab`` file is written next to it.
@@ -533,7 +533,7 @@ def train_tokenizer(
     """
     import sentencepiece
 
-    from hlat_data.jsonl import JsonlSource, is_jsonl
+    from hlat_data.jsonl import JsonlSource, is_jsonl, open_source
     from hlat_data.source import ArrowSource
 
     entries = [
@@ -555,9 +555,13 @@ def train_tokenizer(
                     entry, text_column, on_bad_record="skip", storage_options=storage_options
                 )
             )
-        elif entry.endswith((".arrow", ".parquet", ".pq", ".ipc", ".feather")) or os.path.isdir(
-            entry
-        ):
+        elif os.path.isdir(entry):  # its JSON lines files, or else its tables
+            inputs_read.append(
+                open_source(
+                    entry, text_column, on_bad_record="skip", storage_options=storage_options
+                )
+            )
+        elif entry.endswith((".arrow", ".parquet", ".pq", ".ipc", ".feather")):
             inputs_read.append(
                 ArrowSource(
                     entry, text_column=text_column, nulls="skip", storage_options=storage_options

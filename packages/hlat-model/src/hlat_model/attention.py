@@ -212,12 +212,23 @@ def _compiled_flex() -> Any:
 
 
 def _flex_block_mask(doc_ids: torch.Tensor) -> Any:
+    """A flex block mask of ``doc_ids`` [B, S]; one row (from ``doc_lens`` of one row) makes
+    a mask of batch 1 that serves every batch row, as the other kernels' masks do."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    def same_document_causal(b, h, q_idx, kv_idx):
-        return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
-
     batch, seq_len = doc_ids.shape
+    if batch == 1:
+        # flex_attention calls the mask with each batch row's index, not 0
+        row = doc_ids[0]
+
+        def same_document_causal(b, h, q_idx, kv_idx):
+            return (row[q_idx] == row[kv_idx]) & (q_idx >= kv_idx)
+
+    else:
+
+        def same_document_causal(b, h, q_idx, kv_idx):
+            return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
+
     return create_block_mask(
         same_document_causal, batch, None, seq_len, seq_len, device=doc_ids.device
     )

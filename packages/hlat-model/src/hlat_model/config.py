@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -62,7 +63,8 @@ class LlamaConfig:
     attention: AttentionBackend = "auto"
     """Attention kernel. ``sdpa``: ``scaled_dot_product_attention`` (flash kernels on GPU and
     CPU; an explicit block-diagonal mask for packed documents). ``flex``: compiled
-    ``flex_attention`` with a document block mask. ``blocked``:
+    ``flex_attention`` with a document block mask (no training on CPUs: it has no CPU
+    backward). ``blocked``:
     :func:`hlat_model.attention.blocked_causal_attention`, batched matrix products over
     query blocks (the fastest on CPUs; plain causal rows go to the CPU flash kernels where
     they run). ``auto``: on CPUs the flash kernels where they run, else ``blocked`` (on CPUs
@@ -95,7 +97,8 @@ class LlamaConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.n_kv_heads, int) or self.n_kv_heads <= 0:
+        kv = self.n_kv_heads
+        if not isinstance(kv, int) or isinstance(kv, bool) or kv <= 0:
             raise ConfigError(f"n_kv_heads must be a positive integer, got {self.n_kv_heads!r}")
         if self.dim % self.n_heads:
             raise ConfigError(
@@ -113,7 +116,8 @@ class LlamaConfig:
             )
         for name in ("norm_eps", "rope_theta", "init_std"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value <= 0:
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"{name} must be a positive number, got {value!r}")
         if self.checkpointing not in ("none", "selective", "full"):
             raise ConfigError(

@@ -47,7 +47,7 @@ def cross_entropy_loss(
 ) -> torch.Tensor:
     """Mean next-token loss in fp32. ``labels`` are already shifted (``labels[t]`` is the
     token after ``input_ids[t]``); positions equal to ``ignore_index`` do not count (all
-    ignored gives NaN, as ``F.cross_entropy`` does).
+    ignored gives NaN and zero gradients, as ``F.cross_entropy`` does).
 
     Plain tensors go through the chunked kernel of this module; tensor subclasses
     (vocabulary-sharded DTensors under ``loss_parallel``), code being compiled and
@@ -200,10 +200,11 @@ def _head_loss_in_chunks(
     wants_grad = grad_hidden or grad_weight
     gh = torch.empty_like(hidden) if grad_hidden else None
     gw = torch.empty_like(weight, memory_format=torch.contiguous_format) if grad_weight else None
-    # d loss / d (lse - picked) per row (NaN when none counts): each chunk's logits are
-    # overwritten with their gradient, (softmax - onehot) times it, rounded once to the
-    # logits' dtype, as the loss's backward through the logits writes it
-    scale = (valid / count).to(torch.float32) if wants_grad else None
+    # d loss / d (lse - picked) per row (zeros when none counts, as F.cross_entropy's
+    # gradient, though the loss is NaN): each chunk's logits are overwritten with their
+    # gradient, (softmax - onehot) times it, rounded once to the logits' dtype, as the
+    # loss's backward through the logits writes it
+    scale = (valid / count.clamp_min(1)).to(torch.float32) if wants_grad else None
     lib = _native.usable(buffer)
     if lib is not None:
         targets = _native_targets(lib, labels, valid, vocab, ignore_index)
@@ -314,7 +315,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         logits, lse, targets, valid, count = ctx.saved_tensors
-        scale = (grad / count) * valid  # d loss / d (lse - picked), per row
+        # d loss / d (lse - picked), per row; zeros when none counts, as F.cross_entropy's
+        scale = (grad / count.clamp_min(1)) * valid
         if ctx.native is not None:
             scale = scale.to(torch.float32).contiguous()
             out = _native.cross_entropy_backward(ctx.native, logits, targets, lse, scale)

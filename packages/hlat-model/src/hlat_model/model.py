@@ -589,7 +589,9 @@ class Llama(nn.Module):
         no token attends across a document boundary.
 
         ``labels`` [B, S] (already shifted; ``-100`` is ignored) make it return the mean
-        loss, a 0-d fp32 tensor: ``loss_fn`` of the logits, or
+        loss, a 0-d fp32 tensor: ``loss_fn`` of the logits (another ``loss_fn`` than the
+        default gets the [B, S, vocab] logits and ``labels`` as given, also with
+        ``sequence_first``), or
         :func:`hlat_model.linear_cross_entropy` where that fuses the head (on CPUs: fp32,
         and bf16 where the CPU multiplies bf16 natively; with the default ``loss_fn``): the
         logits are then never made. A head with forward
@@ -617,6 +619,15 @@ class Llama(nn.Module):
                 f"doc_lens must be integer document lengths [batch, documents] with batch "
                 f"{batch} (or 1, shared by the rows), zero padded, got {doc_lens.dtype} of "
                 f"shape {tuple(doc_lens.shape)}"
+            )
+        if (
+            self.config.attention == "flex" and doc_lens is not None
+            and input_ids.device.type == "cpu" and torch.is_grad_enabled()
+            and any(p.requires_grad for p in self.parameters())
+        ):  # fmt: skip
+            raise ValueError(
+                "attention='flex' cannot train on CPU (flex_attention has no CPU backward): "
+                "use attention='auto', 'blocked' or 'sdpa' there, or run under torch.no_grad()"
             )
         if labels is not None:
             # Note: the losses' own check, made here before the first layer; the error types
@@ -651,12 +662,17 @@ class Llama(nn.Module):
                 h = block(h, cos, sin, mask)
         h = self.norm(h)
         if labels is not None:
-            if self.config.sequence_first:
-                labels = labels.transpose(0, 1)
             head = self.lm_head
             hooked = head._forward_hooks or head._forward_pre_hooks
             default_loss = _is_default_loss(self.loss_fn)
-            if default_loss and fuses_head(h, head.weight) and not hooked:
+            if not default_loss:
+                # another loss gets batch-first logits and the labels as given
+                logits = head(h)
+                logits = logits.transpose(0, 1) if self.config.sequence_first else logits
+                return self.loss_fn(logits, labels)
+            if self.config.sequence_first:  # the mean over all positions, in either layout
+                labels = labels.transpose(0, 1)
+            if fuses_head(h, head.weight) and not hooked:
                 return linear_cross_entropy(h, head.weight, labels)
             return self.loss_fn(head(h), labels)
         logits = self.lm_head(h)

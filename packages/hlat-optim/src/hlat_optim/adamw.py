@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import math
 import operator
@@ -26,6 +27,8 @@ from hlat_optim.rounding import (
 
 __all__ = ["AdamW", "adamw_update", "adamw_update_flat"]
 
+_GROUP_SETTINGS = ("lr", "betas", "eps", "weight_decay", "seed")
+"""The settings of a param group this optimizer reads at each step."""
 _SUPPORTED = (torch.float32, torch.bfloat16)
 _IMPLS = ("auto", "native", "compiled", "reference")
 _HYPER_WIDTH = 7  # adamw_update's hyper
@@ -492,7 +495,9 @@ class AdamW(torch.optim.Optimizer):
       as ``stochastic_rounding`` says.
     - ``master_weights=True``: an fp32 copy of every bf16 parameter takes the update and is
       copied into the parameter with round-to-nearest (mixed precision, 16 bytes).
-    - fp32 parameters: plain fp32 AdamW, equal to ``torch.optim.AdamW`` (16 bytes).
+    - fp32 parameters: plain fp32 AdamW (16 bytes), ``torch.optim.AdamW``'s update within
+      about one ulp per step: the bias correction's square root is applied as a
+      multiplication by its inverse, where torch divides by it.
 
     Weight decay is applied to every parameter, norm weights included, unless a param group
     sets ``weight_decay=0``. ``lr`` may be a float or a tensor and is driven by any
@@ -510,7 +515,8 @@ class AdamW(torch.optim.Optimizer):
         lr, betas, eps, weight_decay: as in ``torch.optim.AdamW``.
         stochastic_rounding: round bf16 parameters and bf16 states stochastically.
         state_dtype: dtype of ``exp_avg``/``exp_avg_sq``; ``None`` means the parameter's
-            dtype (fp32 when ``master_weights``).
+            dtype (fp32 when ``master_weights``). A loaded state dict's moments are cast to
+            it; with ``None`` they keep their saved dtype (see ``load_state_dict``).
         master_weights: keep an fp32 master copy of bf16 parameters.
         kahan_sum: keep a bf16 Kahan compensation of bf16 parameters instead.
         seed: seed of the rounding bits.
@@ -577,14 +583,6 @@ class AdamW(torch.optim.Optimizer):
             )
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, seed=seed)
         super().__init__(params, defaults)
-        for gi, group in enumerate(self.param_groups):
-            for pi, p in enumerate(group["params"]):
-                if p.dtype not in _SUPPORTED:
-                    raise TypeError(
-                        f"AdamW: parameter {pi} of param group {gi} (shape {tuple(p.shape)}) "
-                        f"is {p.dtype}; only float32 and bfloat16 parameters are supported "
-                        "(cast the model with .to(torch.bfloat16) or .float())"
-                    )
         self.stochastic_rounding = stochastic_rounding
         self.state_dtype = state_dtype
         self.master_weights = master_weights
@@ -597,6 +595,20 @@ class AdamW(torch.optim.Optimizer):
         self._flat_of: dict[torch.Tensor, _FlatStates] = {}
         # What the compiled path reuses from one step to the next (see _Steady).
         self._steady: _Steady | None = None
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.add_param_group``, refusing a group that holds a parameter
+        of another dtype than float32 or bfloat16 (the group is then not added)."""
+        super().add_param_group(param_group)
+        gi = len(self.param_groups) - 1
+        for pi, p in enumerate(self.param_groups[gi]["params"]):
+            if p.dtype not in _SUPPORTED:
+                self.param_groups.pop()
+                raise TypeError(
+                    f"AdamW: parameter {pi} of param group {gi} (shape {tuple(p.shape)}) "
+                    f"is {p.dtype}; only float32 and bfloat16 parameters are supported "
+                    "(cast the model with .to(torch.bfloat16) or .float())"
+                )
 
     def _init_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
         master = self.master_weights and p.dtype == torch.bfloat16
@@ -612,7 +624,18 @@ class AdamW(torch.optim.Optimizer):
             state["compensation"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a ``state_dict()``, keeping each state tensor's saved dtype.
+        """Load a ``state_dict()`` into this optimizer's precision mode.
+
+        Every state tensor must have its parameter's shape (for DTensors, that of the local
+        shard): a state dict of other parameters is refused before anything is loaded.
+        The constructor's mode wins: fp32 master weights that ``master_weights=True`` needs
+        and the state dict lacks are made from the parameters as they are (load the model's
+        weights first), a Kahan compensation that ``kahan_sum=True`` needs starts at zero,
+        and master weights or compensations this optimizer does not keep are dropped. The
+        moments keep their saved dtype where ``state_dtype`` is None, and are cast to it
+        (rounded to nearest) where it is given. One warning names the conversions made. A
+        param group saved without one of the constructor's defaults (``seed``, in a
+        ``torch.optim.AdamW`` state dict) takes the constructor's value.
 
         Note: ``torch.optim.Optimizer`` casts floating-point state to the parameter's dtype on
         load, which would turn fp32 master weights and fp32 moments of bf16 parameters into
@@ -621,11 +644,25 @@ class AdamW(torch.optim.Optimizer):
         reads all counts on the host at once.
         """
         saved = state_dict["state"]
+        pairs = _saved_pairs(state_dict["param_groups"], self.param_groups)
+        for index, (pid, p) in enumerate(pairs):
+            entries = saved.get(pid, {})
+            why = _shape_error(
+                _local(p),
+                ((name, _local(entries[name])) for name in _STATE_NAMES if name in entries),
+            )
+            if why is not None:
+                raise ValueError(
+                    f"hlat_optim.AdamW.load_state_dict: parameter {index}'s {why}; the state "
+                    "dict holds other parameters' states, and nothing was loaded"
+                )
         self._steady = None
         super().load_state_dict(state_dict)
-        ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
-        for pid, p in zip(ids, params, strict=True):
+        for group in self.param_groups:
+            for name in _GROUP_SETTINGS:  # not torch's own defaults ("differentiable")
+                group.setdefault(name, self.defaults[name])
+        conversions: dict[str, int] = {}
+        for pid, p in pairs:
             for name, value in saved.get(pid, {}).items():
                 if torch.is_tensor(value) and name != "step" and value.dtype != p.dtype:
                     self.state[p][name] = value.detach().to(_local(p).device, copy=True)
@@ -637,6 +674,43 @@ class AdamW(torch.optim.Optimizer):
                 and step.dim() == 0
             ):
                 self.state[p]["step"] = torch.tensor(float(step), dtype=torch.float32)
+            for made in self._to_mode(p, self.state[p]):
+                conversions[made] = conversions.get(made, 0) + 1
+        if conversions:
+            made = ", ".join(
+                f"{what} ({n} parameter{'s' if n > 1 else ''})" for what, n in conversions.items()
+            )
+            warnings.warn(
+                "hlat_optim.AdamW.load_state_dict: the state dict was saved in another "
+                f"precision mode than this optimizer's; converted to it: {made}",
+                stacklevel=2,
+            )
+
+    def _to_mode(self, p: torch.Tensor, state: dict[str, Any]) -> list[str]:
+        """Bring one parameter's loaded state to this optimizer's precision mode; what was
+        converted."""
+        if not state:
+            return []
+        done = []
+        bf16 = p.dtype == torch.bfloat16
+        if self.master_weights and bf16 and "master" not in state:
+            state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format)
+            done.append("made fp32 master weights from the parameters")
+        elif not (self.master_weights and bf16) and state.pop("master", None) is not None:
+            done.append("dropped master weights")
+        if self.kahan_sum and bf16 and "compensation" not in state:
+            state["compensation"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            done.append("made zero Kahan compensations")
+        elif not (self.kahan_sum and bf16) and state.pop("compensation", None) is not None:
+            done.append("dropped Kahan compensations")
+        moments = [name for name in ("exp_avg", "exp_avg_sq") if name in state]
+        if self.state_dtype is not None and any(
+            state[name].dtype != self.state_dtype for name in moments
+        ):
+            for name in moments:
+                state[name] = state[name].to(self.state_dtype)
+            done.append(f"exp_avg and exp_avg_sq cast to {self.state_dtype}")
+        return done
 
     def _native_reason(self, local: list[torch.Tensor | None]) -> str | None:
         """Why the CPU kernel cannot update this parameter, or None if it can."""
@@ -664,7 +738,9 @@ class AdamW(torch.optim.Optimizer):
                 self._run_bucket(update, plan, bucket, batch, keys, skip)
                 done += 1
         except Exception as exc:
-            if self.impl == "compiled":
+            # Note: only a failed compilation; any other error (out of memory, a wrong
+            # shape) says nothing about the compiled path and is raised as it is.
+            if self.impl == "compiled" or not isinstance(exc, _compile_errors()):
                 raise
             warnings.warn(
                 f"hlat_optim.AdamW: torch.compile of the update failed ({type(exc).__name__}: "
@@ -758,7 +834,10 @@ class AdamW(torch.optim.Optimizer):
         multiply followed by a step gives, without a pass over the gradients of its own on
         the CPU kernel. What ``.grad`` holds afterwards depends on the path: the CPU kernel
         reads the gradients and leaves them as they were, the other paths multiply them in
-        place first. Never read on the host.
+        place first. A DTensor gradient in another layout than its parameter (a sequence-
+        parallel norm weight's ``Partial`` one) is multiplied on every path after it is
+        brought to the parameter's layout, where ``clip_grad_norm_`` multiplies each rank's
+        part of it; its ``.grad`` is left as it was. Never read on the host.
         """
         loss = None
         if closure is not None:
@@ -766,12 +845,7 @@ class AdamW(torch.optim.Optimizer):
                 loss = closure()
         _check_scalar("skip", skip, "torch.bool", lambda t: t.dtype == torch.bool)
         _check_scalar("clip_coef", clip_coef, "floating-point", torch.is_floating_point)
-        if clip_coef is not None and self._steady is not None:
-            # the compiled flat path reads gradients as they are: multiplied in place first
-            params = [p for group in self.param_groups for p in group["params"]]
-            scale_in_place([_local(p.grad) for p in params if p.grad is not None], clip_coef)
-            clip_coef = None
-        if self._steady is not None and self._steady.step(self, skip):
+        if self._steady is not None and self._steady.step(self, skip, clip_coef):
             return loss
         self._steady = None
         self._run_step(skip, clip_coef)
@@ -915,7 +989,98 @@ class AdamW(torch.optim.Optimizer):
                 "is not contiguous; call .contiguous() on the parameter before building the "
                 "optimizer"
             )
+        why = _update_error(local)
+        if why is not None:
+            raise RuntimeError(
+                f"hlat_optim.AdamW: parameter {index} (shape {tuple(p.shape)}) cannot be "
+                f"updated: {why}"
+            )
         return local, offset, salt
+
+
+def _saved_pairs(
+    saved: list[dict[str, Any]], groups: list[dict[str, Any]]
+) -> list[tuple[Any, torch.Tensor]]:
+    """(saved id, parameter) of every parameter, where the saved param groups match these
+    in number and sizes; else none (``torch.optim.Optimizer.load_state_dict`` refuses them)."""
+    if len(saved) != len(groups) or any(
+        len(a["params"]) != len(b["params"]) for a, b in zip(saved, groups, strict=True)
+    ):
+        return []
+    ids = itertools.chain.from_iterable(g["params"] for g in saved)
+    params = itertools.chain.from_iterable(g["params"] for g in groups)
+    return list(zip(ids, params, strict=True))
+
+
+def _shape_error(param: torch.Tensor, states: Iterable[tuple[str, Any]]) -> str | None:
+    """Which state (name, local tensor) has another shape than the local parameter
+    ``param``, and both shapes; None where every tensor has its shape."""
+    for name, t in states:
+        if torch.is_tensor(t) and t.shape != param.shape:
+            return f"{name} has shape {tuple(t.shape)} where the parameter has {tuple(param.shape)}"
+    return None
+
+
+def _update_error(local: list[torch.Tensor | None]) -> str | None:
+    """Why one update's local tensors (as ``AdamW._locals`` gives them) cannot be updated
+    together on every path, or None.
+
+    Note: checked before the step counts advance; the CPU kernel reads each tensor as its
+    row's dtype flags and element count say, so a state of another shape or dtype would be
+    read past its end or misread there.
+    """
+    param, _, exp_avg, exp_avg_sq, master, compensation = local
+    assert param is not None and exp_avg is not None and exp_avg_sq is not None
+    shape = param.shape
+    if (
+        master is None
+        and compensation is None
+        and exp_avg.shape == shape
+        and exp_avg_sq.shape == shape
+        and exp_avg.dtype in _SUPPORTED
+        and exp_avg_sq.dtype == exp_avg.dtype
+    ):
+        return None  # the common case, in few operations: this runs for every parameter
+    why = _shape_error(param, zip(_STATE_NAMES, local[2:], strict=True))
+    if why is not None:
+        return f"its {why}"
+    if exp_avg.dtype not in _SUPPORTED or exp_avg_sq.dtype != exp_avg.dtype:
+        return (
+            f"its exp_avg and exp_avg_sq are {exp_avg.dtype} and {exp_avg_sq.dtype}, where "
+            "both must be float32 or both bfloat16"
+        )
+    if master is None and compensation is None:
+        return None
+    kept = "master weights" if master is not None else "a Kahan compensation"
+    if param.dtype != torch.bfloat16:
+        return f"it is {param.dtype} and has {kept}, which only bfloat16 parameters keep"
+    if master is not None and compensation is not None:
+        return "it has both master weights and a Kahan compensation"
+    if master is not None and master.dtype != torch.float32:
+        return f"its master weights are {master.dtype}, not float32"
+    if compensation is not None and compensation.dtype != torch.bfloat16:
+        return f"its Kahan compensation is {compensation.dtype}, not bfloat16"
+    return None
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions of a failed ``torch.compile`` that the installed torch defines:
+    dynamo's for a backend that failed, for code it cannot trace and for its own errors,
+    and inductor's."""
+    found: list[type[BaseException]] = []
+    for module, names in (
+        ("torch._dynamo.exc", ("BackendCompilerFailed", "Unsupported", "InternalTorchDynamoError")),
+        ("torch._inductor.exc", ("InductorError", "CppCompileError")),
+    ):
+        try:
+            loaded = importlib.import_module(module)
+        except Exception:
+            continue
+        for name in names:
+            cls = getattr(loaded, name, None)
+            if isinstance(cls, type) and issubclass(cls, BaseException):
+                found.append(cls)
+    return tuple(found)
 
 
 def _hyper(group: dict[str, Any], step: int) -> list[float]:
@@ -1196,7 +1361,7 @@ class _Steady:
             _SteadyBatch(b, opt._flat_plan(b), groups[id(b.owners[0])]) for b in batches
         ]
 
-    def step(self, opt: AdamW, skip: torch.Tensor | None) -> bool:
+    def step(self, opt: AdamW, skip: torch.Tensor | None, clip_coef: torch.Tensor | None) -> bool:
         """One step, if nothing it reuses has changed; False (having changed nothing) if
         something has."""
         if opt.impl != self.impl or opt.state is not self.state:
@@ -1210,11 +1375,14 @@ class _Steady:
             return False
         grads = []
         for b in self.batches:
-            found = b.gradients(opt.state, skip)
+            found = b.gradients(opt.state, skip, clip_coef)
             if found is None:
                 return False
             grads.append(found)
         local = [b.local_grads(g) for b, g in zip(self.batches, grads, strict=True)]
+        if clip_coef is not None:
+            # as on the full path: each gradient in its parameter's layout, multiplied in place
+            scale_in_place([g for batch in local for g in batch], clip_coef)
         for b, g in zip(self.batches, local, strict=True):
             b.run(opt, g, skip)
         return True
@@ -1274,10 +1442,13 @@ class _SteadyBatch:
             part.view(self.locals[i].shape) for part, i in zip(parts, bucket.tensors, strict=True)
         ]
 
-    def gradients(self, state: Any, skip: torch.Tensor | None) -> list[Any] | None:
+    def gradients(self, state: Any, *flags: torch.Tensor | None) -> list[Any] | None:
         """The parameters' gradients if this batch can step as it did (the same gradients'
-        kind, states and parameters' memory, and equal step counts), else None."""
-        if skip is not None and skip.device.type != "cpu" and self.device.type == "cpu":
+        kind, states and parameters' memory, and equal step counts), else None. ``flags``:
+        ``step``'s ``skip`` and ``clip_coef``."""
+        if self.device.type == "cpu" and any(
+            f is not None and f.device.type != "cpu" for f in flags
+        ):
             return None  # the full path reports it
         # Note: _Steady.step has checked that each of these parameters has a gradient. The
         # checks map C functions over the tensors: their cost per tensor is most of a

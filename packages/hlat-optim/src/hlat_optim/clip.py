@@ -125,7 +125,8 @@ def global_norm(
 ) -> torch.Tensor:
     """The L2 norm over ``tensors`` (default: ``params`` themselves; or their gradients, each
     laid out like the parameter beside it), complete on every rank, as a 0-d fp32 tensor on
-    the tensors' device.
+    the tensors' device. A ``None`` in ``tensors`` (a parameter without a gradient) counts
+    as no tensor.
 
     - DTensors add up their shards' squares over the mesh dimensions they are not
       replicated on (one all-reduce per distinct set of groups); replicas count once.
@@ -142,12 +143,14 @@ def global_norm(
     can, with at most one all-reduce per distinct group.
     """
     params = list(params)
-    tensors = params if tensors is None else list(tensors)
-    if len(tensors) != len(params):
-        raise ValueError(f"global_norm: {len(params)} params but {len(tensors)} tensors")
-    device = _local(tensors[0]).device if tensors else torch.device("cpu")
+    # Note: None (a parameter without a gradient) is accepted, though not in the annotation
+    given: list[torch.Tensor | None] = list(params) if tensors is None else list(tensors)
+    if len(given) != len(params):
+        raise ValueError(f"global_norm: {len(params)} params but {len(given)} tensors")
+    pairs = [(p, t) for p, t in zip(params, given, strict=True) if t is not None]
+    device = _local(pairs[0][1]).device if pairs else torch.device("cpu")
     totals: dict[tuple[Any, ...], torch.Tensor] = {}
-    for param, tensor in zip(params, tensors, strict=True):
+    for param, tensor in pairs:
         square, held = _square_and_groups(param, tensor, groups, sharded)
         square = square.to(device)
         totals[held] = totals[held] + square if held in totals else square

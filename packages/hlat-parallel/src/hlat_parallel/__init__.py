@@ -36,6 +36,7 @@ from hlat_parallel.pipeline import (
     bubble_fraction,
     build_pipeline,
     build_schedule,
+    check_microbatches,
     check_schedule,
     default_virtual,
     rank_module,
@@ -49,7 +50,7 @@ from hlat_parallel.torch_backend import loss_parallel
 from hlat_parallel.zero import no_grad_sync, shard_optimizer
 from hlat_parallel.zero1 import Zero1Optimizer, sync_gradients, zero1_optimizer
 
-__version__ = "0.8.5"
+__version__ = "0.8.6"
 
 __all__ = [
     "DP_SHARD",
@@ -70,6 +71,7 @@ __all__ = [
     "build_schedule",
     "check_context_parallel",
     "check_device",
+    "check_microbatches",
     "check_parallel_config",
     "check_schedule",
     "compile_backend_for",

@@ -23,7 +23,8 @@ class Collective:
     and the size of the group."""
 
     kind: str
-    """``all_gather``, ``reduce_scatter``, ``all_reduce`` or the op's own name."""
+    """``all_gather``, ``reduce_scatter``, ``all_reduce``, ``gather``, ``scatter`` or the op's
+    own name."""
     payload_bytes: int
     group_size: int
 
@@ -39,12 +40,15 @@ _COLLECTIVE_WORDS = ("gather", "scatter", "reduce", "broadcast", "all_to_all", "
 
 
 def _kind(name: str) -> str:
-    if "gather" in name:
+    if "allgather" in name or "all_gather" in name:
         return "all_gather"
     if "reduce_scatter" in name:
         return "reduce_scatter"
     if "allreduce" in name or "all_reduce" in name:
         return "all_reduce"
+    for kind in ("gather", "scatter"):
+        if kind in name:
+            return kind
     return name
 
 
@@ -57,6 +61,13 @@ def _group_size(args: list[Any]) -> int:
                 return int(_resolve_process_group(arg).size())  # type: ignore[arg-type]
             except Exception:
                 continue
+        if isinstance(arg, torch.ScriptObject):
+            # c10d ops get the group boxed; the other script objects are reduce ops
+            if not arg._type().qualified_name().endswith(".ProcessGroup"):
+                continue
+            from torch._C._distributed_c10d import ProcessGroup
+
+            return int(ProcessGroup.unbox(arg).size())
         size = getattr(arg, "size", None)
         if callable(size) and not isinstance(arg, torch.Tensor):
             try:
@@ -64,6 +75,22 @@ def _group_size(args: list[Any]) -> int:
             except Exception:
                 continue
     return 0
+
+
+def _payload(namespace: str, kind: str, args: list[Any], group_size: int) -> int:
+    """Bytes of the whole tensor: the largest argument (a tensor or a list of tensors,
+    summed), or one rank's piece times the group where no argument holds the whole (a c10d
+    gather or scatter off its root, a functional all-gather)."""
+    sizes = []
+    for arg in args:
+        tensors = [t for t in tree_flatten(arg)[0] if isinstance(t, torch.Tensor)]
+        if tensors:
+            sizes.append(sum(t.numel() * t.element_size() for t in tensors))
+    payload = max(sizes, default=0)
+    split = ("all_gather", "gather", "reduce_scatter", "scatter")
+    if sizes and kind in split and (namespace == "c10d" or kind == "all_gather"):
+        payload = max(payload, min(sizes) * group_size)
+    return payload
 
 
 class CollectiveLog(TorchDispatchMode):
@@ -84,12 +111,8 @@ class CollectiveLog(TorchDispatchMode):
         name = func._overloadpacket.__name__
         if func.namespace in _NAMESPACES and any(w in name for w in _COLLECTIVE_WORDS):
             flat, _ = tree_flatten((args, kwargs))
-            tensors = [a for a in flat if isinstance(a, torch.Tensor)]
-            payload = max((t.numel() * t.element_size() for t in tensors), default=0)
             kind, group_size = _kind(name), _group_size(flat)
-            if kind == "all_gather" and func.namespace != "c10d":
-                # functional all-gathers get only the local shard; c10d ones the output too
-                payload *= group_size
+            payload = _payload(func.namespace, kind, [*args, *kwargs.values()], group_size)
             self.calls.append(Collective(kind, payload, group_size))
         return func(*args, **kwargs)
 

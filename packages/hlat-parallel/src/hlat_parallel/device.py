@@ -16,6 +16,7 @@ Which Trainium generation takes which path, stated once:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -168,6 +169,14 @@ def _nxd_importable() -> bool:
     return True
 
 
+def _trainium_generation(instance: str | None) -> str | None:
+    """The Trainium generation (``trn1``, ``trn2``, ...) of an EC2 instance type, from its
+    family (``trn1n.32xlarge`` -> ``trn1``, ``trn2u.48xlarge`` -> ``trn2``); None for any
+    other instance or an unknown one."""
+    found = re.fullmatch(r"(trn\d+)[a-z]*", (instance or "").split(".")[0])
+    return found.group(1) if found else None
+
+
 @dataclass(frozen=True)
 class BackendChoice:
     """What ``backend="auto"`` chose, and why (for the log)."""
@@ -184,12 +193,13 @@ def choose_backend(
     ``device_type`` is the device the run will compute on: the one asked for, or with
     ``device="auto"`` the accelerator ``torch.accelerator`` reports (None where it reports
     none); ``nxd_available`` whether NeuronX Distributed and torch-xla import; ``instance``
-    the EC2 instance type where known. A ``neuron`` device means TorchNeuron, whose path is
-    the native one even where NxD also imports. ``cpu``, which only an explicit
-    ``device="cpu"`` gives, is the native path on the CPU, whatever the instance and
-    whether NxD imports.
+    the EC2 instance type where known; its family names the Trainium generation (``trn1``
+    and ``trn1n`` are trn1, ``trn2`` and ``trn2u`` trn2). A ``neuron`` device means
+    TorchNeuron, whose path is the native one even where NxD also imports. ``cpu``, which
+    only an explicit ``device="cpu"`` gives, is the native path on the CPU, whatever the
+    instance and whether NxD imports.
     """
-    generation = (instance or "").split(".")[0]
+    generation = _trainium_generation(instance)
     if device_type == "neuron":
         return BackendChoice(
             "torch", "the neuron device is registered (TorchNeuron): native path for trn2/trn3"

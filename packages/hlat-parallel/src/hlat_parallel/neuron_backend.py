@@ -69,8 +69,9 @@ class NxdLayer:
 def nxd_layer(module: nn.Module, entry: PlanEntry, tp: int, sp: bool) -> NxdLayer:
     """The NxD layer for ``module`` under plan ``entry`` (pure; no NxD import).
 
-    ``norm`` keeps the module and only marks its weight ``sequence_parallel_enabled`` (its
-    gradient is then summed over TP); ``cls`` is then ``"norm"``.
+    ``norm`` keeps the module and, under sequence parallelism, only marks its parameters
+    ``sequence_parallel_enabled`` (their gradients are then summed over TP); ``cls`` is then
+    ``"norm"``.
 
     Under sequence parallelism (``sp`` and tp > 1) the linear layers get
     ``sequence_parallel_enabled=True`` and ``sequence_dimension=0``: column-parallel ones
@@ -311,8 +312,10 @@ def apply_neuron_parallel(
     model: nn.Module, dims: ParallelDims, matched: Mapping[str, PlanEntry]
 ) -> None:
     """Swap matched modules for NxD layers holding only this rank's shards; under sequence
-    parallelism also scatter the embedding output, sum norm-weight gradients over TP and
-    check at each forward that the sequence splits evenly.
+    parallelism also scatter the embedding output, sum over TP the gradients of the
+    parameters each rank computes from its part of the sequence only
+    (:func:`sequence_parallel_params`) and check at each forward that the sequence splits
+    evenly.
 
     Every NxD layer is built on ``dims.device`` (the XLA device on trn1) with its
     ``device``, ``dtype`` and ``init_method`` arguments, so each rank allocates its own
@@ -356,6 +359,9 @@ def apply_neuron_parallel(
             dim = 0 if spec.shard_dim == 0 else None
             shard_init(bias, dim, dims.tp, dims.tp_rank)(new.bias)
         new._hlat_nxd_layer = True  # see check_nxd_attributes
+        if dims.sequence_parallel and sequence_parallel_params(new):
+            new.register_forward_pre_hook(_sum_grad_over_tp)
+            _sum_grad_over_tp(new, ())
         if spec.scatter_output_dim is not None:
             new.register_forward_hook(_scatter_output(spec.scatter_output_dim, layers.mappings))
         parent_name, _, child = name.rpartition(".")
@@ -392,9 +398,20 @@ def _scatter_output(dim: int, mappings: Any) -> Any:
     return hook
 
 
+def sequence_parallel_params(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``module`` whose gradients are partial sums over TP under sequence
+    parallelism (each rank computes them from its part of the sequence): on an NxD layer
+    swapped in by :func:`apply_neuron_parallel`, those NxD tags ``sequence_parallel_enabled``
+    (a row-parallel bias); on any other module (a norm), all of them."""
+    if getattr(module, "_hlat_nxd_layer", False):
+        return [p for p in module.parameters() if getattr(p, "sequence_parallel_enabled", False)]
+    return list(module.parameters())
+
+
 def _sum_grad_over_tp(module: nn.Module, args: tuple) -> None:
-    """Mark ``module.weight`` ``sequence_parallel_enabled`` and sum each gradient it
-    receives over the TP ranks (a forward pre-hook; idempotent).
+    """Mark each of :func:`sequence_parallel_params` of ``module``
+    ``sequence_parallel_enabled`` and sum each gradient it receives over the TP ranks (a
+    forward pre-hook; idempotent: one hook per parameter).
 
     Note: the sum runs in a gradient hook, once per backward, so gradients are complete
     before ZeRO-1's clipping and step (``NeuronZero1Optimizer`` does not sum them; NxD's
@@ -403,16 +420,19 @@ def _sum_grad_over_tp(module: nn.Module, args: tuple) -> None:
     each forward, not once: ``model.to_empty`` replaces a meta norm weight by a new
     Parameter, which carries neither the attribute nor the hook.
     """
-    weight: Any = module.weight
-    if getattr(weight, "_hlat_tp_grad_sum", False):
+    params: list[Any] = [
+        p for p in sequence_parallel_params(module) if not getattr(p, "_hlat_tp_grad_sum", False)
+    ]
+    if not params:
         return
     import torch_xla.core.xla_model as xm
 
     nxd = _import_nxd()
     groups = nxd.parallel_layers.parallel_state.get_tensor_model_parallel_group(as_list=True)
-    weight.sequence_parallel_enabled = True
-    weight.register_hook(lambda grad: xm.all_reduce(xm.REDUCE_SUM, grad, groups=groups))
-    weight._hlat_tp_grad_sum = True
+    for param in params:
+        param.sequence_parallel_enabled = True
+        param.register_hook(lambda grad: xm.all_reduce(xm.REDUCE_SUM, grad, groups=groups))
+        param._hlat_tp_grad_sum = True
 
 
 def check_nxd_attributes(model: nn.Module) -> None:

@@ -27,6 +27,7 @@ micro-batch, so nothing model-specific crosses a pipeline boundary but the hidde
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -34,6 +35,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from hlat_parallel.dims import ParallelConfigError, check_pipeline_torch
@@ -412,6 +414,12 @@ def build_schedule(
     forward-only schedule (no backward). Run a step on every pipeline rank with
     ``schedule.step(x, target=y, losses=out, **kwargs)`` on the rank holding the first
     stage (``x`` omitted elsewhere, ``target`` and ``losses`` only where the last stage is).
+
+    Every tensor passed to ``step`` or ``eval`` (``x``, ``target``, the keyword arguments)
+    is split along dimension 0 into ``n_microbatches`` equal micro-batches, so its size
+    there must be a multiple of ``n_microbatches``: the schedule returned (a subclass of
+    torch's) refuses any other batch with a :class:`ParallelConfigError` on each rank that
+    is passed one, before the step communicates.
     """
     from torch.distributed import pipelining
 
@@ -419,9 +427,44 @@ def build_schedule(
     if not stages:
         raise ParallelConfigError("build_schedule needs this rank's stages, got none")
     check_schedule(name, stages[0].group_size, len(stages), n_microbatches)
-    cls = getattr(pipelining, f"Schedule{name}")
+    cls = _whole_microbatches(getattr(pipelining, f"Schedule{name}"))
     first = stages[0] if name in _SINGLE_STAGE else stages
     return cls(first, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+
+
+def check_microbatches(n_microbatches: int, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    """Raise :class:`ParallelConfigError` unless every tensor of a schedule step's ``args``
+    and ``kwargs`` (``target`` and the model's keyword arguments; ``losses`` and
+    ``loss_kwargs`` are not split) has a multiple of ``n_microbatches`` rows (dimension 0)."""
+    named = [(f"positional argument {i}", arg) for i, arg in enumerate(args)]
+    named += [(k, v) for k, v in kwargs.items() if k not in ("losses", "loss_kwargs")]
+    for name, value in named:
+        for tensor in tree_flatten(value)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.dim() > 0:
+                rows = tensor.shape[0]
+                if rows % n_microbatches:
+                    raise ParallelConfigError(
+                        f"the pipeline schedule splits each batch into n_microbatches="
+                        f"{n_microbatches} equal micro-batches, but {name} has {rows} rows "
+                        f"(dimension 0 of shape {tuple(tensor.shape)}); pass a multiple of "
+                        f"{n_microbatches} rows on every rank, or change n_microbatches"
+                    )
+
+
+class _WholeMicrobatches:
+    """Checks the batch of each step (:func:`check_microbatches`) before torch's schedule
+    splits it; ``eval`` runs through ``step``."""
+
+    _n_microbatches: int
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        check_microbatches(self._n_microbatches, args, kwargs)
+        return super().step(*args, **kwargs)  # type: ignore[misc]
+
+
+@functools.cache
+def _whole_microbatches(cls: type) -> type:
+    return type(cls.__name__, (_WholeMicrobatches, cls), {"__module__": cls.__module__})
 
 
 @dataclass

@@ -34,6 +34,8 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> None:
     """``fully_shard`` every child of every ``nn.ModuleList`` or ``nn.ModuleDict`` (the
     blocks; a pipeline stage keeps its blocks in a ``ModuleDict``), then the root, over
     :attr:`~hlat_parallel.ParallelDims.dp_cp_mesh` ("dp", or "dp" x "cp" flattened).
+    Children are sharded before their ancestors, so a block holding its own list (MoE
+    experts, sub-layers) is one unit around its sub-units.
 
     Note: one FSDP unit per block lets the all-gather of block i+1 overlap block i's compute
     and the reduce-scatter of block i overlap block i-1's backward.
@@ -41,10 +43,15 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> None:
     from torch.distributed.fsdp import fully_shard
 
     mesh = dims.dp_cp_mesh if dims.dp_cp_mesh is not None else dims.dp_mesh
-    for module in list(model.modules()):
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            for block in module.children():
-                fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    blocks = [
+        block
+        for module in model.modules()
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        for block in module.children()
+    ]
+    # modules() lists every ancestor before its descendants: reversed, children come first
+    for block in reversed(dict.fromkeys(blocks)):
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
 
 

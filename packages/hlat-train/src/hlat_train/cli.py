@@ -10,8 +10,9 @@
     hlat-train preflight --checkpoint-url /fsx/ckpt   # health checks (also under torchrun)
     hlat-train plan --config llama2-7b-trn1-128       # memory, traffic, fit: a dry run
 
-Only what a command needs is imported: ``presets`` and ``print-config`` start without
-torch, and ``train`` imports the trainer once the config is read.
+Only what a command needs is imported: ``presets`` and ``--help`` start without torch
+(``print-config`` validates the model's shape with hlat-model, which imports it), and
+``train`` imports the trainer once the config is read.
 """
 
 from __future__ import annotations
@@ -118,10 +119,15 @@ def _parser(keys: bool = False) -> argparse.ArgumentParser:
     where.add_argument(
         "--device",
         default=None,
-        help="trn1, trn2, h100, h200 or a100 (default trn1 for parallel.backend auto or neuron)",
+        help="trn1, trn2, h100, h200 or a100 (default trn1 for parallel.backend auto or "
+        "neuron, unless --device-memory-gib is given)",
     )
     where.add_argument(
-        "--device-memory-gib", type=float, default=None, help="memory per process, GiB"
+        "--device-memory-gib",
+        type=float,
+        default=None,
+        help="memory per process, GiB: a custom device (needs --procs-per-node), planned on "
+        "the torch backend unless parallel.backend is neuron",
     )
 
     demo = sub.add_parser("demo", help="train the tiny-demo Llama on the Python standard library")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import sys
 import types
@@ -160,8 +161,8 @@ class OptimConfig:
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
     """Final LR as a fraction of ``lr`` (HLAT: 3e-5 / 3e-4)."""
-    warmup_steps: int = 2000
-    """Linear warmup steps."""
+    warmup_steps: int = 200
+    """Linear warmup steps (at most ``train.steps`` or ``decay_steps``)."""
     constant_steps: int = 0
     """Steps at peak LR between warmup and cosine decay."""
     decay_steps: int = 0
@@ -370,7 +371,7 @@ class NeuronConfig:
 class RunConfig:
     """The run itself: length, batch, output and evaluation."""
 
-    steps: int = 1000
+    steps: int = 10000
     """Optimizer steps to train (the run ends there; resume continues up to it)."""
     time_limit: float = 0.0
     """Stop (with a checkpoint) after this many seconds of training, 0 for none; running
@@ -392,9 +393,9 @@ class RunConfig:
     """What the C library's ``malloc`` does with freed host memory
     (:mod:`hlat_train.host_memory`). ``system``: the C library's defaults. ``retain``: keep
     it for reuse (glibc's mmap and trim thresholds raised for the whole process), so that a
-    CPU run does not page-fault its activations in again every step; glibc only. ``auto``:
-    ``retain`` for runs computing on the CPU where the C library is glibc, else
-    ``system``."""
+    CPU run does not page-fault its activations in again every step; glibc 2.35 or later
+    only. ``auto``: ``retain`` for runs computing on the CPU where the C library is glibc
+    2.35 or later (older ones refuse the mmap threshold), else ``system``."""
     init: str = "auto"
     """How weights are created. ``full``: every rank builds the whole model from ``seed``
     and keeps its shard, so every parallel layout starts from the same weights. ``sharded``:
@@ -619,8 +620,8 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
         return _convert_table(value, hint, where)
     if origin is list:
         (inner,) = typing.get_args(hint)
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v]
+        if isinstance(value, str):  # the a,b form of an override: each item a TOML value
+            value = [v if inner is str else _parse_scalar(v) for v in value.split(",") if v]
         if not isinstance(value, list):
             raise ConfigError(f"{where} must be a list, got {value!r}")
         return [_convert(v, inner, where) for v in value]
@@ -669,7 +670,8 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        # JSON's string escapes are TOML basic-string escapes; TOML also refuses a raw DEL
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):

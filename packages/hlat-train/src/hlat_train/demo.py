@@ -14,7 +14,7 @@ import sysconfig
 import time
 from typing import Any
 
-from hlat_train.config import TrainConfig
+from hlat_train.config import ConfigError, TrainConfig
 
 DEMO_TOKENIZER_CHARS = 6_000_000
 
@@ -44,18 +44,25 @@ def build_corpus(
     """Write ``train.arrow`` and ``valid.arrow`` (column ``text``) from the standard library.
 
     A file goes to validation when a hash of its relative path falls in the first
-    ``valid_percent`` of 100 buckets, so the split is the same on every machine and run.
-    Returns the two paths; existing files are reused.
+    ``valid_percent`` of 100 buckets, so the split is the same on every machine and run;
+    each side gets at least one file (the lowest bucket is held out where none falls in
+    range, the highest trained on where all do). Returns the two paths; existing files with
+    rows are reused. Raises :class:`ConfigError` where ``max_files`` gives fewer than two.
     """
     import pyarrow as pa
 
+    if max_files is not None and max_files < 2:
+        raise ConfigError(
+            f"--max-files {max_files}: the demo needs at least 2 files, one to train on and "
+            "one held out for validation"
+        )
     train_path = os.path.join(out_dir, "train.arrow")
     valid_path = os.path.join(out_dir, "valid.arrow")
-    if os.path.exists(train_path) and os.path.exists(valid_path):
+    if _rows(train_path) and _rows(valid_path):
         return train_path, valid_path
     os.makedirs(out_dir, exist_ok=True)
     root = sysconfig.get_paths()["stdlib"]
-    split: dict[str, list[str]] = {"train": [], "valid": []}
+    files: list[tuple[int, str]] = []
     for path in stdlib_files(max_files):
         try:
             with open(path, encoding="utf-8") as f:
@@ -65,8 +72,23 @@ def build_corpus(
         if not text.strip():
             continue
         rel = os.path.relpath(path, root)
-        bucket = int(hashlib.sha256(rel.encode()).hexdigest()[:8], 16) % 100
-        split["valid" if bucket < valid_percent else "train"].append(text)
+        files.append((int(hashlib.sha256(rel.encode()).hexdigest()[:8], 16) % 100, text))
+    if len(files) < 2:
+        raise ConfigError(
+            f"--max-files {max_files}: the first {max_files} standard-library files give "
+            f"{len(files)} non-empty UTF-8 file(s); the demo needs at least 2, one to train on "
+            "and one held out for validation"
+        )
+    held_out = [i for i, (bucket, _) in enumerate(files) if bucket < valid_percent]
+    if not held_out:
+        held_out = [min(range(len(files)), key=lambda i: files[i][0])]
+    elif len(held_out) == len(files):
+        held_out.remove(max(held_out, key=lambda i: files[i][0]))
+    chosen = set(held_out)
+    split = {
+        "train": [text for i, (_, text) in enumerate(files) if i not in chosen],
+        "valid": [text for i, (_, text) in enumerate(files) if i in chosen],
+    }
     for name, texts in split.items():
         table = pa.table({"text": pa.array(texts, pa.string())})
         target = train_path if name == "train" else valid_path
@@ -76,6 +98,17 @@ def build_corpus(
             writer.write_table(table, max_chunksize=len(texts))
         os.replace(tmp, target)
     return train_path, valid_path
+
+
+def _rows(path: str) -> int:
+    """Rows of the Arrow file at ``path`` (0 where there is none)."""
+    import pyarrow as pa
+
+    if not os.path.exists(path):
+        return 0
+    with pa.memory_map(path) as source:
+        reader = pa.ipc.open_file(source)
+        return sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
 
 
 def build_tokenizer(corpus: str, out_dir: str, vocab_size: int = DEMO_VOCAB) -> str:
@@ -100,7 +133,11 @@ def demo_config(
     max_files: int | None = None,
     vocab_size: int = DEMO_VOCAB,
 ) -> TrainConfig:
-    """The ``tiny-demo`` preset pointed at the cached corpus and tokenizer."""
+    """The ``tiny-demo`` preset pointed at the cached corpus and tokenizer; ``overrides``
+    are checked before the corpus and tokenizer are built."""
+    from hlat_train.validation import validate
+
+    validate(TrainConfig.preset("tiny-demo", list(overrides or [])), check_files=False)
     corpus_dir = os.path.join(
         cache_dir,
         f"stdlib-py{sys.version_info[0]}{sys.version_info[1]}"

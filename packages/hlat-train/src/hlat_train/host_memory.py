@@ -14,7 +14,8 @@ tcmalloc configured never to return memory; this needs no other allocator, since
 
 ``auto`` (the default) is ``retain`` where the run computes on the CPU and the C library is
 glibc, and the C library's defaults elsewhere (an accelerator's step allocates device memory,
-not the host's).
+not the host's). glibc before 2.35 refuses an mmap threshold above 32 MiB (half its
+``HEAP_MAX_SIZE``); there ``auto`` keeps the defaults and logs why, and ``retain`` is refused.
 
 Note: on a 2-core AVX512-BF16 CPU, a bf16 forward + backward of the benchmarks' Llama
 shape (width 512, 8 layers, 4 x 512 tokens) page-faulted 32k-62k times per step with glibc's
@@ -34,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 import platform
 from dataclasses import dataclass
 from typing import Any
@@ -96,30 +98,48 @@ def glibc_available() -> bool:
     return _glibc() is not None
 
 
+def _glibc_version() -> str:
+    """``glibc 2.31`` and the like, or ``glibc`` where the version is not known."""
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION") or "glibc"
+    except (AttributeError, ValueError, OSError):
+        return "glibc"
+
+
+class MalloptRefused(RuntimeError):
+    """glibc's ``mallopt`` refused a threshold (glibc before 2.35 caps the mmap threshold)."""
+
+
 def retain_freed_memory() -> None:
     """Raise glibc's mmap and trim thresholds (:data:`MMAP_THRESHOLD_BYTES`,
     :data:`TRIM_THRESHOLD_BYTES`) for the whole process, from now on.
 
-    Raises ``RuntimeError`` where the C library is not glibc or refuses a value."""
+    Raises ``RuntimeError`` where the C library is not glibc, and :class:`MalloptRefused`
+    where it refuses a value (nothing is changed where it refuses the mmap threshold)."""
     libc = _glibc()
     if libc is None:
         raise RuntimeError("the C library of this process is not glibc")
-    for option, value in (
-        (_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
-        (_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES),
+    for option, name, value in (
+        (_M_MMAP_THRESHOLD, "M_MMAP_THRESHOLD", MMAP_THRESHOLD_BYTES),
+        (_M_TRIM_THRESHOLD, "M_TRIM_THRESHOLD", TRIM_THRESHOLD_BYTES),
     ):
         if libc.mallopt(ctypes.c_int(option), ctypes.c_int(value)) != 1:
-            raise RuntimeError(f"glibc's mallopt refused option {option} = {value}")
+            raise MalloptRefused(
+                f"{_glibc_version()}'s mallopt refused {name} = {value >> 20} MiB "
+                "(glibc before 2.35 takes an mmap threshold of at most 32 MiB)"
+            )
 
 
 def resolve_host_malloc(asked: str, device_type: str = "cpu") -> HostMallocChoice:
     """What ``train.host_malloc = asked`` means for a run computing on ``device_type``,
     applied: ``system`` leaves the C library's defaults untouched; ``retain`` calls
     :func:`retain_freed_memory` (a ``ValueError`` naming the reason where it cannot: a C
-    library other than glibc); ``auto`` is :func:`auto_host_malloc`'s choice."""
+    library other than glibc, or a glibc before 2.35); ``auto`` is :func:`auto_host_malloc`'s
+    choice, and the defaults where glibc refuses the thresholds."""
     if asked not in CHOICES:
         raise ValueError(f"train.host_malloc must be 'auto', 'system' or 'retain', got {asked!r}")
     reason = ""
+    explicit = asked == "retain"
     if asked == "auto":
         retain, reason = auto_host_malloc(device_type, glibc_available())
         asked = "retain" if retain else "system"
@@ -127,6 +147,13 @@ def resolve_host_malloc(asked: str, device_type: str = "cpu") -> HostMallocChoic
         return HostMallocChoice(retain=False, auto_reason=reason)
     try:
         retain_freed_memory()
+    except MalloptRefused as error:
+        if not explicit:
+            return HostMallocChoice(retain=False, auto_reason=f"a CPU run on glibc, but {error}")
+        raise ValueError(
+            f"train.host_malloc = 'retain' sets glibc's malloc thresholds, and here {error}; "
+            "use 'system' or 'auto' on glibc < 2.35"
+        ) from None
     except RuntimeError as error:
         raise ValueError(
             f"train.host_malloc = 'retain' sets glibc's malloc thresholds, and here {error}; "

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -76,8 +77,8 @@ DEVICES: dict[str, Device] = {
     "h100": Device("h100", 80.0, 8, "NVIDIA H100 SXM 80 GB"),
     # NVIDIA H200 Tensor Core GPU datasheet: 141 GB, 8 per HGX node.
     "h200": Device("h200", 141.0, 8, "NVIDIA H200 141 GB"),
-    # NVIDIA A100 Tensor Core GPU datasheet: 80 GB variant (a 40 GB one exists: pass
-    # --device-memory-gib 40), 8 per HGX node.
+    # NVIDIA A100 Tensor Core GPU datasheet: 80 GB variant, 8 per HGX node (plan the 40 GB
+    # one as a custom device: --device-memory-gib 40 --procs-per-node 8, without --device).
     "a100": Device("a100", 80.0, 8, "NVIDIA A100 80 GB"),
 }
 
@@ -1138,6 +1139,9 @@ class Plan:
     """Every pipeline stage's ``hlat_parallel.StageSplit``."""
     warnings: list[str] = field(default_factory=list)
     """Printed under the layout: what the plan computes but hlat cannot run yet."""
+    batch_from_dp: bool = False
+    """``train.global_batch_size`` is 0 (micro-batch x dp): a suggestion that changes dp
+    pins the planned global batch."""
 
     @property
     def usable_bytes(self) -> float:
@@ -1354,7 +1358,7 @@ def suggest(llama: Any, layout: Layout, usable: float) -> tuple[Layout, float] |
     return None
 
 
-def _change_text(old: Layout, new: Layout) -> str:
+def _change_text(old: Layout, new: Layout, batch_from_dp: bool = False) -> str:
     changes = []
     if new.tp != old.tp:
         changes.append(f"--parallel.tp={new.tp}")
@@ -1366,6 +1370,9 @@ def _change_text(old: Layout, new: Layout) -> str:
         changes.append(f"--model.checkpointing={new.checkpointing}")
     if new.micro_batch != old.micro_batch:
         changes.append(f"--data.micro_batch_size={new.micro_batch}")
+    if batch_from_dp and new.dp != old.dp:
+        # else the rerun recomputes it from the new dp
+        changes.append(f"--train.global_batch_size={new.global_batch}")
     return " ".join(changes)
 
 
@@ -1399,8 +1406,10 @@ def resolve_layout(
             raise ConfigError(f"{name} must be at least 1, got {value}")
     if par.pp_virtual < 0:
         raise ConfigError(f"parallel.pp_virtual must be at least 0, got {par.pp_virtual}")
-    if device is None and par.backend in ("auto", "neuron"):
+    if device is None and device_memory_gib is None and par.backend in ("auto", "neuron"):
         device = "trn1"  # HLAT's hardware; parallel.backend = "auto" takes NxD there
+    # --device-memory-gib without --device: a custom device, on the torch backend unless
+    # parallel.backend is "neuron"
     if device is None and device_memory_gib is None:
         raise ConfigError(
             f"parallel.backend = {par.backend!r} runs on any device: name it with --device "
@@ -1499,7 +1508,7 @@ def make_plan(
 ) -> Plan:
     """Plan ``config`` on a device: validate, build one rank of each role on a fake process
     group, and add up what it holds, sends and writes (see the module docstring)."""
-    from hlat_train.validation import validate
+    from hlat_train.validation import tokenizer_pieces, validate
 
     say = progress or (lambda text: None)
     spec, capacity, layout = resolve_layout(
@@ -1530,6 +1539,23 @@ def make_plan(
             nodes=layout.nodes,
         ),
     )
+    vocab_note = None
+    if config.model.vocab_size == 0:  # the tokenizer's, where its file is here
+        tokenizer = config.data.tokenizer
+        if tokenizer and os.path.isfile(tokenizer.removeprefix("file://")):
+            pieces = tokenizer_pieces(tokenizer)
+            vocab = config.llama_config(pieces).vocab_size
+            checked.model = dataclasses.replace(config.model, vocab_size=vocab)
+            vocab_note = (
+                f"model.vocab_size 0: {vocab}, the {pieces} pieces of data.tokenizer "
+                f"{tokenizer} rounded up to a multiple of 64"
+            )
+        else:
+            vocab_note = (
+                "model.vocab_size 0 follows the tokenizer, and data.tokenizer "
+                f"({tokenizer or 'empty'}) is not a file here: the plan assumes a vocabulary "
+                "of 64; set model.vocab_size (or data.tokenizer) for the model's real size"
+            )
     # validate checks the pp and cp rules at this world size too (schedule, micro-batches,
     # split, CP with document masking)
     llama = validate(
@@ -1567,6 +1593,7 @@ def make_plan(
         _merge_pipeline_ranks(reports),
         params_total=sum(p.numel() for p in whole.parameters()),
         splits=splits,
+        batch_from_dp=not config.train.global_batch_size,
     )
     if neuron_pipeline:
         plan.warnings.append(NEURON_PIPELINE_NOTE)
@@ -1581,6 +1608,8 @@ def make_plan(
         + "), device memory (vendor tables)"
     )
     plan.notes.append(checkpoint_interval_note(config))
+    if vocab_note is not None:
+        plan.notes.append(vocab_note)
     if not plan.fits:
         say("hlat-train plan: searching for a layout that fits")
         plan.suggestion = suggest(llama, layout, plan.usable_bytes)
@@ -1627,7 +1656,7 @@ def failure_text(plan: Plan) -> str:
     new, total = plan.suggestion
     return text + (
         f"; {new.describe()} would fit ({total / GIB:.2f} GiB): rerun with "
-        f"{_change_text(plan.layout, new)}"
+        f"{_change_text(plan.layout, new, plan.batch_from_dp)}"
     )
 
 

@@ -1489,6 +1489,10 @@ class Trainer:
         if self.config.data.add_bos and self.tokenizer.bos_id >= 0:
             ids = [self.tokenizer.bos_id, *ids]
         start = len(ids)
+        # Note: the continuation is cut from the decoded whole: SentencePiece drops the
+        # leading space ("▁") of the first piece of a decode, so decoding the new ids
+        # alone would lose the space between the prompt and the first new word
+        prefix = self.tokenizer.decode(ids)
         window = self.config.data.seq_len
         generator = torch.Generator().manual_seed(seed)
         text = ""
@@ -1509,7 +1513,11 @@ class Trainer:
             if next_id == self.tokenizer.eos_id:
                 break
             ids.append(next_id)
-            text = self.tokenizer.decode(ids[start:])
+            whole = self.tokenizer.decode(ids)
+            if whole.startswith(prefix):
+                text = whole[len(prefix) :]
+            else:
+                text = self.tokenizer.decode(ids[start:])
             if stop_at_blank_line and "\n\n" in text.lstrip("\n"):
                 lead = len(text) - len(text.lstrip("\n"))
                 text = text[: text.index("\n\n", lead)]

@@ -273,12 +273,11 @@ def validate(
                 _check_path(f"data.sources[{source.name}].paths", path, "training data")
             for path in source.valid_paths:
                 _check_path(f"data.sources[{source.name}].valid_paths", path, "validation data")
+        _check_held_out_not_empty(data)
         if not data.tokenizer:
             raise ConfigError("data.tokenizer is empty: give a SentencePiece .model file")
         _check_path("data.tokenizer", data.tokenizer, "tokenizer")
-        from hlat_data import Tokenizer
-
-        tokenizer_vocab = Tokenizer.from_file(data.tokenizer, num_threads=1).vocab_size
+        tokenizer_vocab = tokenizer_pieces(data.tokenizer)
 
     try:
         # without the tokenizer, vocab_size = 0 is checked as one padded block of 64
@@ -405,6 +404,31 @@ def validate(
     if config.model.init_from_hf and check_files:
         _check_hf_init(config.model.init_from_hf, llama)
     return llama
+
+
+def tokenizer_pieces(path: str) -> int:
+    """The vocabulary size of the tokenizer file at ``path`` (``hlat_data.Tokenizer``)."""
+    from hlat_data import Tokenizer
+
+    return Tokenizer.from_file(path, num_threads=1).vocab_size
+
+
+def _check_held_out_not_empty(data: Any) -> None:
+    """Refuse a held-out set of local Arrow/Parquet files without rows (their row counts are
+    metadata; JSON lines and remote sets are left to the loader, which reads them whole)."""
+    from hlat_data import DataError, open_source
+    from hlat_data.jsonl import is_jsonl
+
+    for name, paths in data.held_out_sets():
+        if any(_is_url(p) or is_jsonl(p) for p in paths):
+            continue
+        key = f"data.sources[{name}].valid_paths" if name else "data.valid_paths"
+        try:
+            open_source(paths, data.text_column)  # refuses files without rows
+        except DataError as error:
+            raise ConfigError(
+                f"{key}: {error}; give at least one held-out document, or leave {key} empty"
+            ) from None
 
 
 def _check_hf_init(path: str, llama: Any) -> None:

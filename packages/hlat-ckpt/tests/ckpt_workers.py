@@ -1,9 +1,9 @@
 """Worker processes of the hlat-ckpt tests: a TP=2 DTensor job that saves, a DP=2 job that
 loads, a job that resumes from the newest undamaged checkpoint, a job that resumes from an
 older step (a new lineage), a job that rewinds and saves a step it saved before, pipeline
-stages that load the layers of their own, a job saving replicated and sharded tensors, a
-trainer that checkpoints in a loop until it is killed, and a save that runs past a file size
-limit.
+stages that load the layers of their own, data-parallel replicas that load strictly, a job
+saving replicated and sharded tensors, a trainer that checkpoints in a loop until it is
+killed, and a save that runs past a file size limit.
 
 Run as ``python ckpt_workers.py <scenario> <root>`` with torchrun's environment variables
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) for the distributed scenarios.
@@ -11,13 +11,16 @@ Run as ``python ckpt_workers.py <scenario> <root>`` with torchrun's environment 
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import pickle
 import resource
 import signal
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -209,6 +212,66 @@ def stages(root: str) -> None:
         )
 
 
+def object_collectives_sent() -> list[int]:
+    """A list to which torch.distributed's object collectives, from now on, append the
+    pickled size of what this rank passes them."""
+    sent: list[int] = []
+
+    def spy(collective: Callable[..., None], name: str) -> Callable[..., None]:
+        def sending(*args: object, **kwargs: object) -> None:
+            obj = inspect.signature(collective).bind(*args, **kwargs).arguments[name]
+            sent.append(len(pickle.dumps(obj)))
+            collective(*args, **kwargs)
+
+        return sending
+
+    dist.all_gather_object = spy(dist.all_gather_object, "obj")
+    dist.broadcast_object_list = spy(dist.broadcast_object_list, "object_list")
+    return sent
+
+
+def replicas_strict(root: str) -> None:
+    """Two data-parallel replicas (the same 64 layers on both ranks) save after a step and
+    load back, recording the size of the objects each rank sends in the load; then both hold
+    63 of the layers, which strict loading refuses; then rank 1 alone has an optimizer of
+    another class, whose missing state both ranks refuse. Every rank writes what it got."""
+    rank = dist.get_rank()
+    names = [f"l{i:02d}" for i in range(64)]
+    ck = Checkpointer(root, async_save=False)
+    saved = stage(names, 1.0)
+    optimizer = torch.optim.AdamW(saved.parameters())
+    sum(p.sum() for p in saved.parameters()).backward()
+    optimizer.step()
+    ck.save(1, {"model": saved, "optimizer": optimizer})
+    own = stage(names, 0.0)
+    sent = object_collectives_sent()
+    ck.load(1, {"model": own, "optimizer": torch.optim.AdamW(own.parameters())})
+    pairs = zip(own.parameters(), saved.parameters(), strict=True)
+    got: dict[str, object] = {"loaded": all(torch.equal(a, b) for a, b in pairs)}
+    got["sent"], got["keys_bytes"] = [*sent], len(pickle.dumps([*saved.state_dict()]))
+    fewer = stage(names[:-1], 0.0)
+    other = stage(names, 0.0)
+    cases = {
+        "fewer": {"model": fewer},
+        "other_class": {
+            "model": other,
+            "optimizer": torch.optim.SGD(other.parameters(), momentum=0.9)
+            if rank == 1
+            else torch.optim.AdamW(other.parameters()),
+        },
+    }
+    for case, state in cases.items():
+        try:
+            ck.load(1, state)
+            got[case] = ""
+        except CheckpointError as e:
+            got[case] = str(e)
+    got["untouched"] = all(not p.any() for p in [*fewer.parameters(), *other.parameters()])
+    ck.close()
+    with open(os.path.join(root, f"replicas_rank{rank}.json"), "w") as f:
+        json.dump(got, f)
+
+
 REPLICATED_NUMEL = 256 * 1024  # 1 MiB of fp32 per replicated tensor
 SHARDED_NUMEL = 512 * 1024  # 2 MiB of fp32 in all, 1 MiB on each of the two ranks
 
@@ -298,6 +361,7 @@ if __name__ == "__main__":
             "fork": fork,
             "rewind": rewind,
             "stages": stages,
+            "replicas_strict": replicas_strict,
             "replicated": replicated,
         }[scenario](root_dir)
     finally:

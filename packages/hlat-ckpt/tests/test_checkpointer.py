@@ -1,6 +1,7 @@
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import struct
 
@@ -11,6 +12,8 @@ from ckpt_helpers import ForkParent, make_state, snapshot, train_step
 from ckpt_workers import save_past_a_file_size_limit
 
 from hlat_ckpt import MANIFEST_NAME, Checkpointer, CheckpointError, consolidate
+from hlat_ckpt.manifest import file_checksum
+from hlat_ckpt.storage import Storage
 
 # DCP warns on every single-process save/load; hlat-ckpt filters it, pytest re-enables it.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -384,7 +387,8 @@ def test_a_checkpoint_of_a_larger_model_is_refused_unless_not_strict(tmp_path):
         with pytest.raises(
             CheckpointError,
             match=r"entry 'model' holds 2 tensors that the current module has on no rank, "
-            r"e\.g\. \['model/3\.bias', 'model/3\.weight'\].*strict=False",
+            r"e\.g\. \['model/3\.bias', 'model/3\.weight'\]; was it saved from a different "
+            r"model\? \(load with strict=False",
         ):
             ck.load(1, state)
         assert torch.equal(fewer[0].weight, initial)  # refused before anything was loaded
@@ -393,7 +397,7 @@ def test_a_checkpoint_of_a_larger_model_is_refused_unless_not_strict(tmp_path):
     with pytest.raises(
         CheckpointError,
         match=r"entry 'optimizer' holds 6 tensors that the current optimizer has on no rank, "
-        r"e\.g\. \['optimizer/state\.3\.bias\.exp_avg'",
+        r"e\.g\. \['optimizer/state\.3\.bias\.exp_avg'.*different model",
     ):
         ck.load(1, {"model": whole, "optimizer": last_frozen})
     ck.load(1, {"model": fewer, "optimizer": optimizer}, strict=False)
@@ -402,23 +406,94 @@ def test_a_checkpoint_of_a_larger_model_is_refused_unless_not_strict(tmp_path):
     assert torch.equal(optimizer.state[fewer[0].weight]["exp_avg"], exp_avg)
 
 
+class _MasterAdamW(torch.optim.AdamW):
+    """AdamW that also keeps an fp32 copy of each parameter as state ``master``, as an
+    optimizer with master weights does."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["master"] = p.to(torch.float32, copy=True)
+        return loss
+
+
+_OTHER_CLASS = "another optimizer class, or other settings of it"
+_PRECISION = "a changed precision mode, master weights or Kahan compensation"
+_LACKS = "lacks 2 tensors of the current optimizer"
+_HOLDS = "holds 2 tensors that the current optimizer has on no rank"
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded", "mismatch", "reason"),
+    [
+        ("adamw", "sgd", _LACKS, _OTHER_CLASS),
+        ("sgd", "sgd_plain", _HOLDS, _OTHER_CLASS),
+        ("adamw", "master", _LACKS, _PRECISION),
+        ("master", "adamw", _HOLDS, _PRECISION),
+    ],
+    ids=["adamw-sgd", "sgd-plain_sgd", "adamw-master", "master-adamw"],
+)
+def test_optimizer_state_of_another_kind_is_refused_as_such(
+    tmp_path, saved, loaded, mismatch, reason
+):
+    # the same parameters, other state: not "was it saved from a different model?"
+    optimizers = {
+        "adamw": torch.optim.AdamW,
+        "master": _MasterAdamW,
+        "sgd": lambda params: torch.optim.SGD(params, momentum=0.9),
+        "sgd_plain": torch.optim.SGD,  # no momentum: no state
+    }
+    model = torch.nn.Linear(4, 2)
+    optimizer = optimizers[saved](model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    ck = Checkpointer(tmp_path, async_save=False)
+    ck.save(1, {"model": model, "optimizer": optimizer})
+    other = torch.nn.Linear(4, 2)
+    with pytest.raises(CheckpointError) as refused:
+        ck.load(1, {"model": other, "optimizer": optimizers[loaded](other.parameters())})
+    message = str(refused.value)
+    assert re.search(rf"entry 'optimizer' {mismatch}, e\.g\. \['optimizer/state\.", message)
+    assert f"keeps other state than the checkpoint's ({reason}" in message, message
+    assert "load the model entry alone and start the optimizer fresh" in message, message
+    assert "different model" not in message, message
+    ck.load(1, {"model": other})
+    assert torch.equal(other.weight, model.weight)
+
+
 def _without_metadata(path, how: str) -> None:
     """Take DCP's ``.metadata`` from the committed checkpoint ``path``: removed (and left out
     of the manifest, as a commit of a write that left ``.metadata.tmp`` recorded it), or
-    garbled at its size."""
+    garbled at its size; ``"garbled unchecked"`` also drops its checksum from the manifest
+    (verification reads no file without one), ``"garbled checked"`` records the garbled
+    file's."""
     metadata = path / ".metadata"
-    if how == "garbled":
-        metadata.write_bytes(b"\0" * metadata.stat().st_size)
-        return
-    metadata.unlink()
     record = json.loads((path / MANIFEST_NAME).read_text())
-    del record["files"][".metadata"], record["checksums"][".metadata"]
+    if how == "missing":
+        metadata.unlink()
+        del record["files"][".metadata"], record["checksums"][".metadata"]
+    else:
+        metadata.write_bytes(b"\0" * metadata.stat().st_size)
+        if how == "garbled unchecked":
+            del record["checksums"][".metadata"]
+        elif how == "garbled checked":
+            storage = Storage(path)
+            record["checksums"][".metadata"] = file_checksum(storage, "", ".metadata")
     (path / MANIFEST_NAME).write_text(json.dumps(record))
 
 
-@pytest.mark.parametrize("how", ["missing", "garbled"])
-def test_a_checkpoint_whose_dcp_metadata_cannot_be_read_is_skipped_as_damaged(tmp_path, how):
-    ck = Checkpointer(tmp_path, async_save=False, verify_checksums=False)
+@pytest.mark.parametrize(
+    ("how", "verify"),
+    [("missing", True), ("missing", False), ("garbled", False), ("garbled unchecked", True)],
+)
+def test_a_checkpoint_whose_dcp_metadata_cannot_be_read_is_skipped_as_damaged(
+    tmp_path, how, verify
+):
+    # with verification, a garbled .metadata whose checksum the manifest holds fails it
+    # first; read unverified, a file pickle cannot read (UnpicklingError) is damaged
+    ck = Checkpointer(tmp_path, async_save=False, verify_checksums=verify)
     a = make_state(0)
     ck.save(1, a)
     train_step(a)
@@ -432,6 +507,35 @@ def test_a_checkpoint_whose_dcp_metadata_cannot_be_read_is_skipped_as_damaged(tm
     assert b["counters"].steps == 0
     ck.save(2, b)  # the resumed run replaces it
     assert ck.load_latest(make_state(2)) == 2
+
+
+def test_a_dcp_metadata_this_torch_cannot_read_is_an_error_not_damage(tmp_path, monkeypatch):
+    # taken as damage, both steps would be skipped, and deleted once the run saved those
+    # steps again
+    ck = Checkpointer(tmp_path, async_save=False)
+    a = make_state(0)
+    ck.save(1, a)
+    train_step(a)
+    ck.save(2, a)
+    dirs = sorted(tmp_path.iterdir())
+    # an older torch reading a newer one's .metadata: a class it pickled is missing here
+    monkeypatch.delattr("torch.distributed.checkpoint.metadata.StorageMeta")
+    for verify in (True, False):
+        ck = Checkpointer(tmp_path, async_save=False, verify_checksums=verify)
+        with pytest.raises(
+            CheckpointError,
+            match=r"checking .*step_0000000002 failed: rank 0: CheckpointError: .*\.metadata "
+            r"cannot be read by this process \(AttributeError: .*StorageMeta.*not taken as damage",
+        ):
+            ck.load_latest(make_state(1))
+    monkeypatch.undo()
+    assert sorted(tmp_path.iterdir()) == dirs
+    # a garbled file whose checksum matches the manifest's is as it was written: no damage
+    _without_metadata(tmp_path / "step_0000000002", "garbled checked")
+    ck = Checkpointer(tmp_path, async_save=False)
+    with pytest.raises(CheckpointError, match=r"UnpicklingError.*checksum matches"):
+        ck.load_latest(make_state(1))
+    ck.load(1, make_state(1))
 
 
 @pytest.mark.parametrize("name", ["run?v=1", "run[7b]", "run*"])

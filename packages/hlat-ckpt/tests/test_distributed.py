@@ -1,7 +1,8 @@
 """Two-process jobs on real gloo groups: a TP=2 DTensor checkpoint loads at other layouts;
 each rank checks the checksums of its own shard files; the checksums computed while writing
 reach the manifest; replicated tensors are written once; a rewound job saves a step again;
-pipeline stages load their own layers, and layers no stage holds are refused."""
+pipeline stages load their own layers, and layers no stage holds are refused; data-parallel
+replicas load strictly, and refuse what one of them finds amiss."""
 
 import json
 import re
@@ -131,6 +132,30 @@ def test_pipeline_stages_load_their_own_layers_and_layers_no_stage_holds_are_ref
         ), got[rank]
         assert got[rank]["untouched"], got[rank]  # refused before anything was loaded
         assert got[rank]["a"] == got[0]["saved_a"] != 1.0  # strict=False: layer a, rank 0's
+
+
+def test_replicas_asking_the_same_keys_load_strictly_and_refuse_on_every_rank_alike(tmp_path):
+    launch("replicas_strict", tmp_path)
+    got = [json.loads((tmp_path / f"replicas_rank{rank}.json").read_text()) for rank in range(2)]
+    for rank in range(2):
+        assert got[rank]["loaded"], got[rank]
+        # the ranks asked the same keys: no object sent in the load holds them (all
+        # gathered before, 16 kB from each rank here)
+        assert max(got[rank]["sent"]) < got[rank]["keys_bytes"], got[rank]
+        assert re.search(
+            r"entry 'model' holds 2 tensors that the current module has on no rank, "
+            r"e\.g\. \['model/l63\.bias', 'model/l63\.weight'\]; was it saved from a "
+            r"different model\?.*strict=False",
+            got[rank]["fewer"],
+        ), got[rank]
+        # rank 1's optimizer (SGD) lacks state of the checkpoint's (AdamW): both ranks say so
+        assert re.search(
+            r"entry 'optimizer' lacks 128 tensors of the current optimizer on rank 1, e\.g\. "
+            r"\['optimizer/state\.l00\.weight\.momentum_buffer'.*; the optimizer keeps "
+            r"other state than the checkpoint's \(another optimizer class",
+            got[rank]["other_class"],
+        ), got[rank]
+        assert got[rank]["untouched"], got[rank]  # refused before anything was loaded
 
 
 @pytest.fixture(scope="module")

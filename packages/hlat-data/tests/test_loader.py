@@ -164,7 +164,7 @@ def test_final_partial_batch_is_padded_past_doc_lens(source, tokenizer):
             np.testing.assert_array_equal(last.labels[row, : n - 1], last.input_ids[row, 1:n])
 
 
-@pytest.mark.parametrize("count", [1, 5, 8])
+@pytest.mark.parametrize("count", [2, 5, 8])
 def test_a_partial_batch_labels_each_real_token_with_the_next(count):
     packer = Packer(seq_len=4, micro_batch_size=2)
     packer.push(Chunk(0, 0, np.arange(10, 10 + count), np.array([count])))
@@ -173,6 +173,32 @@ def test_a_partial_batch_labels_each_real_token_with_the_next(count):
     expected[: count - 1] = np.arange(11, 10 + count)
     np.testing.assert_array_equal(batch.labels.reshape(-1), expected)
     assert packer.pop_partial() is None
+
+
+def test_a_single_token_left_makes_no_batch():
+    packer = Packer(seq_len=4, micro_batch_size=2)  # n = 8
+    packer.push(Chunk(0, 0, np.arange(1, 10), np.array([9])))  # n + 1 tokens
+    np.testing.assert_array_equal(packer.pop().labels.reshape(-1), np.arange(2, 10))
+    assert packer.pop_partial() is None
+    assert packer.buffered == 0 and packer.cursor() == (0, 1, 0)
+    assert packer.pop_partial() is None
+
+
+def test_a_final_single_token_yields_no_batch_without_labels(source, tokenizer, documents):
+    # one row per batch, of a length that leaves exactly one token after the last full batch
+    total = sum(len(tokenizer.encode(d)) + 1 for d in documents if d)
+    seq_len = next(s for s in range(16, total) if (total - 1) % s == 0)
+    kwargs = dict(seq_len=seq_len, micro_batch_size=1, num_epochs=1, drop_last=False)
+    loader = make_loader(source, tokenizer, **kwargs)
+    batches, states = [], []
+    for batch in loader:
+        batches.append(batch)
+        states.append(loader.state_dict())
+    assert len(batches) == (total - 1) // seq_len
+    assert all((b.labels != IGNORE_INDEX).any() for b in batches)
+    resumed = make_loader(source, tokenizer, **kwargs)
+    resumed.load_state_dict(states[-2])
+    assert_same_batches(batches[-1:], list(resumed))
 
 
 def test_bos_and_eos_surround_each_document(source, tokenizer):

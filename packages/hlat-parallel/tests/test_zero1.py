@@ -134,6 +134,17 @@ def test_weights_loaded_into_the_model_alone_are_what_the_next_step_updates(
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_master_weights_made_at_a_load_are_the_loaded_models_weights(runs, layout):
+    # a bf16-sr state dict loaded into a master_weights=True optimizer after the model's
+    # weights: the master weights are made from the loaded weights, not the fresh model's
+    for rank, result in enumerate(runs[layout]):
+        run = result["switch"]
+        assert any("made fp32 master weights" in w for w in run["warnings"]), run["warnings"]
+        moved = _within_one_step(run["stepped"], run["loaded"], "mixed")
+        assert not moved, f"{layout} rank {rank}: {moved}"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_parameters_with_no_dimension_to_cut_train_with_whole_state(runs, layout):
     _, tp = LAYOUTS[layout]
     expected = ["scale", "up.bias"] if tp > 1 else ["scale"]

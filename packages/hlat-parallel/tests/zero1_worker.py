@@ -12,6 +12,9 @@ compares to WORKDIR/rank<r>.pt:
   through ``param_groups`` after the load.
 - ``model_only``: per precision, a step, other weights loaded into the model (the
   optimizer's state left as it is), one more step.
+- ``switch``: 2 steps of bf16-sr, then a new model and a ``master_weights=True`` optimizer
+  (built before the load), the model's weights loaded, then the optimizer's state dict
+  (which lacks master weights), one step.
 - ``whole``: 2 steps of the same weights and batches under ZeRO-1 and under
   ``dp_shard="none"`` (every parameter stepped whole on every rank).
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +169,23 @@ def model_only(dims, precision: str) -> dict:
     return out
 
 
+def switch(dims) -> dict:
+    model, optimizer = build(dims, "bf16-sr", seed=0)
+    for step in (1, 2):
+        train_step(model, optimizer, dims, step)
+    model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
+    model, optimizer = build(dims, "mixed", seed=1)
+    model.load_state_dict(model_state)
+    out: dict = {"loaded": weights(model)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.load_state_dict(optimizer_state)
+    out["warnings"] = [str(w.message) for w in caught]
+    train_step(model, optimizer, dims, 3)
+    out["stepped"] = weights(model)
+    return out
+
+
 def whole(dims) -> dict:
     out: dict = {}
     for dp_shard in ("zero1", "none"):
@@ -193,6 +214,8 @@ def main() -> None:
         result["whole"] = whole(dims)
     result["resume"] = {p: resume(dims, p, workdir) for p in mine}
     result["model_only"] = {p: model_only(dims, p) for p in ("bf16-sr", "fp32") if p in mine}
+    if dtype == torch.bfloat16:
+        result["switch"] = switch(dims)
     torch.save(result, workdir / f"rank{dims.rank}-{sys.argv[3]}.pt")
     dist.destroy_process_group()
 

@@ -159,6 +159,24 @@ def test_the_comma_form_of_a_list_override_parses_each_item():
         TrainConfig.preset("tiny-demo", ["--logging.profile_steps=5,x"])
 
 
+def test_a_single_item_override_of_a_list_is_a_list_of_that_item():
+    c = TrainConfig.preset(
+        "tiny-demo",
+        [
+            "--spike.inject_at=3",
+            "--logging.profile_steps=5",
+            "--parallel.pp_split=7",
+            "--data.paths=2024",
+            "--data.valid_paths=2024-01-01",
+        ],
+    )
+    assert c.spike.inject_at == [3] and c.logging.profile_steps == [5]
+    assert c.parallel.pp_split == [7] and c.data.paths == ["2024"]
+    assert c.data.valid_paths == ["2024-01-01"]
+    with pytest.raises(ConfigError, match=r"spike.inject_at must be an integer, got 3.5"):
+        TrainConfig.preset("tiny-demo", ["--spike.inject_at=3.5"])
+
+
 def test_tp_that_does_not_divide_the_heads_fails_before_any_process_group(corpus, tmp_path):
     with pytest.raises(ConfigError, match="tp 3 does not divide the 4 attention heads"):
         Trainer(tiny_config(corpus, tmp_path, "--parallel.tp=3"))
@@ -253,6 +271,16 @@ def test_an_empty_held_out_set_fails_before_any_process_group(corpus, tmp_path):
     assert not dist.is_initialized()
 
 
+def test_a_held_out_directory_or_glob_of_json_lines_is_left_to_the_loader(corpus, tmp_path):
+    # a damaged gzip file fails when indexed: validate passing shows it was not read
+    held_out = tmp_path / "held_out"
+    held_out.mkdir()
+    (held_out / "a.jsonl").write_text('{"text": "a held-out document"}\n')
+    (held_out / "b.jsonl.gz").write_bytes(b"not gzip data")
+    for entry in (held_out, held_out / "*.jsonl*", f"file://{held_out}"):
+        validate(tiny_config(corpus, tmp_path, f'--data.valid_paths=["{entry}"]'), world_size=1)
+
+
 @pytest.mark.parametrize(
     "override, needle",
     [
@@ -304,6 +332,25 @@ def test_a_device_this_torch_lacks_fails_before_any_process_group(corpus, tmp_pa
         Trainer(tiny_config(corpus, tmp_path, "--train.device=neuron"))
     assert not dist.is_initialized()
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_flex_attention_over_packed_documents_is_refused_on_a_cpu():
+    from hlat_parallel.device import accelerator
+
+    flex = ["--model.attention=flex", "--data.document_mask=true"]
+    message = r"model.attention = 'flex' with data.document_mask = true on a CPU.*'auto', "
+    with pytest.raises(ConfigError, match=message):
+        validate(TrainConfig.preset("tiny-demo", [*flex, "--train.device=cpu"]), check_files=False)
+    auto = TrainConfig.preset("tiny-demo", [*flex, "--train.device=auto"])
+    if accelerator() is None:
+        with pytest.raises(ConfigError, match=message):
+            validate(auto, check_files=False)
+    else:
+        validate(auto, check_files=False)
+    for allowed in (["--model.attention=blocked", "--data.document_mask=true"], flex[:1]):
+        validate(
+            TrainConfig.preset("tiny-demo", [*allowed, "--train.device=cpu"]), check_files=False
+        )
 
 
 def test_the_legacy_neuron_backend_refuses_another_device():

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import builtins
 import os
+import pickle
 import re
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -276,15 +277,36 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         self._metadata = None
         if _METADATA not in manifest.files:
             raise IncompleteCheckpointError(f"{where} has no {_METADATA} (DCP's index)")
+        # this rank compared the file with the manifest's checksum (in _check, before this)
+        verified = (
+            self.verify_checksums
+            and _METADATA in manifest.checksums
+            and self._checksum_share([_METADATA]) == [_METADATA]
+        )
         try:
             metadata = self._reader(dirname).read_metadata()
-        except OSError as e:
-            if not isinstance(e, FileNotFoundError):
-                raise  # the storage failed, not the file: checking fails on every rank
+        except FileNotFoundError as e:
             raise IncompleteCheckpointError(f"{where}: {_METADATA} is missing") from e
-        except Exception as e:
+        except (EOFError, pickle.UnpicklingError) as e:
+            if verified:
+                raise CheckpointError(
+                    f"{where}: {_METADATA} cannot be read ({type(e).__name__}: {e}) although "
+                    "its checksum matches the manifest's; it is not skipped as damaged"
+                ) from e
             raise IncompleteCheckpointError(
                 f"{where}: {_METADATA} cannot be read ({type(e).__name__}: {e})"
+            ) from e
+        except OSError:
+            raise  # the storage failed, not the file: checking fails on every rank
+        except Exception as e:
+            # Note: not damage, so not skipped (load_latest would resume from an older step
+            # and the run would later replace this one): this process cannot unpickle what
+            # DCP wrote, as an older torch cannot read a class of a newer one. The file is
+            # the same for every rank: each raises, and _check raises on all of them
+            raise CheckpointError(
+                f"{where}: {_METADATA} cannot be read by this process ({type(e).__name__}: "
+                f"{e}); not taken as damage: was it written by a newer torch than this "
+                f"{torch.__version__}?"
             ) from e
         self._metadata = (dirname, metadata)  # read once: _read takes it from here
 
@@ -334,6 +356,7 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         request: dict[str, torch.Tensor] = {_GLOBAL_JSON: _placeholder(metadata, _GLOBAL_JSON)}
         current: dict[str, dict[str, torch.Tensor]] = {}
         keys: dict[str, builtins.list[str] | None] = {}  # None: a nested (pre-0.4) optimizer
+        params: dict[str, set[str]] = {}  # the parameters of each optimizer entry, by name
         problem = ""
         for name, (kind, obj) in entries.items():
             if kind in ("module", "optimizer"):
@@ -342,17 +365,21 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
                 )
                 value = self._get_state_dict(kind, obj, flat=not nested)
                 keys[name] = None if nested else builtins.list(value)
+                if kind == "optimizer":
+                    params[name] = _params_of(value)
                 _, tensors = state_json.split(value, name)
                 absent = [k for k in tensors if k not in metadata]
                 if absent and not problem:
                     on = f" on rank {self.rank}" if self._group is not None else ""
+                    saved = _params_of((k for k in metadata if k.startswith(f"{name}/")), name)
+                    other = all(_param(k, name) in saved for k in absent)
                     problem = (
                         f"{where}: entry {name!r} lacks {len(absent)} tensors of the current "
-                        f"{kind}{on}, e.g. {absent[:3]}; was it saved from a different model?"
+                        f"{kind}{on}, e.g. {absent[:3]}{_why(kind, absent, other)}"
                     )
                 current[name] = tensors
                 request.update(tensors)
-        self._refuse_mismatch(where, metadata, entries, current, problem, strict)
+        self._refuse_mismatch(where, metadata, entries, current, params, problem, strict)
         source = self.rank
         if self.rank_state_from is not None:
             source = self.rank_state_from(manifest.layout, manifest.world_size)
@@ -394,10 +421,11 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
                     # layers of the whole model the checkpoint describes
                     missing = [k for k in wanted if k not in skeleton]
                     if missing:
+                        saved = _params_of(skeleton)
+                        other = all(_param(k) in saved for k in missing)
                         raise CheckpointError(
                             f"{where}: entry {name!r} lacks {len(missing)} entries of the "
-                            f"current {kind}, e.g. {missing[:3]}; was it saved from a "
-                            "different model?"
+                            f"current {kind}, e.g. {missing[:3]}{_why(kind, missing, other)}"
                         )
                     skeleton = {k: skeleton[k] for k in wanted}
                 value = state_json.join(skeleton, current[name], f"{where}:{name}")
@@ -416,6 +444,7 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         metadata: Mapping[str, Any],
         entries: dict[str, tuple[str, Any]],
         current: dict[str, dict[str, torch.Tensor]],
+        params: dict[str, set[str]],
         problem: str,
         strict: bool,
     ) -> None:
@@ -423,26 +452,57 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         modules or optimizers missing from the checkpoint (``problem``) or, with ``strict``,
         if a module or optimizer entry of the checkpoint holds tensors that no rank asked
         for (collective: the union of every rank's keys counts, as ranks may hold different
-        parameters)."""
-        mine = {name: builtins.list(tensors) if strict else [] for name, tensors in current.items()}
-        gathered: builtins.list[Any] = [(mine, problem)]
+        parameters).
+
+        Note: one all-reduce of two numbers when nothing is wrong and some rank leaves no
+        key unread (every rank asks the same keys under FSDP, TP and DP); the keys travel
+        only when every rank leaves some unread (pipeline stages, or a refusal): rank 0's
+        unread keys are the candidates, and a MAX over marks of which of them each rank
+        asks for leaves those no rank does.
+        """
+        unread: builtins.list[str] = []
+        if strict:
+            for name, asked in current.items():
+                unread += sorted(k for k in metadata if k.startswith(f"{name}/") and k not in asked)
+        # the lowest rank with a problem, and the fewest keys a rank leaves unread
+        least = torch.tensor([self.rank if problem else self.world_size, len(unread)])
         if self._group is not None:
-            gathered = [None] * self.world_size
-            dist.all_gather_object(gathered, (mine, problem), group=self._group)
-        problems = [p for _, p in gathered if p]
-        if problems:
-            raise CheckpointError(problems[0])
-        if not strict:
+            dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self._group)
+        first, fewest = int(least[0]), int(least[1])
+        if first < self.world_size:
+            message = [problem]
+            if self._group is not None:
+                src = dist.get_global_rank(self._group, first)
+                dist.broadcast_object_list(message, src=src, group=self._group)
+            raise CheckpointError(message[0])
+        if fewest == 0:
             return
+        candidates = [unread]
+        if self._group is not None:
+            dist.broadcast_object_list(candidates, src=self._src, group=self._group)
+        # 2: this rank asks for the key; 1: it has other state of the key's parameter
+        mine = []
+        for key in candidates[0]:
+            entry = key.partition("/")[0]
+            held = _param(key, entry) in params.get(entry, ())
+            mine.append(2 if key in current[entry] else int(held))
+        marks = torch.tensor(mine, dtype=torch.uint8)
+        if self._group is not None:
+            dist.all_reduce(marks, op=dist.ReduceOp.MAX, group=self._group)
         for name in current:
-            asked = {key for keys, _ in gathered for key in keys.get(name, ())}
-            unread = sorted(k for k in metadata if k.startswith(f"{name}/") and k not in asked)
-            if unread:
+            found = [
+                (key, mark)
+                for key, mark in zip(candidates[0], marks.tolist(), strict=True)
+                if mark < 2 and key.startswith(f"{name}/")
+            ]
+            if found:
                 kind = entries[name][0]
+                keys = [key for key, _ in found]
+                other = all(mark == 1 for _, mark in found)
                 raise CheckpointError(
-                    f"{where}: entry {name!r} holds {len(unread)} tensors that the current "
-                    f"{kind} has on no rank, e.g. {unread[:3]}; was it saved from a different "
-                    "model? (load with strict=False to load the others)"
+                    f"{where}: entry {name!r} holds {len(keys)} tensors that the current "
+                    f"{kind} has on no rank, e.g. {keys[:3]}{_why(kind, keys, other)} (load "
+                    "with strict=False to load the others)"
                 )
 
     # --- save internals --------------------------------------------------------------------
@@ -716,6 +776,42 @@ def _cause(e: BaseException) -> str:
             for rank, failure in sorted(e.failures.items())
         )
     return f"{type(e).__name__}: {e}"
+
+
+def _param(key: str, entry: str = "") -> str | None:
+    """The parameter a flat optimizer key (``state.<fqn>.<name>``,
+    ``param_groups.<fqn>.<name>``, under ``<entry>/`` if given) belongs to, else ``None``."""
+    if entry:
+        entry_, _, key = key.partition("/")
+        if entry_ != entry:
+            return None
+    for head in ("state.", "param_groups."):
+        if key.startswith(head) and "." in key[len(head) :]:
+            return key[len(head) :].rpartition(".")[0]
+    return None
+
+
+def _params_of(keys: Iterable[str], entry: str = "") -> set[str]:
+    """The parameters of the flat optimizer keys ``keys`` (see :func:`_param`)."""
+    return {p for p in (_param(k, entry) for k in keys) if p is not None}
+
+
+def _why(kind: str, keys: builtins.list[str], other_state: bool) -> str:
+    """How a mismatch of ``keys`` came about: another model, or (``other_state``: each key
+    belongs to a parameter the other side has state of) other optimizer state."""
+    if kind != "optimizer" or not other_state:
+        return "; was it saved from a different model?"
+    reason = "another optimizer class, or other settings of it"
+    if any(k.endswith((".master", ".compensation", ".seed")) for k in keys):
+        reason = (
+            "a changed precision mode, master weights or Kahan compensation, or another "
+            "optimizer class"
+        )
+    return (
+        f"; the optimizer keeps other state than the checkpoint's ({reason}), and hlat-ckpt "
+        "loads optimizer state of the same kind only: for such a change load the model entry "
+        "alone and start the optimizer fresh"
+    )
 
 
 def _placeholder(metadata: Mapping[str, Any], key: str) -> torch.Tensor:

@@ -183,8 +183,10 @@ def load_checkpoint_kwargs(
     strict: bool = True,
 ) -> dict[str, Any]:
     """Keyword arguments of ``neuronx_distributed.load_checkpoint`` for step ``step``, from
-    the checkpoint directory ``tag`` (default ``step_<N>``); ``strict`` is NxD's (the
-    model's ``load_state_dict``).
+    the checkpoint directory ``tag`` (default ``step_<N>``); ``strict`` is NxD's, which it
+    passes to the model's ``load_state_dict``: ``strict=False`` there also leaves the
+    model's parameters that the checkpoint lacks as they are, unlike
+    :class:`~hlat_ckpt.Checkpointer`'s, which refuses those in any case.
 
     The optimizer is passed as it is when it is one of NxD's (:func:`nxd_optimizer`); any
     other is replaced by an empty dict, the form NxD's ``load_checkpoint`` takes for
@@ -291,6 +293,10 @@ class NeuronCheckpointer(CheckpointPolicy[Written]):
     ``wait_s`` committing the previous save), as ``write_s`` the time the commit blocked
     (waiting for NxD's writes, checksumming, the manifest); ``save_s`` runs from the call of
     :meth:`save` to the commit, training in between.
+
+    ``strict`` of :meth:`load` and :meth:`load_latest` goes to NxD's ``load_checkpoint``
+    (the model's ``load_state_dict``): ``strict=False`` skips the model's parameters that
+    the checkpoint lacks too, which :class:`~hlat_ckpt.Checkpointer` refuses in any case.
 
     Note: construct it on every rank in the same order (it creates a process group) and
     call :meth:`close` (or :meth:`wait`) before the process group is destroyed. NxD saves

@@ -231,7 +231,9 @@ class CheckpointPolicy(Generic[PendingT]):
 
     def _check_readable(self, dirname: str, manifest: Manifest) -> None:
         """Raise :class:`IncompleteCheckpointError` if the engine cannot read the committed
-        checkpoint ``dirname`` (every rank, after the manifest's checks)."""
+        checkpoint ``dirname`` because it is damaged, any other error if it cannot for
+        another reason (every rank, after the manifest's checks; :meth:`_check` skips the
+        former and raises :class:`CheckpointError` for the latter)."""
 
     def _abandon(self, dirname: str) -> None:
         """Deal with the files of a step whose commit failed (on rank 0)."""

@@ -55,7 +55,8 @@ class PackedLoader:
             different numbers of tokens, so their streams then end after different numbers
             of batches: a data-parallel loop must stop all ranks together (or count steps).
         drop_last: at the end of the last epoch, drop the partial batch (True) or yield it
-            padded with ``-100`` labels past ``doc_lens.sum(-1)`` (False).
+            padded with ``-100`` labels past ``doc_lens.sum(-1)`` (False; a single token
+            left, with no next token to predict, makes no batch).
         mp_context: multiprocessing start method for the workers; by default
             ``"forkserver"`` where the platform has it (workers are forked from a server
             process that has imported this package once), else ``"spawn"``.

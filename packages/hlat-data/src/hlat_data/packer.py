@@ -100,11 +100,13 @@ class Packer:
         """What is left as a final batch padded to full shape, or None when nothing is left.
 
         Padding tokens are ``pad_id`` with label ``-100``; they lie past ``doc_lens.sum(-1)``.
+        A single token left has no next token to predict: it is consumed, and None returned.
         """
         n = self.micro_batch_size * self.seq_len
         available = min(len(self._tokens), n + 1)  # counted before _emit consumes them
         real = min(available, n)
-        if real == 0:
+        if real <= 1:
+            self._advance(real)
             return None
         stream = np.full(n + 1, self.pad_id, dtype=np.int64)
         stream[:available] = self._tokens[:available]

@@ -1066,10 +1066,19 @@ def _update_error(local: list[torch.Tensor | None]) -> str | None:
 def _compile_errors() -> tuple[type[BaseException], ...]:
     """The exceptions of a failed ``torch.compile`` that the installed torch defines:
     dynamo's for a backend that failed, for code it cannot trace and for its own errors,
-    and inductor's."""
+    the ones it raises unwrapped (``ShortenTraceback``: inductor's ``TritonMissing`` and
+    ``GPUTooOldForTriton``), and inductor's."""
     found: list[type[BaseException]] = []
     for module, names in (
-        ("torch._dynamo.exc", ("BackendCompilerFailed", "Unsupported", "InternalTorchDynamoError")),
+        (
+            "torch._dynamo.exc",
+            (
+                "BackendCompilerFailed",
+                "Unsupported",
+                "InternalTorchDynamoError",
+                "ShortenTraceback",
+            ),
+        ),
         ("torch._inductor.exc", ("InductorError", "CppCompileError")),
     ):
         try:

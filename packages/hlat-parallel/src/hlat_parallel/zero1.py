@@ -418,6 +418,11 @@ class Zero1Optimizer(torch.optim.Optimizer):
         return self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load into the wrapped optimizer, its slices first cut afresh from the model: state
+        it makes from its parameters on load (``hlat_optim.AdamW``'s master weights, where
+        the state dict lacks them) comes from the model's weights as they are (load the
+        model first)."""
+        self._refresh()
         self.inner.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

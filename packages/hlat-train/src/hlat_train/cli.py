@@ -4,7 +4,7 @@
 
     hlat-train demo                                   # the tiny Llama on the stdlib, CPU
     hlat-train print-config --config hlat-7b --optim.lr=2e-4
-    hlat-train train --config run.toml --train.steps=100
+    hlat-train train --config run.toml --train.steps=100 --optim.warmup_steps=10
     torchrun --nproc-per-node 8 -m hlat_train train --config hlat-7b --data.paths=...
     hlat-train export-hf runs/hlat/checkpoints hf-out
     hlat-train preflight --checkpoint-url /fsx/ckpt   # health checks (also under torchrun)

@@ -496,6 +496,11 @@ class TrainConfig:
 
     def set(self, dotted: str, value: Any, source: str = "override") -> None:
         """Set ``section.key`` to ``value``, converted to the field's type."""
+        obj, key, hint = self._field(dotted, source)
+        setattr(obj, key, _convert(value, hint, f"{source}: {dotted}"))
+
+    def _field(self, dotted: str, source: str) -> tuple[Any, str, Any]:
+        """The section object, key and type hint of ``section.key``."""
         section, _, key = dotted.partition(".")
         if section not in _sections():
             raise ConfigError(
@@ -514,8 +519,7 @@ class TrainConfig:
                 + _suggest(dotted, keys + everything)
                 + f" (keys of [{section}]: {', '.join(names)})"
             )
-        hint = typing.get_type_hints(type(obj))[key]
-        setattr(obj, key, _convert(value, hint, f"{source}: {dotted}"))
+        return obj, key, typing.get_type_hints(type(obj))[key]
 
     def set_override(self, item: str) -> None:
         """Apply one ``--section.key=value`` (the leading dashes are optional)."""
@@ -523,7 +527,12 @@ class TrainConfig:
         if "=" not in text:
             raise ConfigError(f"override {item!r} must look like --section.key=value")
         key, raw = text.split("=", 1)
-        self.set(key.strip(), _parse_scalar(raw), source=f"override {item!r}")
+        source = f"override {item!r}"
+        value = _parse_scalar(raw)
+        _, _, hint = self._field(key.strip(), source)
+        if typing.get_origin(hint) is list and not isinstance(value, list | dict | str):
+            value = raw.strip()  # one item of a list (--spike.inject_at=3): the a,b form
+        self.set(key.strip(), value, source=source)
 
     # --- output ----------------------------------------------------------------------------
 

@@ -290,6 +290,17 @@ def validate(
             f"{llama.vocab_size}; set model.vocab_size >= {tokenizer_vocab} (or 0 to follow "
             "the tokenizer)"
         )
+    if (
+        llama.attention == "flex"
+        and data.document_mask
+        and par.backend != "neuron"
+        and compute_device_type(run.device) == "cpu"
+    ):
+        raise ConfigError(
+            "model.attention = 'flex' with data.document_mask = true on a CPU: flex attention "
+            "has no CPU backward, so the first step would fail; set model.attention = 'auto', "
+            "'blocked' or 'sdpa', or train on an accelerator"
+        )
     selective_tp = par.tp > 1 and llama.checkpointing == "selective"
     if (
         config.model.compile is True
@@ -415,12 +426,15 @@ def tokenizer_pieces(path: str) -> int:
 
 def _check_held_out_not_empty(data: Any) -> None:
     """Refuse a held-out set of local Arrow/Parquet files without rows (their row counts are
-    metadata; JSON lines and remote sets are left to the loader, which reads them whole)."""
+    metadata; JSON lines, named or found in a directory or glob, and remote sets are left to
+    the loader, which reads them whole)."""
     from hlat_data import DataError, open_source
-    from hlat_data.jsonl import is_jsonl
+    from hlat_data.jsonl import _kinds
 
     for name, paths in data.held_out_sets():
-        if any(_is_url(p) or is_jsonl(p) for p in paths):
+        if any(_is_url(p) for p in paths) or any(
+            kind == "jsonl" for p in paths for kind, _ in _kinds(p, {})
+        ):
             continue
         key = f"data.sources[{name}].valid_paths" if name else "data.valid_paths"
         try:
@@ -553,6 +567,17 @@ def _check_hang_timeout(value: float) -> None:
         )
 
 
+def compute_device_type(device: str) -> str:
+    """The type of the device ``train.device`` names: ``auto`` is the accelerator torch
+    sees, else the CPU."""
+    import torch
+
+    from hlat_parallel.device import accelerator
+
+    found = accelerator() if device == "auto" else torch.device(device)
+    return found.type if found is not None else "cpu"
+
+
 def runs_hlat_attention(
     attention: str, device: str, documents: bool, seq_len: int, head_dim: int
 ) -> bool:
@@ -566,10 +591,8 @@ def runs_hlat_attention(
     import torch
 
     from hlat_model import attention as hlat_attention
-    from hlat_parallel.device import accelerator
 
-    found = accelerator() if device == "auto" else torch.device(device)
-    device_type = found.type if found is not None else "cpu"
+    device_type = compute_device_type(device)
     rule = hlat_attention.resolve_backend(
         attention, device_type, documents=documents, seq_len=seq_len
     )

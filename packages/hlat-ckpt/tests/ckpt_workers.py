@@ -175,6 +175,16 @@ def stage(names: list[str], value: float) -> nn.ModuleDict:
     return stage
 
 
+def saved_after_a_step(ck: Checkpointer, names: list[str]) -> nn.ModuleDict:
+    """A stage of ``names`` after one AdamW step, saved with its optimizer as step 1."""
+    saved = stage(names, 1.0)
+    optimizer = torch.optim.AdamW(saved.parameters())
+    sum(p.sum() for p in saved.parameters()).backward()
+    optimizer.step()
+    ck.save(1, {"model": saved, "optimizer": optimizer})
+    return saved
+
+
 def stages(root: str) -> None:
     """Two pipeline stages (rank 0 layer a, rank 1 layers b and c) save after a step; each
     loads its own layers back; then both hold layer a only, which strict loading refuses
@@ -182,11 +192,7 @@ def stages(root: str) -> None:
     rank = dist.get_rank()
     names = ["a"] if rank == 0 else ["b", "c"]
     ck = Checkpointer(root, async_save=False)
-    saved = stage(names, 1.0)
-    optimizer = torch.optim.AdamW(saved.parameters())
-    sum(p.sum() for p in saved.parameters()).backward()
-    optimizer.step()
-    ck.save(1, {"model": saved, "optimizer": optimizer})
+    saved = saved_after_a_step(ck, names)
     own = stage(names, 0.0)
     ck.load(1, {"model": own, "optimizer": torch.optim.AdamW(own.parameters())})
     pairs = zip(own.parameters(), saved.parameters(), strict=True)
@@ -238,11 +244,7 @@ def replicas_strict(root: str) -> None:
     rank = dist.get_rank()
     names = [f"l{i:02d}" for i in range(64)]
     ck = Checkpointer(root, async_save=False)
-    saved = stage(names, 1.0)
-    optimizer = torch.optim.AdamW(saved.parameters())
-    sum(p.sum() for p in saved.parameters()).backward()
-    optimizer.step()
-    ck.save(1, {"model": saved, "optimizer": optimizer})
+    saved = saved_after_a_step(ck, names)
     own = stage(names, 0.0)
     sent = object_collectives_sent()
     ck.load(1, {"model": own, "optimizer": torch.optim.AdamW(own.parameters())})

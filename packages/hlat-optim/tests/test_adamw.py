@@ -336,49 +336,40 @@ def _no_compiler(gm, example_inputs):
     raise RuntimeError("no C++ compiler found")
 
 
-def test_failed_compilation_falls_back_to_the_reference_update_with_a_warning(monkeypatch):
-    from torch._dynamo.backends import registry
-
-    import hlat_optim.adamw as adamw_module
-
-    # Fault injection: a torch.compile backend that fails as inductor does on a machine
-    # without a working toolchain (where the native CPU kernel cannot be built either).
-    registry._lazy_import()  # torch's own backends first, so none is registered later
-    monkeypatch.setitem(registry._BACKENDS, "hlat-no-compiler", None)
-    monkeypatch.setitem(registry._COMPILER_FNS, "hlat-no-compiler", _no_compiler)
-    monkeypatch.setattr(adamw_module, "_compiled", {})
-    monkeypatch.setattr(adamw_module._native, "load", lambda: None)
-    params, expected = _params(torch.bfloat16), _params(torch.bfloat16)
-    opt = AdamW(params, lr=1e-2, impl="auto", compile_backend="hlat-no-compiler")
-    with pytest.warns(RuntimeWarning, match="torch.compile of the update failed"):
-        _run(opt, params, 3)
-    assert opt.impl == "reference"
-    _run(AdamW(expected, lr=1e-2, impl="reference"), expected, 3)
-    for a, b in zip(params, expected, strict=True):
-        assert torch.equal(_bits(a), _bits(b))
-
-
 def _no_triton(gm, example_inputs):
     from torch._inductor.exc import TritonMissing
 
     raise TritonMissing(first_useful_frame=None)
 
 
-def test_a_compilation_without_a_working_triton_falls_back_with_a_warning(monkeypatch):
+@pytest.mark.parametrize(
+    ("compiler", "named"),
+    [
+        # inductor on a machine without a working toolchain (where the native CPU kernel
+        # cannot be built either): dynamo wraps the error in BackendCompilerFailed
+        (_no_compiler, "BackendCompilerFailed"),
+        # inductor on a CUDA machine without a working Triton: TritonMissing, which dynamo
+        # raises as it is, not wrapped
+        (_no_triton, "TritonMissing"),
+    ],
+    ids=["no-compiler", "no-triton"],
+)
+def test_failed_compilation_falls_back_to_the_reference_update_with_a_warning(
+    monkeypatch, compiler, named
+):
     from torch._dynamo.backends import registry
 
     import hlat_optim.adamw as adamw_module
 
-    # Fault injection: a torch.compile backend that fails as inductor does on a CUDA machine
-    # without a working Triton (TritonMissing, which dynamo raises as it is, not wrapped).
-    registry._lazy_import()
-    monkeypatch.setitem(registry._BACKENDS, "hlat-no-triton", None)
-    monkeypatch.setitem(registry._COMPILER_FNS, "hlat-no-triton", _no_triton)
+    # Fault injection: a torch.compile backend that fails as inductor does there
+    registry._lazy_import()  # torch's own backends first, so none is registered later
+    monkeypatch.setitem(registry._BACKENDS, "hlat-failing", None)
+    monkeypatch.setitem(registry._COMPILER_FNS, "hlat-failing", compiler)
     monkeypatch.setattr(adamw_module, "_compiled", {})
     monkeypatch.setattr(adamw_module._native, "load", lambda: None)
     params, expected = _params(torch.bfloat16), _params(torch.bfloat16)
-    opt = AdamW(params, lr=1e-2, impl="auto", compile_backend="hlat-no-triton")
-    with pytest.warns(RuntimeWarning, match="torch.compile of the update failed.*TritonMissing"):
+    opt = AdamW(params, lr=1e-2, impl="auto", compile_backend="hlat-failing")
+    with pytest.warns(RuntimeWarning, match=f"torch.compile of the update failed.*{named}"):
         _run(opt, params, 3)
     assert opt.impl == "reference"
     _run(AdamW(expected, lr=1e-2, impl="reference"), expected, 3)

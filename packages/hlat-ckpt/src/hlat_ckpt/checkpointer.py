@@ -263,8 +263,8 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         return [n for n in names if _owner(n, self.world_size) == self.rank]
 
     def _check_written(self, sizes: dict[str, int], where: str) -> None:
-        # Note: an object store on which DCP's rename of ".metadata.tmp" did nothing (a root
-        # with glob characters) leaves no ".metadata"; without it nothing can be loaded
+        # Note: a storage on which DCP's rename of ".metadata.tmp" did nothing leaves no
+        # ".metadata"; without it nothing can be loaded
         problems = [] if _METADATA in sizes else [f"no {_METADATA}"]
         unfinished = sorted(n for n in sizes if n.endswith(".tmp"))
         if unfinished:

@@ -117,7 +117,7 @@ def _square_and_groups(
 @torch.no_grad()
 def global_norm(
     params: Iterable[torch.Tensor],
-    tensors: Iterable[torch.Tensor] | None = None,
+    tensors: Iterable[torch.Tensor | None] | None = None,
     *,
     groups: Sequence[Any] = (),
     stage_groups: Sequence[Any] = (),
@@ -143,7 +143,6 @@ def global_norm(
     can, with at most one all-reduce per distinct group.
     """
     params = list(params)
-    # Note: None (a parameter without a gradient) is accepted, though not in the annotation
     given: list[torch.Tensor | None] = list(params) if tensors is None else list(tensors)
     if len(given) != len(params):
         raise ValueError(f"global_norm: {len(params)} params but {len(given)} tensors")
@@ -225,7 +224,7 @@ def clip_grad_norm_(
         raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
     with_grad = [p for p in params if p.grad is not None]
     grads = [p.grad for p in with_grad]
-    norm = global_norm(with_grad, grads, groups=groups, stage_groups=stage_groups, sharded=sharded)  # type: ignore[arg-type]
+    norm = global_norm(with_grad, grads, groups=groups, stage_groups=stage_groups, sharded=sharded)
     if error_if_nonfinite and not bool(norm.isfinite()):
         bad = [
             f"#{i} {tuple(p.shape)}"

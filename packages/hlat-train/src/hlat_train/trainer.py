@@ -1035,7 +1035,7 @@ class Trainer:
         max_norm = self.config.optim.clip or math.inf
         with_grad = [p for p in self.model.parameters() if p.grad is not None]
         grads = [p.grad for p in with_grad]
-        grad_norm = global_norm(with_grad, grads, **self.dims.norm_groups())  # type: ignore[arg-type]
+        grad_norm = global_norm(with_grad, grads, **self.dims.norm_groups())
         spike, skip = self._judge(loss, grad_norm)
         # Note: clipping's multiply goes into the update (AdamW's clip_coef: on the CPU kernel
         # no pass over the gradients of its own), the same numbers as clip_grad_norm_.

@@ -258,6 +258,7 @@ def validate(
         )
 
     tokenizer_vocab = None
+    held_out_documents: dict[str, int] = {}  # by held-out set, where counted
     if check_files:
         if not data.paths and not data.sources:
             raise ConfigError(
@@ -273,7 +274,7 @@ def validate(
                 _check_path(f"data.sources[{source.name}].paths", path, "training data")
             for path in source.valid_paths:
                 _check_path(f"data.sources[{source.name}].valid_paths", path, "validation data")
-        _check_held_out_not_empty(data)
+        held_out_documents = _check_held_out_not_empty(data)
         if not data.tokenizer:
             raise ConfigError("data.tokenizer is empty: give a SentencePiece .model file")
         _check_path("data.tokenizer", data.tokenizer, "tokenizer")
@@ -383,11 +384,13 @@ def validate(
                     )
             # held-out sets are read in order, one document a block, split over dp
             for name, paths in data.held_out_sets():
-                key = f"data.sources[{name}].valid_paths" if name else "data.valid_paths"
-                documents = len(open_source(paths, data.text_column))
-                if documents < dp:
+                count = held_out_documents.get(name)
+                if count is None:
+                    count = len(open_source(paths, data.text_column))
+                key = _held_out_key(name)
+                if count < dp:
                     raise ConfigError(
-                        f"{key} hold(s) {documents} documents, fewer than dp {dp}: each "
+                        f"{key} hold(s) {count} documents, fewer than dp {dp}: each "
                         "data-parallel rank reads its own held-out documents, so some ranks "
                         f"would get none; give at least {dp} documents"
                     )
@@ -424,25 +427,32 @@ def tokenizer_pieces(path: str) -> int:
     return Tokenizer.from_file(path, num_threads=1).vocab_size
 
 
-def _check_held_out_not_empty(data: Any) -> None:
+def _held_out_key(name: str) -> str:
+    """The config key of the held-out set ``name`` of ``DataConfig.held_out_sets``."""
+    return f"data.sources[{name}].valid_paths" if name else "data.valid_paths"
+
+
+def _check_held_out_not_empty(data: Any) -> dict[str, int]:
     """Refuse a held-out set of local Arrow/Parquet files without rows (their row counts are
     metadata; JSON lines, named or found in a directory or glob, and remote sets are left to
-    the loader, which reads them whole)."""
+    the loader, which reads them whole); the documents of each set counted, by name."""
     from hlat_data import DataError, open_source
     from hlat_data.jsonl import _kinds
 
+    documents: dict[str, int] = {}
     for name, paths in data.held_out_sets():
         if any(_is_url(p) for p in paths) or any(
             kind == "jsonl" for p in paths for kind, _ in _kinds(p, {})
         ):
             continue
-        key = f"data.sources[{name}].valid_paths" if name else "data.valid_paths"
+        key = _held_out_key(name)
         try:
-            open_source(paths, data.text_column)  # refuses files without rows
+            documents[name] = len(open_source(paths, data.text_column))  # refuses no rows
         except DataError as error:
             raise ConfigError(
                 f"{key}: {error}; give at least one held-out document, or leave {key} empty"
             ) from None
+    return documents
 
 
 def _check_hf_init(path: str, llama: Any) -> None:

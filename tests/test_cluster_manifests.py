@@ -16,6 +16,7 @@ PRESETS = ROOT / "packages" / "hlat-train" / "src" / "hlat_train" / "presets"
 CORES_PER_NODE = 32  # trn1.32xlarge: 16 Trainium devices x 2 NeuronCores
 DEVICES_PER_NODE = 16
 EFA_PER_NODE = 8
+TORCHRUN_SHUTDOWN_S = 30  # torchrun's wait for its workers after passing them a SIGTERM
 SBATCH = sorted((CLUSTER / "slurm").glob("*.sbatch"))
 MANIFESTS = sorted((CLUSTER / "eks").glob("*.yaml"))
 
@@ -151,6 +152,24 @@ def test_sbatch_runs_preflight_on_every_node_before_training(path):
     assert _after(preflight, "--rdzv-endpoint") != _after(commands[training], "--rdzv-endpoint")
 
 
+@pytest.mark.parametrize("path", SBATCH, ids=lambda p: p.name)
+def test_the_documented_submission_creates_the_log_directory_first(path):
+    # Slurm does not create the directory of --output; a job without it fails with no log
+    output = next(
+        line.split("=", 1)[1]
+        for line in path.read_text().splitlines()
+        if line.startswith("#SBATCH --output=")
+    )
+    doc = (CLUSTER / "slurm.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", doc, flags=re.S)
+    commands = [c for b in blocks for c in _shell_commands(b)]
+    submit = next(
+        i for i, c in enumerate(commands) if c[:2] == ["sbatch", f"docs/cluster/slurm/{path.name}"]
+    )
+    created = [c[2:] for c in commands[:submit] if c[:2] == ["mkdir", "-p"]]
+    assert any(str(Path(output).parent) in dirs for dirs in created), commands[: submit + 1]
+
+
 def test_the_precompile_command_runs_the_training_jobs_nodes_and_layout():
     # neuron_parallel_compile caches the graphs of the command it runs; the DP degree changes
     # them (gradient all-reduce groups, ZeRO-1 shards), so one node's graphs miss at 64 nodes
@@ -234,6 +253,25 @@ def test_pytorchjob_trains_the_preset_it_names_on_its_replicas(path):
         assert env.get(name) == expected, name
     # in a container, the Neuron collectives bootstrap on the pod's interface (NxD's scripts)
     assert env.get("CCOM_SOCKET_IFNAME") == "eth0"
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_pytorchjob_gives_a_preempted_pod_time_to_save_and_exit(path):
+    # SIGKILL follows SIGTERM after terminationGracePeriodSeconds (30 s when unset); torchrun,
+    # the container's main process, passes the SIGTERM on and waits 30 s for its workers,
+    # whose save must fit checkpoint.preempt_budget (docs/cluster/preemption.md)
+    config = pytest.importorskip("hlat_train.config")
+    pod = _load(path)["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = [str(a) for a in container["command"]]
+    assert Path(args[0]).name == "torchrun"
+    preset = _preset(_after(args, "--config") or "")
+    budget = float(
+        _after(args, "--checkpoint.preempt_budget")
+        or preset.get("checkpoint", {}).get("preempt_budget")
+        or config.CheckpointConfig().preempt_budget
+    )
+    assert 0 < budget < TORCHRUN_SHUTDOWN_S < pod.get("terminationGracePeriodSeconds", 30)
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)

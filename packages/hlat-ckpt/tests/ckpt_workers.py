@@ -2,8 +2,9 @@
 loads, a job that resumes from the newest undamaged checkpoint, a job that resumes from an
 older step (a new lineage), a job that rewinds and saves a step it saved before, pipeline
 stages that load the layers of their own, data-parallel replicas that load strictly, a job
-saving replicated and sharded tensors, a trainer that checkpoints in a loop until it is
-killed, and a save that runs past a file size limit.
+saving replicated and sharded tensors, a TP job that saves before its optimizer's first
+step, a trainer that checkpoints in a loop until it is killed, and a save that runs past a
+file size limit.
 
 Run as ``python ckpt_workers.py <scenario> <root>`` with torchrun's environment variables
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) for the distributed scenarios.
@@ -163,6 +164,58 @@ def rewind(root: str) -> None:
     ck.close()
     with open(os.path.join(root, f"rewind_rank{rank}.json"), "w") as f:
         json.dump(listed, f)
+
+
+def before_first_step(root: str) -> None:
+    """TP=2: a save before the optimizer's first step leaves it as it was, and a job resumed
+    from it (with the grads of a warm-up pass set) trains as one that never saved; then a
+    checkpoint directory passed as the root is refused on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        model = parallelize_module(tp_model(), mesh, plan)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def trained(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        for _ in range(2):
+            train_once(model, optimizer)
+        return {k: full(v).clone() for k, v in model.state_dict().items()}
+
+    expected = trained(*build())
+    model, optimizer = build()
+    ck = Checkpointer(root, async_save=False)
+    ck.save(0, {"model": model, "optimizer": optimizer})
+    assert not optimizer.state and all(p.grad is None for p in model.parameters())
+    after = trained(model, optimizer)  # as a job without the save
+    assert all(torch.equal(v, expected[k]) for k, v in after.items())
+
+    model, optimizer = build()
+    model(torch.randn(4, 16)).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    state = {"model": model, "optimizer": optimizer}
+    assert Checkpointer(root).load_latest(state) == 0
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads, strict=True))
+    assert not any(optimizer.state.values())
+    optimizer.zero_grad()
+    got = trained(model, optimizer)
+    assert all(torch.equal(v, expected[k]) for k, v in got.items())
+
+    inner = Checkpointer(os.path.join(root, "step_0000000000"), async_save=False)
+    for call in (lambda: inner.load_latest(state), lambda: inner.save(1, state)):
+        try:
+            call()
+        except CheckpointError as e:
+            assert "step_0000000000 is a checkpoint (it holds hlat-checkpoint.json)" in str(e)
+        else:
+            raise AssertionError("a checkpoint directory was taken for a root")
 
 
 def stage(names: list[str], value: float) -> nn.ModuleDict:
@@ -365,6 +418,7 @@ if __name__ == "__main__":
             "stages": stages,
             "replicas_strict": replicas_strict,
             "replicated": replicated,
+            "before_first_step": before_first_step,
         }[scenario](root_dir)
     finally:
         dist.destroy_process_group()

@@ -4,8 +4,11 @@ import os
 import re
 import shutil
 import struct
+import subprocess
+import sys
 
 import fsspec
+import numpy as np
 import pytest
 import torch
 from ckpt_helpers import ForkParent, make_state, snapshot, train_step
@@ -61,6 +64,97 @@ def test_async_save_does_not_see_changes_made_after_it_returns(tmp_path):
     ck.load(1, b)
     assert all(torch.equal(t, saved[n]) for n, t in snapshot(b).items())
     assert b["loader"]["position"] == 0
+
+
+# A script whose last save is still being written when the interpreter exits: it ends, or
+# raises. 4 MiB of weights: the writes of 1 MiB and more are checksummed in a helper thread.
+_ENDS_SAVING = """
+import json, sys, torch
+from hlat_ckpt import Checkpointer
+url, options, ending = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+torch.manual_seed(0)
+ck = Checkpointer(url, storage_options=options, async_save=True)
+ck.save(1, {"model": torch.nn.Linear(1024, 1024), "loader": {"position": 7}})
+if ending == "raises":
+    raise RuntimeError("the training loop failed")
+"""
+
+
+@pytest.mark.parametrize("ending", ["ends", "raises"])
+def test_an_async_save_pending_when_the_interpreter_exits_is_committed(root, ending):
+    url, options = root
+    args = [url, json.dumps(options or {}), ending]
+    done = subprocess.run(
+        [sys.executable, "-c", _ENDS_SAVING, *args], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == (0 if ending == "ends" else 1), done.stderr
+    assert "not committed" not in done.stderr, done.stderr
+    torch.manual_seed(0)
+    expected = torch.nn.Linear(1024, 1024)
+    model, loader = torch.nn.Linear(1024, 1024), {}
+    assert checkpointer(root).load_latest({"model": model, "loader": loader}) == 1
+    assert torch.equal(model.weight, expected.weight) and loader == {"position": 7}
+
+
+def test_a_synchronous_save_from_an_exit_handler_is_committed(tmp_path):
+    # atexit handlers run once concurrent.futures takes no more work: the checksums of the
+    # large writes and the deletion of the checkpoint retention drops run inline there
+    script = """
+import atexit, sys, torch
+from hlat_ckpt import Checkpointer
+torch.manual_seed(0)
+model = torch.nn.Linear(1024, 1024)
+ck = Checkpointer(sys.argv[1], keep_last=1, async_save=False)
+ck.save(1, {"model": model})
+atexit.register(ck.save, 2, {"model": model})
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    torch.manual_seed(0)
+    expected = torch.nn.Linear(1024, 1024)
+    model = torch.nn.Linear(1024, 1024)
+    ck = Checkpointer(tmp_path)
+    assert [c.step for c in ck.list()] == [2]
+    assert ck.load_latest({"model": model}) == 2 and torch.equal(model.weight, expected.weight)
+
+
+# A script that forks a child (as a DataLoader worker on Linux) while its async save is
+# pending: the save is held behind a gate in the writing thread until the child has ended.
+_FORKS_WHILE_SAVING = """
+import multiprocessing, sys, threading, torch
+from hlat_ckpt import Checkpointer
+torch.manual_seed(0)
+ck = Checkpointer(sys.argv[1], async_save=True)
+gate = threading.Event()
+ck._executor.submit(gate.wait)
+ck.save(1, {"model": torch.nn.Linear(1024, 1024)})
+child = multiprocessing.get_context("fork").Process(target=int)
+child.start()
+child.join(timeout=60)
+print("child", "alive" if child.is_alive() else child.exitcode)
+if child.is_alive():
+    child.kill()
+gate.set()
+ck.close()
+"""
+
+
+def test_a_child_forked_while_an_async_save_is_pending_exits(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", _FORKS_WHILE_SAVING, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["child", "0"], done.stdout + done.stderr
+    torch.manual_seed(0)
+    expected = torch.nn.Linear(1024, 1024)
+    model = torch.nn.Linear(1024, 1024)
+    assert Checkpointer(tmp_path).load_latest({"model": model}) == 1
+    assert torch.equal(model.weight, expected.weight)
 
 
 def test_load_latest_on_an_empty_root_is_a_fresh_start(root):
@@ -240,6 +334,78 @@ def test_unsupported_state_is_refused_before_anything_is_written(tmp_path):
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
     with pytest.raises(TypeError, match=r"state\['lr'\] is a float"):
         ck.save(1, {"lr": 0.1})
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_closed_checkpointer_refuses_to_save_or_load(tmp_path, async_save):
+    state = {"model": torch.nn.Linear(4, 4)}
+    with Checkpointer(tmp_path, keep_last=1, async_save=async_save) as ck:
+        ck.save(1, state)
+    for call in (
+        lambda: ck.save(2, state),
+        lambda: ck.load(1, state),
+        lambda: ck.load_latest(state),
+    ):
+        with pytest.raises(
+            CheckpointError, match=r"this Checkpointer of .* is closed; create a new"
+        ):
+            call()
+    ck.close()  # again: nothing to do
+    assert [c.step for c in ck.list()] == [1]
+    assert Checkpointer(tmp_path).load_latest(state) == 1
+
+
+@pytest.mark.parametrize(
+    ("layout", "error", "message"),
+    [
+        ({"tp": np.int64(2)}, ValueError, r"layout\['tp'\] is np.int64\(2\) \(int64\)"),
+        ({1: "x"}, ValueError, r"layout has the key 1 \(int\); it is recorded as JSON, whose"),
+        ({"mesh": {"dp": [object]}}, ValueError, r"layout\['mesh'\]\['dp'\]\[0\] is <class"),
+        ("tp=2", TypeError, "layout must be a dict, got str"),
+    ],
+    ids=["numpy-int", "int-key", "nested", "str"],
+)
+def test_a_layout_json_cannot_record_is_refused_at_construction(tmp_path, layout, error, message):
+    with pytest.raises(error, match=message):
+        Checkpointer(tmp_path, layout=layout)
+
+
+def test_a_layout_is_recorded_in_the_manifest_as_json(tmp_path):
+    ck = Checkpointer(tmp_path, async_save=False, layout={"mesh": torch.Size([2, 2]), "pp": None})
+    ck.save(1, {"model": torch.nn.Linear(4, 4)})
+    manifest = json.loads((tmp_path / "step_0000000001" / MANIFEST_NAME).read_text())
+    assert manifest["layout"] == {"mesh": [2, 2], "pp": None, "meshes": []}
+
+
+def test_a_root_that_is_a_file_or_a_checkpoint_is_refused(root):
+    url, options = root
+    ck = checkpointer(root, async_save=False)
+    ck.save(1, {"model": torch.nn.Linear(4, 4)})
+    state = {"model": torch.nn.Linear(4, 4)}
+    inner = Checkpointer(f"{url}/step_0000000001", storage_options=options, async_save=False)
+    mistake = rf"{re.escape(url)}/step_0000000001 is a checkpoint \(it holds {MANIFEST_NAME}\)"
+    mistake += rf", not a directory of checkpoints; pass its parent \({re.escape(url)}\)"
+    for call in (
+        lambda: inner.load_latest(state),
+        lambda: inner.load(1, state),
+        lambda: inner.save(2, state),
+    ):
+        with pytest.raises(CheckpointError, match=mistake):
+            call()
+    fs, path = fsspec.core.url_to_fs(url, **(options or {}))
+    fs.pipe_file(f"{path}/notes.txt", b"x")
+    in_file = Checkpointer(f"{url}/notes.txt", storage_options=options, async_save=False)
+    with pytest.raises(CheckpointError, match=r"notes.txt is a file, not a directory of"):
+        in_file.load_latest(state)
+    with pytest.raises(CheckpointError, match=r"notes.txt is a file, not a directory of"):
+        in_file.save(1, state)
+    assert [c.step for c in ck.list()] == [1]
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)) == [
+        "notes.txt",
+        "step_0000000001",
+    ]
+    inside = [p.rsplit("/", 1)[-1] for p in fs.ls(f"{path}/step_0000000001", detail=False)]
+    assert not [n for n in inside if n.startswith("step_")]  # the refused save wrote nothing
 
 
 def test_the_model_alone_loads_from_a_training_checkpoint(tmp_path):
@@ -461,6 +627,152 @@ def test_optimizer_state_of_another_kind_is_refused_as_such(
     assert "different model" not in message, message
     ck.load(1, {"model": other})
     assert torch.equal(other.weight, model.weight)
+
+
+def _fresh(seed: int, optimizer: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 4)
+    if optimizer == "sgd":
+        return model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    for i in range(steps):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(i))
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_save_before_the_first_step_leaves_the_optimizer_as_it_was(tmp_path, optimizer):
+    model, opt = _fresh(0, optimizer)
+    _train(model, opt, 3)
+    expected = model.weight.detach().clone()
+
+    model, opt = _fresh(0, optimizer)
+    ck = Checkpointer(tmp_path, async_save=False, save_rng=False)
+    ck.save(0, {"model": model, "optimizer": opt})
+    assert not opt.state and all(p.grad is None for p in model.parameters())
+    _train(model, opt, 3)
+    assert torch.equal(model.weight, expected)  # as a run without the save
+
+    # resumed from it, with the grads of a warm-up pass set
+    model, opt = _fresh(1, optimizer)
+    model(torch.randn(2, 4)).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    assert ck.load_latest({"model": model, "optimizer": opt}) == 0
+    assert not any(opt.state.values())
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads, strict=True))
+    opt.zero_grad()
+    _train(model, opt, 3)
+    assert torch.equal(model.weight, expected)
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "not-strict"])
+@pytest.mark.parametrize("grads", ["none", "set"])
+def test_a_fresh_optimizer_loads_the_state_whatever_its_grads_and_keeps_them(
+    tmp_path, grads, strict
+):
+    a = make_state(0)
+    for _ in range(3):
+        train_step(a)
+    ck = Checkpointer(tmp_path, async_save=False)
+    ck.save(3, a)
+    saved = snapshot(a)
+    expected_loss = train_step(a)
+
+    b = make_state(1)
+    if grads == "set":  # a warm-up forward and backward before the resume
+        b["model"](torch.randn(2, 8)).sum().backward()
+    before = [p.grad for p in b["model"].parameters()]
+    ck.load(3, b, strict=strict)
+    loaded = snapshot(b)
+    assert loaded.keys() == saved.keys()
+    assert all(torch.equal(t, saved[n]) for n, t in loaded.items())
+    assert all(p.grad is g for p, g in zip(b["model"].parameters(), before, strict=True))
+    b["optimizer"].zero_grad()
+    assert train_step(b) == expected_loss
+
+
+def test_parameters_the_optimizer_never_updated_resume_without_state(tmp_path):
+    def build(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 4), "idle": torch.nn.Linear(4, 4)})
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train(model, opt, steps, layers):
+        for i in range(steps):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(i))
+            sum(model[n](x).square().mean() for n in layers).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = build(0)
+    train(model, opt, 2, ["used"])  # "idle" gets no grads: AdamW keeps no state of it
+    Checkpointer(tmp_path, async_save=False).save(2, {"model": model, "optimizer": opt})
+    train(model, opt, 2, ["used", "idle"])
+
+    resumed, opt2 = build(1)
+    assert Checkpointer(tmp_path).load_latest({"model": resumed, "optimizer": opt2}) == 2
+    assert not opt2.state[resumed["idle"].weight] and opt2.state[resumed["used"].weight]
+    train(resumed, opt2, 2, ["used", "idle"])
+    for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+# ZeRO-1 (hlat-parallel) in a process of its own: a fresh Zero1Optimizer, whose state is a
+# read-only view, loads a checkpoint saved before the first step and stays fresh; one saved
+# with state of some parameters only is refused, and the optimizer is not stepped by it.
+_ZERO1_BEFORE_THE_FIRST_STEP = """
+import sys, torch
+from hlat_ckpt import Checkpointer, CheckpointError
+from hlat_parallel import init_parallel, parallelize, zero1_optimizer
+dims = init_parallel(device="cpu")
+def build(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    parallelize(model, dims, {}, dp_shard="zero1")
+    return model, zero1_optimizer(torch.optim.AdamW, model.parameters(), dims, lr=1e-2)
+def train(model, opt, layers):
+    for i in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+        sum(model[n](x).square().mean() for n in layers).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+model, opt = build(0)
+Checkpointer(sys.argv[1] + "/fresh", async_save=False).save(0, {"model": model, "optimizer": opt})
+expected = train(model, opt, [0, 1])
+model, opt = build(1)
+assert Checkpointer(sys.argv[1] + "/fresh").load_latest({"model": model, "optimizer": opt}) == 0
+assert not opt.state
+assert all(torch.equal(a, b) for a, b in zip(train(model, opt, [0, 1]), expected, strict=True))
+model, opt = build(0)
+train(model, opt, [0])  # the second layer gets no grads: AdamW keeps no state of it
+Checkpointer(sys.argv[1] + "/part", async_save=False).save(2, {"model": model, "optimizer": opt})
+model, opt = build(1)
+try:
+    Checkpointer(sys.argv[1] + "/part").load_latest({"model": model, "optimizer": opt})
+except CheckpointError as e:
+    assert "cannot drop the state" in str(e), e
+else:
+    raise AssertionError("loaded")
+assert not opt.state
+print("ok")
+"""
+
+
+def test_a_fresh_zero1_optimizer_loads_a_checkpoint_saved_before_the_first_step(tmp_path):
+    pytest.importorskip("hlat_parallel")
+    done = subprocess.run(
+        [sys.executable, "-c", _ZERO1_BEFORE_THE_FIRST_STEP, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["ok"], done.stdout + done.stderr
 
 
 def _without_metadata(path, how: str) -> None:

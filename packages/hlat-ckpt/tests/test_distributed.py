@@ -2,7 +2,9 @@
 each rank checks the checksums of its own shard files; the checksums computed while writing
 reach the manifest; replicated tensors are written once; a rewound job saves a step again;
 pipeline stages load their own layers, and layers no stage holds are refused; data-parallel
-replicas load strictly, and refuse what one of them finds amiss."""
+replicas load strictly, and refuse what one of them finds amiss; a save before the
+optimizer's first step leaves every rank's optimizer as it was, and a checkpoint directory
+passed as the root is refused on every rank."""
 
 import json
 import re
@@ -156,6 +158,11 @@ def test_replicas_asking_the_same_keys_load_strictly_and_refuse_on_every_rank_al
             got[rank]["other_class"],
         ), got[rank]
         assert got[rank]["untouched"], got[rank]  # refused before anything was loaded
+
+
+def test_a_save_before_the_first_step_changes_no_rank_and_a_checkpoint_is_no_root(tmp_path):
+    launch("before_first_step", tmp_path)
+    assert [c.step for c in Checkpointer(tmp_path).list()] == [0]
 
 
 @pytest.fixture(scope="module")

@@ -305,6 +305,16 @@ def test_saving_a_step_twice_is_refused_and_keeps_the_first(tmp_path):
     assert all(torch.equal(t, first[n]) for n, t in snapshot(b).items())
 
 
+def test_a_closed_checkpointer_refuses_to_save_or_load(tmp_path):
+    a = make_state(0)
+    with checkpointer(tmp_path, async_save=True) as ck:
+        ck.save(1, a)
+    for call in (lambda: ck.save(2, a), lambda: ck.load_latest(a)):
+        with pytest.raises(CheckpointError, match=r"this NeuronCheckpointer of .* is closed"):
+            call()
+    assert [i.step for i in checkpointer(tmp_path, async_save=True).list()] == [1]
+
+
 def test_an_empty_root_is_a_fresh_start(tmp_path):
     assert checkpointer(tmp_path / "none").load_latest(make_state(0)) is None
 

@@ -33,7 +33,12 @@ def test_convert_reads_jsonl_gzip_parquet_text_and_datasets_dirs_in_order(tmp_pa
     datasets.Dataset.from_dict({"text": docs[15:20]}).save_to_disk(tmp_path / "e_ds")
     inputs = [str(tmp_path / n) for n in ("a.jsonl", "b.jsonl.gz", "c.parquet", "d.txt", "e_ds")]
     counts = convert_to_arrow(inputs, tmp_path / "out.arrow", batch_rows=3)
-    assert counts == {"files": 5, "documents": 20, "characters": sum(map(len, docs))}
+    assert counts == {
+        "files": 5,
+        "documents": 20,
+        "characters": sum(map(len, docs)),
+        "nulls_skipped": 0,
+    }
     assert ArrowSource(tmp_path / "out.arrow").texts(range(20)) == docs
     assert not (tmp_path / "out.arrow.tmp").exists()
 
@@ -96,6 +101,37 @@ def test_convert_of_an_unpaired_surrogate_escape_names_file_and_line(tmp_path, c
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("hlat-data convert: "), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.jsonl"]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "arrow"])
+def test_a_null_text_is_an_error_in_every_format_unless_skipped(
+    tmp_path, arrow_writer, capsys, kind
+):
+    texts = ["a", "b", None, "d"]
+    path = tmp_path / f"x.{kind}"
+    if kind == "jsonl":
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        where = r"x\.jsonl:3: field 'text' is null"
+    elif kind == "parquet":
+        pq.write_table(pa.table({"text": texts}), path, row_group_size=2)
+        where = r"x\.parquet: row 2 has a null 'text'"
+    else:
+        arrow_writer(path, texts, batch_rows=2)
+        where = r"x\.arrow: row 2 has a null 'text'"
+    out = tmp_path / "out.arrow"
+    with pytest.raises(DataError, match=where + r"; .*pass --nulls skip \(nulls='skip'\)"):
+        convert_to_arrow(str(path), out)
+    assert not out.exists() and not (tmp_path / "out.arrow.tmp").exists()
+    counts = convert_to_arrow(str(path), out, nulls="skip")
+    assert (counts["documents"], counts["nulls_skipped"]) == (3, 1)
+    assert ArrowSource(out).texts(range(3)) == ["a", "b", "d"]
+    with pytest.raises(DataError, match=r"nulls must be 'error' or 'skip', got 'drop'"):
+        convert_to_arrow(str(path), out, nulls="drop")
+    convert = ["convert", str(path), "-o", str(tmp_path / "cli.arrow"), "--no-progress"]
+    assert main(convert) == 2
+    assert "pass --nulls skip" in capsys.readouterr().err
+    assert main([*convert, "--nulls", "skip"]) == 0
+    assert json.loads(capsys.readouterr().out)["nulls_skipped"] == 1
 
 
 def test_convert_and_train_tokenizer_read_json_lines_as_jsonl_source_does(

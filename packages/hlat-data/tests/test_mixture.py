@@ -4,6 +4,7 @@ changed mixture)."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import numpy as np
@@ -30,11 +31,11 @@ def mixture(parts, weights, **caps):
     ]
 
 
-def make(parts, tokenizer, weights, *, mbs=2, dp_rank=0, dp_size=1, caps=None, **kw):
+def make(parts, tokenizer, weights, *, mbs=2, dp_rank=0, dp_size=1, caps=None, seq=SEQ, **kw):
     return MixedLoader(
         mixture(parts, weights, **(caps or {})),
         tokenizer,
-        SEQ,
+        seq,
         mbs,
         dp_rank,
         dp_size,
@@ -221,6 +222,57 @@ def test_a_token_cap_holds_over_all_ranks_across_a_dp_size_change(
     more = [rows_by_source(loader, 400, until="code")["code"] for loader in after]
     assert all(loader.composition()["code"]["ended"] for loader in after)
     assert drawn + sum(map(len, more)) == 40
+
+
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_a_token_cap_holds_across_a_seq_len_change(parts, tokenizer, dp_size):
+    weights = {"web": 1, "code": 1, "books": 1}
+    caps = {"code": {"max_tokens": 40 * SEQ}}
+    before = [
+        make(parts, tokenizer, weights, dp_rank=r, dp_size=dp_size, mbs=1, caps=caps)
+        for r in range(dp_size)
+    ]
+    drawn = [len(rows_by_source(loader, 18 // dp_size)["code"]) for loader in before]
+    assert 0 < sum(drawn) < 40
+    states = [loader.state_dict() for loader in before]
+    state = merge_states(states) if dp_size > 1 else states[0]
+    after = [
+        make(parts, tokenizer, weights, dp_rank=r, dp_size=dp_size, mbs=1, caps=caps, seq=2 * SEQ)
+        for r in range(dp_size)
+    ]
+    for rank, loader in enumerate(after):
+        loader.load_state_dict(state)
+        assert loader.composition()["code"]["tokens"] == drawn[rank] * SEQ
+    more = [rows_by_source(loader, 400, until="code")["code"] for loader in after]
+    assert all(len(row) == 2 * SEQ for rows in more for row in rows)
+    for rank, loader in enumerate(after):
+        # rows of 2 * SEQ up to this rank's half of the cap, in tokens
+        share = 40 * SEQ // dp_size
+        wanted = -(-(share - drawn[rank] * SEQ) // (2 * SEQ))
+        assert len(more[rank]) == wanted
+        assert loader.composition()["code"]["tokens"] == drawn[rank] * SEQ + wanted * 2 * SEQ
+
+
+def test_a_mixture_state_of_rows_loads_with_the_seq_len_it_was_saved_with(parts, tokenizer):
+    weights = {"web": 1, "code": 1}
+    first = make(parts, tokenizer, weights, mbs=1)
+    rows_of(itertools.islice(first, 9))
+    state = first.state_dict()
+    # as hlat-data before 0.7 saved it: rows drawn from each source, no seq_len
+    state["rows"] = [t // SEQ for t in state.pop("tokens")]
+    del state["seq_len"]
+    same = make(parts, tokenizer, weights, mbs=1)
+    with pytest.warns(UserWarning, match=r'counts the rows .* seq_len 32. .*state\["seq_len"\]'):
+        same.load_state_dict(copy.deepcopy(state))
+    assert {n: c["tokens"] for n, c in same.composition().items()} == {
+        n: c["tokens"] for n, c in first.composition().items()
+    }
+    resumed = make(parts, tokenizer, weights, mbs=1, seq=2 * SEQ)
+    state["seq_len"] = SEQ
+    resumed.load_state_dict(state)
+    assert {n: c["tokens"] for n, c in resumed.composition().items()} == {
+        n: c["tokens"] for n, c in first.composition().items()
+    }
 
 
 @pytest.mark.parametrize("new", [1, 3])

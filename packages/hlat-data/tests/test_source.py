@@ -3,6 +3,7 @@ from __future__ import annotations
 import itertools
 import json
 import struct
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -152,6 +153,19 @@ def test_a_corrupt_record_batch_is_an_error_naming_the_file_when_read(tmp_path):
     source = ArrowSource(path)  # the index reads metadata only
     with pytest.raises(DataError, match=r"damaged\.arrow"):
         source.texts([0, 1])
+
+
+def test_a_string_view_column_is_read_on_the_declared_oldest_pyarrow(tmp_path):
+    """``pa.string_view`` (one of the text types, looked up at import) came with pyarrow 16."""
+    path = tmp_path / "view.arrow"
+    table = pa.table({"text": pa.array(["a", "b c"], pa.string_view())})
+    with pa.ipc.new_file(path, table.schema) as writer:
+        writer.write_table(table)
+    assert ArrowSource(path).texts([1, 0]) == ["b c", "a"]
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    (floor,) = [d for d in project["project"]["dependencies"] if d.startswith("pyarrow")]
+    assert floor.startswith("pyarrow>=") and int(floor[len("pyarrow>=") :].split(".")[0]) >= 16
 
 
 # --- bad input ----------------------------------------------------------------------------

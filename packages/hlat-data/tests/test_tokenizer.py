@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pickle
 
+import numpy as np
 import pytest
 
 from hlat_data import ArrowSource, DataError, PackedLoader, Tokenizer
@@ -40,6 +41,69 @@ def test_hugging_face_tokenizer_json_packs_with_its_eos(tmp_path, corpus, docume
     assert pickle.loads(pickle.dumps(tokenizer)).encode("def f(): pass") == tokenizer.encode(
         "def f(): pass"
     )
+
+
+def _byte_level_bpe(documents, specials):
+    tokenizers = pytest.importorskip("tokenizers")
+    pre = tokenizers.pre_tokenizers
+    model = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
+    model.pre_tokenizer = pre.ByteLevel(add_prefix_space=False)
+    model.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre.ByteLevel.alphabet()
+    )
+    model.train_from_iterator([d for d in documents if d], trainer)
+    return model
+
+
+def test_a_tokenizer_json_s_truncation_and_padding_are_turned_off(tmp_path, corpus, documents):
+    model = _byte_level_bpe(documents, ["<|endoftext|>", "<pad>"])
+    texts = [d for d in documents if d]
+    whole = [e.ids for e in model.encode_batch(texts, add_special_tokens=False)]
+    # as transformers' fast tokenizers save them
+    model.enable_truncation(32)
+    model.enable_padding(pad_id=1, pad_token="<pad>")
+    model.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(tmp_path / "tokenizer.json")
+    assert tokenizer.encode_batch(texts) == whole
+    assert pickle.loads(pickle.dumps(tokenizer)).encode_batch(texts[:3]) == whole[:3]
+    loader = PackedLoader(
+        ArrowSource(corpus), tokenizer, 64, 2, block_size=4, num_epochs=1, drop_last=False
+    )
+    stream = [
+        t
+        for b in loader
+        for row, lens in zip(b.input_ids, b.doc_lens, strict=True)
+        for t in row[: lens.sum()].tolist()
+    ]
+    assert 1 not in stream  # no pad id packed
+    assert len(stream) == sum(map(len, whole)) + len(texts)  # every id, and one EOS each
+
+
+def test_special_token_strings_in_a_document_encode_as_text(tmp_path):
+    docs = ["first <|endoftext|> mentions <|begin_of_text|> literally", "second doc"]
+    model = _byte_level_bpe(docs * 20, ["<|begin_of_text|>", "<|endoftext|>"])
+    model.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(tmp_path / "tokenizer.json")
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (0, 1)
+    ids = tokenizer.encode(docs[0])
+    assert 0 not in ids and 1 not in ids
+    assert tokenizer.decode(ids) == docs[0]
+    import pyarrow as pa
+
+    table = pa.table({"text": docs})
+    with pa.ipc.new_file(tmp_path / "docs.arrow", table.schema) as writer:
+        writer.write_table(table)
+    loader = PackedLoader(
+        ArrowSource(tmp_path / "docs.arrow"), tokenizer, 256, 1, shuffle=False, block_size=1,
+        num_epochs=1, drop_last=False, add_bos=True,
+    )  # fmt: skip
+    (batch,) = list(loader)
+    lens = batch.doc_lens[0][batch.doc_lens[0] > 0]
+    real = batch.input_ids[0][: lens.sum()]
+    # BOS and EOS only where the loader puts them: around each document
+    assert np.flatnonzero(real == 0).tolist() == [0, int(lens[0])]
+    assert np.flatnonzero(real == 1).tolist() == [int(lens[0]) - 1, int(lens.sum()) - 1]
 
 
 def test_a_file_that_is_not_a_model_is_an_error(tmp_path):
@@ -100,6 +164,42 @@ def test_json_lines_train_on_their_text_field_as_the_same_documents_in_arrow(
     (tmp_path / "notes.txt.gz").write_bytes(gzip.compress(b"some notes"))
     with pytest.raises(DataError, match=r"notes\.txt\.gz: not UTF-8 text .*JSON lines"):
         train_tokenizer(str(tmp_path / "notes.txt.gz"), tmp_path / "x", 400)
+
+
+def test_train_tokenizer_creates_the_output_directory_and_refuses_a_url(tmp_path, documents):
+    from hlat_data import train_tokenizer
+
+    (tmp_path / "train.txt").write_text("\n".join(documents))
+    output = tmp_path / "new" / "deeper" / "sp"
+    path = train_tokenizer(str(tmp_path / "train.txt"), output, 400, num_threads=1)
+    assert path == f"{output}.model"
+    assert Tokenizer.from_file(path).vocab_size <= 400
+    with pytest.raises(DataError, match=r"writes the model to a local path, got s3://b/sp"):
+        train_tokenizer(str(tmp_path / "missing.txt"), "s3://b/sp.model", 400)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(DataError, match=r"cannot create the directory of .*file/sp"):
+        train_tokenizer(str(tmp_path / "train.txt"), tmp_path / "file" / "sp", 400)
+
+
+def test_train_tokenizer_reads_a_remote_directory_as_a_local_one(tmp_path, documents, s3_bucket):
+    import json
+
+    import fsspec
+    import sentencepiece
+
+    from hlat_data import train_tokenizer
+
+    url, options = s3_bucket
+    lines = b"".join(json.dumps({"text": d}).encode() + b"\n" for d in documents)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "a.jsonl").write_bytes(lines)
+    fsspec.filesystem("s3", **options).pipe(f"{url}/dir/a.jsonl", lines)
+    vocabularies = []
+    for entry, name in ((str(tmp_path / "dir"), "local"), (f"{url}/dir/", "remote")):
+        path = train_tokenizer(entry, tmp_path / name, 400, num_threads=1, storage_options=options)
+        model = sentencepiece.SentencePieceProcessor(model_file=path)
+        vocabularies.append([model.id_to_piece(i) for i in range(model.get_piece_size())])
+    assert vocabularies[0] == vocabularies[1]
 
 
 def test_encoding_threads_default_to_the_cores_shared_by_the_node_s_processes(monkeypatch):

@@ -42,7 +42,11 @@ def test_torch_worker_processes_are_refused_naming_the_fix(corpus, tokenizer):
     from hlat_data.torch import TorchPackedDataset
 
     dataset = TorchPackedDataset(PackedLoader(ArrowSource(corpus), tokenizer, 32, 2, block_size=4))
-    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1)
+    # Note: a spawned worker; one forked from a test process that has run other tests
+    # inherits their threads' state (a lock held at the fork), which can crash it
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=None, num_workers=1, multiprocessing_context="spawn"
+    )
     with pytest.raises(DataError, match=r"DataLoader worker 0 of 1: .*num_workers=0"):
         next(iter(loader))
     assert dataset.state_dict()["batches"] == 0

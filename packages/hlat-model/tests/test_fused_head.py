@@ -206,6 +206,47 @@ def test_a_head_with_hooks_goes_through_its_module():
     torch.testing.assert_close(value, cross_entropy_loss(model(ids), labels))
 
 
+class _Adapted(torch.nn.Module):
+    """A low-rank adapter around a head, exposing the head's weight as its own."""
+
+    def __init__(self, base: torch.nn.Module, rank: int = 4):
+        super().__init__()
+        self.base = base
+        self.a = torch.nn.Parameter(torch.randn(rank, base.in_features) / 8)
+        self.b = torch.nn.Parameter(torch.randn(base.out_features, rank) / 8)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.a.T) @ self.b.T
+
+
+@pytest.mark.parametrize("head", ["biased nn.Linear", "adapter"])
+def test_a_replaced_or_wrapped_head_goes_through_its_module(head):
+    """Only hlat's own unhooked ``Linear`` head is fused with the loss: another module in its
+    place (one with a bias, an adapter around it) gives the loss of its logits, and its own
+    parameters get their gradients."""
+    config = LlamaConfig.preset("tiny", n_layers=1)
+    model = Llama(config)
+    if head == "adapter":
+        model.lm_head = _Adapted(model.lm_head)
+        extra = ["a", "b"]
+    else:
+        model.lm_head = torch.nn.Linear(config.dim, config.vocab_size)
+        torch.nn.init.normal_(model.lm_head.bias)
+        extra = ["bias"]
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    labels = torch.randint(0, config.vocab_size, (2, 16))
+    value = model(ids, labels=labels)
+    value.backward()
+    torch.testing.assert_close(value, cross_entropy_loss(model(ids), labels))
+    params = dict(model.lm_head.named_parameters())
+    for name in extra:
+        assert params[name].grad is not None and params[name].grad.abs().max() > 0, name
+
+
 def test_the_model_computes_its_loss_with_its_loss_fn():
     """``Llama.loss_fn`` is what the model's loss is computed with: another trainer's own
     loss gets the logits (the fused head and loss, cross entropy's, are bypassed), and the
@@ -301,6 +342,7 @@ def test_positions_and_document_lengths_of_the_wrong_shape_are_refused_before_ru
         ({"doc_lens": lens[0]}, r"doc_lens must be integer .* batch 2.* shape \(2,\)"),
         ({"doc_lens": lens[None]}, r"doc_lens .* got torch.int64 of shape \(1, 2, 2\)"),
         ({"doc_lens": lens.float()}, r"doc_lens .* got torch.float32"),
+        ({"doc_lens": torch.tensor([[10, 6], [20, -4]])}, r"non-negative .* \[20, -4\] in row 1"),
         ({"position_ids": torch.arange(16)}, r"position_ids must be \[batch, seq\] = \[2, 16\]"),
         ({"position_ids": torch.arange(15).expand(2, 15)}, r"got \(2, 15\)"),
     ):

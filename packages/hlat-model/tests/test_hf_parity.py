@@ -1,5 +1,6 @@
 """hlat-model against Hugging Face transformers' LlamaForCausalLM with the same weights."""
 
+import dataclasses
 import json
 
 import pytest
@@ -89,6 +90,21 @@ def test_tied_embeddings_round_trip():
     ours = from_hf(state, hf.config)
     assert ours.lm_head.weight is ours.embed_tokens.weight
     assert set(to_hf(ours)) == set(state)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_training_the_converted_model_leaves_the_hf_tensors_as_they_were(tied):
+    hf = _hf_model("gqa")
+    hf.config.tie_word_embeddings = tied
+    state = {k: v for k, v in hf.state_dict().items() if not (tied and k == "lm_head.weight")}
+    before = {k: v.clone() for k, v in state.items()}
+    ours = from_hf(state, hf.config)
+    tokens = torch.randint(0, 512, (2, 17))
+    ours(tokens[:, :-1], labels=tokens[:, 1:]).backward()
+    torch.optim.SGD(ours.parameters(), lr=1.0).step()
+    for name, value in state.items():
+        assert torch.equal(value, before[name]), name
+    assert not torch.equal(ours.embed_tokens.weight, before["model.embed_tokens.weight"])
 
 
 def test_config_round_trips_through_hf_json():
@@ -188,3 +204,99 @@ def test_loading_safetensors_reads_the_head_and_refuses_an_untied_model_without_
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(KeyError, match=r"lm_head.weight is missing .*\(tie_embeddings=False\)"):
         load_hf_weights(Llama(config), str(tmp_path), config)
+
+
+def _snapshot(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    ("change", "with_json", "needle"),
+    [
+        ({"n_layers": 2}, True, r"config.json: its n_layers is 3, the model's is 2"),
+        ({"n_kv_heads": 8}, True, r"config.json: its kv_heads is 2, the model's is 8"),
+        ({"vocab_size": 256}, True, r"config.json: its vocab_size is 512, the model's is 256"),
+        ({"n_layers": 2}, False, r"9 tensor\(s\) .* no parameter for, such as \['model.layers.2"),
+        ({"n_kv_heads": 8}, False, r"k_proj.weight \(32, 128\) \(expected \(128, 128\)\)"),
+        ({"vocab_size": 256}, False, r"embed_tokens.weight \(512, 128\) \(expected \(256, 128"),
+        ({"tie_embeddings": True}, False, r"no parameter for, such as \['lm_head.weight'\]"),
+    ],
+    ids=["layers", "kv-heads", "vocab", "layers-no-json", "kv-no-json", "vocab-no-json", "tied"],
+)
+def test_loading_refuses_a_checkpoint_of_another_config_before_reading(
+    tmp_path, change, with_json, needle
+):
+    from hlat_model import Llama
+    from hlat_model.hf_load import load_hf_weights
+
+    hf = _hf_model("gqa")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    if not with_json:
+        (tmp_path / "config.json").unlink()
+    config = dataclasses.replace(config_from_hf(hf.config), **change)
+    model = Llama(config)
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match=needle):
+        load_hf_weights(model, str(tmp_path), config)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_a_tied_checkpoint_that_saved_its_head_as_well_loads(tmp_path):
+    """Some tied checkpoints hold ``lm_head.weight`` too; their config.json says they are
+    tied, and transformers loads them tied, as hlat does (the head is not read)."""
+    from safetensors.torch import save_file
+
+    from hlat_model import Llama
+    from hlat_model.hf_load import load_hf_weights
+
+    hf = _hf_model("gqa")
+    hf.config.tie_word_embeddings = True
+    hf.tie_weights()
+    config = config_from_hf(hf.config)
+    state = {k: v.clone().contiguous() for k, v in hf.state_dict().items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(hf.config.to_json_string())
+    model = Llama(config)
+    load_hf_weights(model, str(tmp_path), config)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert torch.equal(model.embed_tokens.weight, state["model.embed_tokens.weight"])
+
+
+def test_loading_refuses_a_scaled_rope_and_a_model_of_another_config(tmp_path):
+    from hlat_model import Llama
+    from hlat_model.hf_load import load_hf_weights
+
+    hf = _hf_model("gqa")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    config = config_from_hf(hf.config)
+    model = Llama(dataclasses.replace(config, n_kv_heads=8))
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match=r"layers.0.attention.qkv_proj.weight of shape \(384"):
+        load_hf_weights(model, str(tmp_path), config)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"config.json: rope_scaling .*plain RoPE only"):
+        load_hf_weights(Llama(config), str(tmp_path), config)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_a_model_holding_some_layers_loads_them_from_the_whole_checkpoint(tmp_path):
+    """A pipeline rank's stages, under the whole model's names, read their own tensors."""
+    from hlat_model import Llama
+    from hlat_model.hf_load import load_hf_weights
+
+    hf = _hf_model("gqa")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    config = config_from_hf(hf.config)
+    whole = Llama(config)
+    stage = torch.nn.Module()
+    stage.layers = torch.nn.ModuleDict({"2": whole.layers[2]})
+    stage.norm, stage.lm_head = whole.norm, whole.lm_head
+    load_hf_weights(stage, str(tmp_path), config)
+    expected = from_hf(hf.state_dict(), hf.config).state_dict()
+    for name, value in stage.state_dict().items():
+        assert torch.equal(value, expected[name]), name

@@ -1,3 +1,4 @@
+import io
 import math
 
 import torch
@@ -65,3 +66,24 @@ def test_tied_embeddings_stay_tied_when_materialised_from_the_meta_device():
     assigned.load_state_dict(state, assign=True)
     assert assigned.lm_head.weight is assigned.embed_tokens.weight
     assert torch.equal(assigned.embed_tokens.weight, state["embed_tokens.weight"])
+
+
+def test_the_model_pickles_and_keeps_its_tie():
+    """``torch.save(model)`` round trips: the same values, the head still the embedding."""
+    model = Llama(LlamaConfig.preset("tiny", n_layers=1, tie_embeddings=True))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.lm_head.weight is loaded.embed_tokens.weight
+    state = loaded.state_dict()
+    assert list(state) == list(model.state_dict())
+    for name, value in model.state_dict().items():
+        assert torch.equal(state[name], value), name
+    ids = torch.randint(0, model.config.vocab_size, (1, 8))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+    # loading a state by assignment still ties them again
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    loaded.load_state_dict(state, assign=True)
+    assert loaded.lm_head.weight is loaded.embed_tokens.weight

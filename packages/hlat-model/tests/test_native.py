@@ -29,29 +29,28 @@ def fresh(monkeypatch, tmp_path):
     _native.reset()
 
 
-def _outputs(dtype: torch.dtype) -> list[torch.Tensor]:
-    """Every kernel's output and gradients on fixed inputs (the kernels that are loaded)."""
+def _outputs(dtype: torch.dtype, wrap=lambda g: g) -> list[torch.Tensor]:
+    """Every kernel's output and gradients on fixed inputs (the kernels that are loaded),
+    each output's gradient passed through ``wrap``."""
     torch.manual_seed(0)
     x = (torch.randn(6, 40, 72) * 2).to(dtype).requires_grad_()
     norm = RMSNorm(72).to(dtype)
     torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
     out = norm(x)
-    out.backward(torch.randn_like(out))
+    out.backward(wrap(torch.randn_like(out)))
     gate_up = (torch.randn(6, 40, 2 * 50) * 3).to(dtype).requires_grad_()
     h = _SwiGLUFunction.apply(gate_up, True)
-    h.backward(torch.randn_like(h))
+    h.backward(wrap(torch.randn_like(h)))
     qkv = torch.randn(2, 12, 2, 4, 16).to(dtype).requires_grad_()
     cos, sin = rope_cos_sin(torch.arange(12)[None], 16, 10000.0)
     q, k, v = _HeadsWithRope.apply(qkv, cos, sin)
-    torch.autograd.backward(
-        (q, k, v), (torch.randn_like(q), torch.randn_like(k), torch.randn_like(v))
-    )
+    torch.autograd.backward((q, k, v), tuple(wrap(torch.randn_like(t)) for t in (q, k, v)))
     mixed = (torch.randn(6, 40, 2 * 50) * 3).to(dtype).requires_grad_()
     h2 = _SwiGLUFunction.apply(mixed, True, True)  # gate and up interleaved
-    h2.backward(torch.randn_like(h2))
+    h2.backward(wrap(torch.randn_like(h2)))
     q2, k2, v2 = (torch.randn(2, 3, 300, 16).to(dtype).requires_grad_() for _ in range(3))
     attended = blocked_causal_attention(q2, k2, v2)  # the softmax kernels, the bf16 sums
-    attended.backward(torch.randn_like(attended))
+    attended.backward(wrap(torch.randn_like(attended)))
     return [
         *(out, x.grad, norm.weight.grad, h, gate_up.grad, q, k, v, qkv.grad, h2, mixed.grad),
         *(attended, q2.grad, k2.grad, v2.grad),
@@ -68,6 +67,19 @@ def test_built_once_per_machine_type_and_reused(fresh):
     assert sorted(fresh.glob("fused_cpu_*.so")) == built
     assert built[0].stat().st_mtime_ns == stamp  # loaded, not built again
     assert fused_cpu_kernels_reason() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_gradient_from_a_functional_collective_reaches_the_kernels_as_its_values(fresh, dtype):
+    """Under sequence parallelism a gradient can arrive as an ``AsyncCollectiveTensor``
+    (a wrapper whose own pointer holds no values): the kernels read what it wraps."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    assert _native.load() is not None, _native.unavailable_reason()
+    plain = _outputs(dtype)
+    wrapped = _outputs(dtype, AsyncCollectiveTensor)
+    for a, b in zip(plain, wrapped, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(

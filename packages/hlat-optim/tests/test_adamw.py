@@ -1,6 +1,7 @@
 import copy
 import io
 import math
+import pickle
 import re
 import warnings
 
@@ -73,6 +74,47 @@ def test_fast_paths_are_bit_identical_to_the_reference(impl, mode):
     expected = _final_bits("reference", mode, _params(dtype))
     for a, b in zip(_final_bits(impl, mode, _params(dtype)), expected, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_step_under_torch_compile_is_the_eager_step_bit_for_bit(mode):
+    # the default impl: the CPU kernel here, which a traced step handed freed memory
+    dtype = MODES[mode]["dtype"]
+    kwargs = {k: v for k, v in MODES[mode].items() if k != "dtype"}
+    runs = []
+    for compiled in (False, True):
+        params = _params(dtype)
+        opt = AdamW(params, lr=1e-2, weight_decay=0.1, **kwargs)
+        step = torch.compile(opt.step) if compiled else opt.step
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g).to(dtype)
+            step()
+        runs.append([_bits(t).clone() for p in params for t in [p, *opt.state[p].values()]])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("impl", ["native", "compiled"])
+@pytest.mark.parametrize("mode", ["bf16-sr", "bf16-sr-fp32-states", "mixed", "bf16-kahan"])
+def test_a_deepcopied_or_unpickled_optimizer_steps_on_as_the_original(impl, mode):
+    dtype = MODES[mode]["dtype"]
+    kwargs = {k: v for k, v in MODES[mode].items() if k != "dtype"}
+    params = _params(dtype)
+    opt = AdamW(params, lr=1e-2, weight_decay=0.1, seed=5, impl=impl, **kwargs)
+    _run(opt, params, 2)
+    copies = [copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))]
+    _run(opt, params, 3, start=2)
+    for other in copies:
+        for name, value in {"impl": impl, **kwargs}.items():
+            assert getattr(other, name) == value
+        mine = other.param_groups[0]["params"]
+        _run(other, mine, 3, start=2)
+        for a, b in zip(params, mine, strict=True):
+            assert torch.equal(_bits(a), _bits(b))
+            for name, value in opt.state[a].items():
+                assert torch.equal(_bits(other.state[b][name]), _bits(value)), name
 
 
 def _hostile_params(dtype):

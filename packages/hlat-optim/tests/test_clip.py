@@ -104,6 +104,21 @@ def test_returned_norm_is_the_float64_norm_of_large_gradients():
     assert abs(norm.double() - exact) / exact < 1e-6
 
 
+@pytest.mark.parametrize("groups", [float("inf"), 2.0, 1, [2.0], "tp"])
+def test_a_norm_type_or_other_value_in_place_of_groups_is_refused_before_any_change(groups):
+    params = _params((4,), (3,))
+    before = [p.grad.clone() for p in params]
+    match = "groups must be a sequence of process groups.*only the L2 norm.*norm_type"
+    with pytest.raises(TypeError, match=f"clip_grad_norm_: {match}"):
+        clip_grad_norm_(params, 1e-3, groups)  # torch's (params, max_norm, norm_type)
+    with pytest.raises(TypeError, match=f"clip_grad_norm_: stage_{match}"):
+        clip_grad_norm_(params, 1e-3, stage_groups=groups)
+    with pytest.raises(TypeError, match=f"global_norm: {match}"):
+        global_norm(params, groups=groups)
+    for p, grad in zip(params, before, strict=True):
+        assert torch.equal(p.grad, grad)
+
+
 def test_parameters_without_gradients_are_skipped():
     params = [*_params((5,)), torch.nn.Parameter(torch.ones(3))]
     clip_grad_norm_(params, max_norm=1.0)

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from hlat_optim import cosine_with_warmup
+from hlat_optim import CosineWithWarmup, cosine_with_warmup
 
 
 def _lrs(steps, **kw):
@@ -67,3 +67,46 @@ def test_total_steps_shorter_than_warmup_is_rejected():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     with pytest.raises(ValueError, match="total_steps \\(10\\) is shorter"):
         cosine_with_warmup(opt, warmup_steps=8, total_steps=10, constant_steps=5)
+
+
+@pytest.mark.parametrize("saved_by", ["this version", "an older version"])
+def test_a_resumed_schedule_follows_its_own_configuration_from_the_saved_position(saved_by):
+    # 50 steps of a 100-step schedule resumed into a 1000-step one: the 1000-step cosine
+    # from step 50 on, as Hugging Face's schedules do
+    def schedule(total_steps):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        return opt, cosine_with_warmup(opt, 10, total_steps, min_lr_ratio=0.0)
+
+    opt, sched = schedule(100)
+    for _ in range(50):
+        opt.step()
+        sched.step()
+    saved = sched.state_dict()
+    assert saved["lr_lambdas"] == [{}]  # the position only
+    if saved_by == "an older version":
+        config = dict(warmup_steps=10, total_steps=100, min_lr_ratio=0.0, constant_steps=0)
+        saved["lr_lambdas"] = [config]
+    opt2, sched2 = schedule(1000)
+    sched2.load_state_dict(saved)
+    opt2.step()
+    sched2.step()
+    assert sched2.last_epoch == 51
+    assert sched2.lr_lambdas[0].total_steps == 1000
+    assert opt2.param_groups[0]["lr"] == CosineWithWarmup(10, 1000, 0.0, 0)(51)
+
+
+def test_a_multiplier_pickles_and_one_pickled_before_0_12_still_computes():
+    import copy
+    import pickle
+
+    fn = CosineWithWarmup(warmup_steps=10, total_steps=100, min_lr_ratio=0.1, constant_steps=5)
+    steps = [0, 5, 12, 40, 100, 150]
+    for twin in (pickle.loads(pickle.dumps(fn)), copy.deepcopy(fn)):
+        assert [twin(s) for s in steps] == [fn(s) for s in steps]
+    # what a pickle of a version before 0.12 (configuration in __dict__) gives __setstate__
+    old = CosineWithWarmup.__new__(CosineWithWarmup)
+    old.__setstate__(
+        {"warmup_steps": 10, "total_steps": 100, "min_lr_ratio": 0.1, "constant_steps": 5}
+    )
+    assert [old(s) for s in steps] == [fn(s) for s in steps]
+    assert old.__dict__ == {}

@@ -1,6 +1,6 @@
 """One rank of a pipeline run, launched by tests/test_pipeline.py with torchrun's environment.
 
-Usage: pipeline_worker.py WORKDIR. Reads WORKDIR/input.pt (model config, initial weights,
+Usage: pipeline_worker.py WORKDIR [devices]. Reads WORKDIR/input.pt (model config, initial weights,
 batch, document lengths, the schedules to run with their block splits, the number of
 micro-batches and the tensor-parallel degree ``tp``), trains each schedule for a few SGD
 steps on a pipeline over all processes, and writes WORKDIR/<schedule>-rank<r>.pt: the
@@ -17,6 +17,10 @@ under ``loss_parallel``.
 
 With ``tp`` 1 it then steps a 1F1B pipeline on 6 rows, which ``n_microbatches`` (4) does
 not divide, and writes the error each rank raised to WORKDIR/uneven-rank<r>.pt.
+
+With ``devices`` it only builds pipelines over a "cpu" mesh, a "cuda" mesh (no GPU is
+needed to build one on gloo), with ``device="cpu"`` and over a process group, and writes
+the device of each one's first stage to WORKDIR/devices-rank<r>.pt.
 """
 
 from __future__ import annotations
@@ -147,8 +151,42 @@ def uneven_batch_refusal(data: dict) -> str:
     return ""
 
 
+def stage_devices(workdir: Path) -> None:
+    """The device of the first stage ``build_pipeline`` builds, per group and ``device``,
+    to WORKDIR/devices-rank<r>.pt."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dims = init_parallel(pp=int(os.environ["WORLD_SIZE"]), device="cpu")
+    ranks = list(range(dims.world_size))
+    del os.environ["LOCAL_RANK"]  # without it DeviceMesh sets no device where there is none
+    cuda_mesh = DeviceMesh("cuda", ranks, mesh_dim_names=("pp",))
+    fields = dict(n_layers=2, vocab_size=64, dim=32, n_heads=2, n_kv_heads=2, ffn_dim=64)
+    config = LlamaConfig.preset("tiny", **fields)
+    found = {}
+    for name, group, device in [
+        ("cpu mesh", dims.pp_mesh, None),
+        ("cuda mesh", cuda_mesh, None),
+        ("cuda mesh, device='cpu'", cuda_mesh, "cpu"),
+        ("process group", dist.group.WORLD, None),
+    ]:
+        pipe = build_pipeline(
+            Llama(config),
+            schedule="1F1B",
+            n_microbatches=dims.world_size,
+            loss_fn=cross_entropy_loss,
+            group=group,
+            **({} if device is None else {"device": device}),
+        )
+        found[name] = str(pipe.stages[0].device)
+    torch.save(found, workdir / f"devices-rank{dims.rank}.pt")
+    dist.destroy_process_group()
+
+
 def main() -> None:
     workdir = Path(sys.argv[1])
+    if sys.argv[2:] == ["devices"]:
+        stage_devices(workdir)
+        return
     torch.use_deterministic_algorithms(True)
     data = torch.load(workdir / "input.pt", weights_only=False)
     tp = data.get("tp", 1)

@@ -259,6 +259,22 @@ def test_a_stage_plan_keeps_the_entries_of_the_modules_the_stage_holds(model):
     match_plan(middle, kept)  # every kept pattern matches a module of the stage
 
 
+def test_a_stage_plan_refuses_a_pattern_that_matches_no_module_of_the_model(model):
+    # a mistyped norm pattern, dropped from every stage, would leave the norms unsplit
+    plan = model.parallel_plan()
+    plan["layers.*.mlp_nrom"] = plan.pop("layers.*.mlp_norm")
+    for stage in stage_modules(model, split_layers(4, 3), range(3)):
+        with pytest.raises(
+            ParallelConfigError, match=r"'layers.\*.mlp_nrom' matches no module of Llama"
+        ):
+            stage_plan(plan, stage)
+    plan["layers.1.mlp.down_proj"] = "colwise"  # and, as match_plan, one module two patterns
+    del plan["layers.*.mlp_nrom"]
+    first = stage_modules(model, split_layers(4, 3), [0])[0]  # holds no block 1
+    with pytest.raises(ParallelConfigError, match=r"'layers.1.mlp.down_proj' matches both"):
+        stage_plan(plan, first)
+
+
 def test_chained_stages_compute_the_model_with_packed_documents(model):
     tokens = torch.randint(0, 256, (2, 16))
     doc_lens = torch.tensor([[9, 7], [16, 0]])
@@ -492,6 +508,19 @@ def test_a_step_on_a_batch_the_micro_batches_do_not_divide_is_refused_on_every_r
         refused = torch.load(case["workdir"] / "pp2" / f"uneven-rank{rank}.pt")["refused"]
         assert "splits each batch into n_microbatches=4 equal micro-batches" in refused, rank
         assert "has 6 rows" in refused, rank
+
+
+@needs_pipeline_torch
+def test_stages_run_on_the_device_of_the_pipeline_mesh_unless_told(tmp_path):
+    # one spawned rank; a "cuda" mesh is built on gloo without a GPU, and nothing runs
+    run_ranks(WORKER, [str(tmp_path), "devices"], 1)
+    found = torch.load(tmp_path / "devices-rank0.pt")
+    assert found == {
+        "cpu mesh": "cpu",
+        "cuda mesh": "cuda",
+        "cuda mesh, device='cpu'": "cpu",
+        "process group": "cpu",
+    }
 
 
 @pytest.mark.skipif(not OLD_TORCH, reason="runs on a torch older than the pipeline needs")

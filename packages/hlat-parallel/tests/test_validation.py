@@ -201,6 +201,18 @@ def test_tp_not_dividing_fused_groups_is_refused_before_the_model_changes():
     assert model.layers[0].attention.qkv_proj.weight is weight
 
 
+def test_tp_not_dividing_the_ffn_width_names_the_gate_up_groups():
+    model = small_llama(n_heads=4, n_kv_heads=4, ffn_dim=130)
+    with pytest.raises(ParallelConfigError) as refused:
+        parallelize(model, dims_for(4), model.parallel_plan())
+    message = str(refused.value)
+    assert (
+        "layers.0.mlp.gate_up_proj (fused_colwise): tp 4 does not divide its 130 groups" in message
+    )
+    assert "segments [1, 1]" in message and "pick tp dividing 130" in message
+    assert "key/value" not in message
+
+
 def test_fused_segments_that_do_not_add_up_to_the_layer_are_refused():
     model = small_llama()
     plan = model.parallel_plan()
@@ -240,3 +252,60 @@ def test_the_nxd_path_offers_only_zero1():
     dims = dataclasses.replace(dims_for(1), backend="neuron", dp=2, world_size=2)
     with pytest.raises(ValueError, match="NeuronX Distributed's ZeRO-1; use dp_shard='zero1'"):
         parallelize(model, dims, model.parallel_plan(), dp_shard="fsdp")
+
+
+# --- sequence parallelism: every module holding parameters is in the plan ---------------------
+
+
+class NormedLM(nn.Module):
+    """An embedding, two LayerNorms, an MLP and a head; ``scale`` a parameter of its own."""
+
+    def __init__(self, scale: bool = False) -> None:
+        super().__init__()
+        self.embed, self.norm = nn.Embedding(64, 32), nn.LayerNorm(32)
+        self.up, self.down = nn.Linear(32, 128), nn.Linear(128, 32)
+        self.norm2, self.head = nn.LayerNorm(32), nn.Linear(32, 64, bias=False)
+        if scale:
+            self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = h + self.down(torch.relu(self.up(self.norm(h))))
+        return self.head(self.norm2(h))
+
+
+NORMED_PLAN = {"embed": "embedding", "norm": "norm", "up": "colwise", "down": "rowwise",
+               "norm2": "norm", "head": "lm_head"}  # fmt: skip
+
+
+def test_modules_with_parameters_outside_the_plan_are_refused_under_sequence_parallelism():
+    # such a module runs on a sequence shard, and nothing sums its gradients over tp
+    model = NormedLM()
+    plan = {k: v for k, v in NORMED_PLAN.items() if k != "norm2"}
+    weight = model.up.weight
+    with pytest.raises(ParallelConfigError) as refused:
+        parallelize(model, dims_for(2, sp=True), plan)
+    message = str(refused.value)
+    assert "sequence parallelism" in message and "norm2 holds parameters" in message
+    assert "add them to the plan (a norm is 'norm'), or set sp=False" in message
+    assert model.up.weight is weight  # refused before the model changed
+
+
+def test_every_module_left_out_of_the_plan_is_named_under_sequence_parallelism():
+    model = small_llama()
+    plan = model.parallel_plan()
+    del plan["layers.*.mlp_norm"], plan["norm"]
+    with pytest.raises(
+        ParallelConfigError, match=r"layers\.0\.mlp_norm, layers\.1\.mlp_norm, norm "
+    ):
+        parallelize(model, dims_for(2, sp=True), plan)
+
+
+def test_a_parameter_of_the_model_itself_is_refused_under_sequence_parallelism():
+    with pytest.raises(ParallelConfigError, match=r"NormedLM itself holds parameters"):
+        parallelize(NormedLM(scale=True), dims_for(2, sp=True), NORMED_PLAN)
+
+
+def test_modules_outside_the_plan_are_allowed_without_sequence_parallelism():
+    plan = {k: v for k, v in NORMED_PLAN.items() if k != "norm2"}
+    parallelize(NormedLM(), dims_for(1, sp=True), plan)  # tp 1: no sequence split

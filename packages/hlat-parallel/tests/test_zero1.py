@@ -5,7 +5,8 @@ data-parallel ones.
 Each layout runs tests/zero1_worker.py once; the tests below read what its ranks wrote. The
 model is the README's TinyLM with a 0-d parameter: under TP its column-parallel bias
 (``up.bias``) is sharded on its only dimension, so ZeRO-1 keeps it whole, as the 0-d one.
-Checkpoints are written and read with ``hlat_ckpt.Checkpointer``.
+Checkpoints are written and read with ``hlat_ckpt.Checkpointer``. The optimizer hooks
+(step, state-dict and global ones) run as around ``torch.optim.AdamW`` (one process, DP=2).
 """
 
 from __future__ import annotations
@@ -166,3 +167,28 @@ def test_every_rank_holds_the_same_whole_weights(runs, layout):
         assert _equal(a["whole"]["zero1"], b["whole"]["zero1"])
         for precision in PRECISIONS:
             assert _equal(a["resume"][precision]["resumed"], b["resume"][precision]["resumed"])
+
+
+@pytest.mark.parametrize("layout", ["one-process", "dp2"])
+def test_optimizer_hooks_run_as_around_torchs_adamw(tmp_path, layout):
+    world, tp = LAYOUTS[layout]
+    run_ranks(WORKER, [str(tmp_path), str(tp), "hooks"], world)
+    expected = [
+        ("global pre", True),
+        ("step pre", True),
+        ("closure", True),
+        ("step post", True),
+        ("global post", True),
+        ("state_dict pre", True),
+        ("state_dict post", True),
+        ("noted", True),
+        ("load pre", True),
+        ("load post", True),
+    ]
+    # the wrapped optimizer's own hooks, given it (not the ZeRO-1 one), around its step
+    inner = [("inner pre", False), ("inner post", False)]
+    with_inner = [*expected[:3], *inner, *expected[3:]]
+    for rank in range(world):
+        ran = torch.load(tmp_path / f"hooks-rank{rank}.pt")
+        assert ran["none"] == expected, ran["none"]  # torch's own AdamW
+        assert ran["zero1"] == with_inner, f"rank {rank}: {ran['zero1']}"

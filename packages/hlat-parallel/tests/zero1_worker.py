@@ -1,7 +1,8 @@
 """One rank of a ZeRO-1 run, launched by tests/test_zero1.py with torchrun's environment.
 
 Usage: zero1_worker.py WORKDIR TP DTYPE (float32 or bfloat16: the precisions of that weight
-dtype). Trains a small language model (a column-parallel bias
+dtype; ``hooks``: only the optimizer hooks, see :func:`hooks`, to
+WORKDIR/hooks-rank<r>.pt). Trains a small language model (a column-parallel bias
 and a 0-d parameter among its weights) with ``dp_shard="zero1"`` and writes what the test
 compares to WORKDIR/rank<r>.pt:
 
@@ -203,8 +204,70 @@ def whole(dims) -> dict:
     return out
 
 
+def hooks(dims, dp_shard: str) -> list:
+    """The optimizer hooks that run, in order, around a step, ``state_dict()`` and
+    ``load_state_dict()``: torch's AdamW on whole replicas (``dp_shard="none"``) or under
+    ZeRO-1, as ``(hook, whether it was given this optimizer)``; the closure a step pre-hook
+    passes and the dict a state-dict post-hook returns must take effect."""
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    parallelize(model, dims, PLAN, dp_shard=dp_shard)
+    params = list(model.parameters())
+    if dp_shard == "zero1":
+        optimizer = zero1(torch.optim.AdamW, params, dims, lr=LR)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=LR)
+    ran: list = []
+
+    def note(name: str, result: Any = None) -> Any:
+        def hook(opt: Any, *args: Any) -> Any:
+            ran.append((name, opt is optimizer))
+            return result(*args) if result is not None else None
+
+        return hook
+
+    def with_closure(args: tuple, kwargs: dict) -> tuple:  # the step calls it
+        return args, {**kwargs, "closure": lambda: ran.append(("closure", True))}
+
+    def extended(state_dict: dict) -> dict:
+        return {**state_dict, "noted": True}
+
+    handles = [
+        register_optimizer_step_pre_hook(note("global pre")),
+        register_optimizer_step_post_hook(note("global post")),
+        optimizer.register_step_pre_hook(note("step pre", with_closure)),
+        optimizer.register_step_post_hook(note("step post")),
+        optimizer.register_state_dict_pre_hook(note("state_dict pre")),
+        optimizer.register_state_dict_post_hook(note("state_dict post", extended)),
+        optimizer.register_load_state_dict_pre_hook(note("load pre")),
+        optimizer.register_load_state_dict_post_hook(note("load post")),
+    ]
+    if dp_shard == "zero1":  # the wrapped optimizer's own step hooks run around its step
+        handles.append(optimizer.inner.register_step_pre_hook(note("inner pre")))
+        handles.append(optimizer.inner.register_step_post_hook(note("inner post")))
+    train_step(model, optimizer, dims, 1)
+    state = optimizer.state_dict()
+    ran.append(("noted", state.pop("noted", False)))
+    optimizer.load_state_dict(state)
+    for handle in handles:
+        handle.remove()
+    return ran
+
+
 def main() -> None:
-    workdir, tp, dtype = Path(sys.argv[1]), int(sys.argv[2]), getattr(torch, sys.argv[3])
+    workdir = Path(sys.argv[1])
+    if sys.argv[3] == "hooks":
+        dims = init_parallel(tp=int(sys.argv[2]), device="cpu")
+        ran = {dp_shard: hooks(dims, dp_shard) for dp_shard in ("none", "zero1")}
+        torch.save(ran, workdir / f"hooks-rank{dims.rank}.pt")
+        dist.destroy_process_group()
+        return
+    tp, dtype = int(sys.argv[2]), getattr(torch, sys.argv[3])
     # Note: one weight dtype per process: torch 2.9's vocabulary-parallel embedding fails
     # ("assert self.mask_buffer.data is not None") when a process builds it in a second dtype
     mine = [p for p, (d, _) in PRECISIONS.items() if d == dtype]

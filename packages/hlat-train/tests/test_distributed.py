@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from hlat_train import Trainer, read_metrics
 pytestmark = pytest.mark.slow
 
 HORIZON = "--optim.decay_steps=30"  # one LR schedule for runs of any length
+PREEMPT = Path(__file__).with_name("preempt_worker.py")
 
 
 def _losses(out_dir: Path) -> list[float]:
@@ -154,6 +156,22 @@ def test_tp2_with_sharded_init_trains(corpus, tmp_path):
     full = consolidate(str(out / "checkpoints"))["model"]
     embedding = next(v for k, v in full.items() if "embed" in k)
     assert 0.01 < float(embedding.float().std()) < 0.05
+
+
+def test_ranks_agree_on_a_preemption_save_when_only_some_have_measured_one(corpus, tmp_path):
+    """Rank 1 has measured a 1000 s save, rank 0 none yet: both join the agreement, and both
+    skip the save, which does not fit the 60 s budget."""
+    config = tiny_config(corpus, tmp_path / "run", "--checkpoint.preempt_budget=60")
+    path = write_config(config, tmp_path / "run.toml")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--standalone", str(PREEMPT), path, str(tmp_path)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    decided = {p.name: p.read_text() for p in tmp_path.glob("rank*")}
+    assert decided == {"rank0": "False", "rank1": "False"}, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-3000:]
+    # rank 0 reports the slowest rank's estimate
+    assert "SIGTERM: a save takes about 1000.0 s but" in done.stderr
 
 
 def _workers(torchrun_pid: int) -> list[int]:

@@ -48,8 +48,13 @@ def test_exported_tokenizer_matches_sentencepiece_and_the_model_generates(
     out = export_hf(str(checkpoints), str(tmp_path / "hf"))
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     reference = Tokenizer.from_file(corpus["tokenizer"])
-    text = "def main(argv):\n    return 0\n"
-    assert tokenizer(text, add_special_tokens=False)["input_ids"] == reference.encode(text)
+    # text that starts with whitespace too: SentencePiece adds its dummy prefix to every text
+    texts = ["def main(argv):\n    return 0\n", "  two", "    indented = 1\n", " ", "\tx", ""]
+    for text in [*texts, "\n\nx  =  2 ", "é ü 漢字 🙂"]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert ids == reference.encode(text), text
+        assert tokenizer.decode(ids) == reference.decode(ids) == text
+    assert tokenizer("def", add_special_tokens=True)["input_ids"] == reference.encode("def")
     assert tokenizer.eos_token_id == reference.eos_id
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     prompt = tokenizer("def ", return_tensors="pt")
@@ -77,6 +82,36 @@ def test_a_tp2_checkpoint_exports_like_the_single_process_one(corpus, tmp_path, 
     assert set(a) == set(b)
     for name in b:
         torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-5)
+
+
+def test_each_checkpoint_exports_as_the_model_it_was_trained_as(corpus, tmp_path):
+    """A 4-head run saves steps 2 and 4; a new 8-head run in the same directory
+    (``checkpoint.resume = false``) saves step 3. Step 4 exports with 4 heads, the root (its
+    newest checkpoint, step 3) with 8."""
+
+    def train(*extra: str, steps: int) -> None:
+        trainer = Trainer(tiny_config(corpus, tmp_path, *extra, steps=steps))
+        try:
+            trainer.fit()
+        finally:
+            trainer.close()
+
+    train(steps=4)
+    train("--model.n_heads=8", "--checkpoint.resume=false", "--checkpoint.every=3", steps=3)
+    checkpoints = tmp_path / "checkpoints"
+    ids = torch.randint(0, 384, (1, 40), generator=torch.Generator().manual_seed(0))
+    for source, heads in ((checkpoints / "step_0000000004", 4), (checkpoints, 8)):
+        out = export_hf(str(source), str(tmp_path / f"hf-{heads}"), dtype="float32")
+        hf = transformers.LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+        assert hf.config.num_attention_heads == heads
+        llama = Llama(tiny_config(corpus, tmp_path, f"--model.n_heads={heads}").llama_config(384))
+        llama.load_state_dict(consolidate(str(source))["model"])
+        with torch.no_grad():
+            torch.testing.assert_close(hf(ids).logits, llama(ids), rtol=1e-4, atol=1e-4)
+    # a checkpoint without its own config (hlat-train before 0.24) takes the root's
+    (checkpoints / "step_0000000004" / "hlat-train-config.toml").unlink()
+    out = export_hf(str(checkpoints / "step_0000000004"), str(tmp_path / "hf-root"))
+    assert transformers.AutoConfig.from_pretrained(out).num_attention_heads == 8
 
 
 def test_export_of_a_directory_without_a_run_config_is_refused(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -135,6 +136,17 @@ def test_warn_policy_reports_the_spike_and_keeps_the_update(corpus, tmp_path):
     _, records, updates = _run(corpus, tmp_path, "warn")
     assert [r["action"] for r in records] == ["update"] * 5 + ["warn"] + ["update"] * 2
     assert updates == {8}
+
+
+@pytest.mark.slow
+def test_with_the_progress_bar_off_spikes_and_validation_losses_go_to_the_log(
+    corpus, tmp_path, capfd
+):
+    _run(corpus, tmp_path, "warn")  # logging.progress = false, validation at each save (4, 8)
+    logged = capfd.readouterr().err
+    assert "hlat-train: step 6: 1 loss spike(s) since the last log" in logged
+    for step in (4, 8):
+        assert re.search(rf"hlat-train: step {step}: validation loss \d+\.\d{{4}}\n", logged)
 
 
 @pytest.mark.slow

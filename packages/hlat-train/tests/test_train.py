@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import torch
 from train_helpers import tiny_config, wait_for_step, write_config
 
 from hlat_ckpt import MANIFEST_NAME, Checkpointer, consolidate
-from hlat_train import Trainer, read_metrics
+from hlat_train import ConfigError, Trainer, read_metrics
 
 
 def _fit(config):
@@ -92,6 +93,42 @@ def test_a_resumed_run_follows_the_optimizer_settings_of_the_command_that_resume
     assert rates("split") == pytest.approx(rates("fresh"))
     assert [g["weight_decay"] for g in trainer.optimizer.param_groups] == [0.0] * len(
         trainer.optimizer.param_groups
+    )
+
+
+def test_a_resume_into_another_network_is_refused_before_any_work_and_changes_nothing(
+    corpus, tmp_path, capfd
+):
+    _fit(tiny_config(corpus, tmp_path, steps=4))  # 4 heads, RoPE base 10000, dim 64
+
+    def files():
+        return {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+
+    before = files()
+    own = tmp_path / "checkpoints" / "step_0000000004" / "hlat-train-config.toml"
+    assert "n_heads = 4" in own.read_text()  # the config step 4 was trained with
+    # n_heads and rope_theta keep every tensor's shape; dim does not
+    for change, value in (("n_heads", "8"), ("rope_theta", "500000.0"), ("dim", "128")):
+        override = f"--model.{change}={value}"
+        with pytest.raises(ConfigError, match=rf"model\.{change} is {value}, but checkpoint "):
+            _fit(tiny_config(corpus, tmp_path, override, steps=6))
+        assert files() == before, change
+    # a checkpoint without its own config (hlat-train before 0.24) is compared with the root's,
+    # which those versions rewrote at every start: a difference is a warning
+    own.unlink()
+    capfd.readouterr()
+    _, summary = _fit(tiny_config(corpus, tmp_path, "--model.n_heads=8", steps=4))
+    assert summary["resumed_from"] == 4
+    assert re.search(
+        r"warning: model\.n_heads is 8, but the run's saved config \(.*checkpoints/"
+        r"hlat-train-config.toml\) says 4; checkpoint step 4 has no config of its own",
+        capfd.readouterr().err,
+    )
+    # a change of precision resumes, and says so
+    _, summary = _fit(tiny_config(corpus, tmp_path, "--optim.precision=bf16-sr", steps=6))
+    assert summary["resumed_from"] == 4
+    assert "optim.precision fp32 -> bf16-sr: checkpoint step 4 was trained in fp32" in (
+        capfd.readouterr().err
     )
 
 
@@ -227,3 +264,8 @@ def test_async_saves_record_a_stall_and_their_background_write(corpus, tmp_path)
         assert r["async_save"] is True and r["bytes"] > 0
         # the loop was blocked for the staging only; the write ran after save() returned
         assert 0 <= r["wait_s"] <= r["stall_s"] and r["stall_s"] + r["write_s"] <= r["save_s"]
+        # each checkpoint holds the config it was trained with, written once it committed
+        saved = tmp_path / "checkpoints" / f"step_{r['step']:010d}" / "hlat-train-config.toml"
+        assert (
+            saved.read_text() == (tmp_path / "checkpoints" / "hlat-train-config.toml").read_text()
+        )

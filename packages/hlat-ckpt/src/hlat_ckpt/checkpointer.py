@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 import os
 import pickle
 import re
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -79,7 +80,8 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         process_group: the ranks that checkpoint together; by default all ranks, through a
             new gloo group of their own.
         layout: free-form description of the parallel layout (e.g. ``{"tp": 2, "dp": 4}``),
-            recorded in the manifest.
+            recorded in the manifest as JSON: str, int, float, bool, None, lists and dicts
+            with str keys (anything else is refused here).
         io_threads: file-writing threads per rank on local disks (DCP's ``thread_count``:
             each thread writes a file of its own); ``None``: 2 for a process alone on its
             node (torchrun's ``LOCAL_WORLD_SIZE``, else the world size, is 1), 1 when
@@ -135,7 +137,7 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
             storage_options=storage_options,
             save_rng=save_rng,
             process_group=process_group,
-            layout=dict(layout or {}),
+            layout=layout or {},
             verify_checksums=verify_checksums,
         )
         if io_threads is None:
@@ -174,6 +176,7 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         are written and committed in the background. Waits for the previous save first and
         raises its error, if it failed.
         """
+        self._refuse_closed()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         started = time.perf_counter()
@@ -234,12 +237,16 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         if self.async_save:
             super()._delete(doomed)
         else:
-            self._deleting = self._executor.submit(super()._delete, doomed)
+            try:
+                self._deleting = self._executor.submit(super()._delete, doomed)
+            except RuntimeError:  # at interpreter exit executors take no new work
+                super()._delete(doomed)
 
     def close(self) -> None:
-        """Wait for the last save and stop the background writer."""
+        """Wait for the last save and stop the background writer; the checkpointer then
+        refuses to save or load (also after a ``with`` block)."""
         try:
-            self.wait()
+            super().close()
         finally:
             self._executor.shutdown(wait=True)
 
@@ -357,13 +364,40 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         current: dict[str, dict[str, torch.Tensor]] = {}
         keys: dict[str, builtins.list[str] | None] = {}  # None: a nested (pre-0.4) optimizer
         params: dict[str, set[str]] = {}  # the parameters of each optimizer entry, by name
+        stateless: dict[str, set[str]] = {}  # of each optimizer entry, saved without state
+        fresh: set[str] = set()  # optimizer entries left as they are
         problem = ""
         for name, (kind, obj) in entries.items():
             if kind in ("module", "optimizer"):
                 nested = kind == "optimizer" and any(
                     k.startswith(f"{name}/state/") for k in metadata
                 )
+                saved = _params_of((k for k in metadata if k.startswith(f"{name}/state.")), name)
+                if kind == "optimizer":
+                    lacking: set[str] = set()
+                    if saved and not obj[1].state and not isinstance(obj[1].state, MutableMapping):
+                        lacking = _trained(*obj) - saved
+                    if lacking:  # refused before its state is made: it could not be dropped
+                        problem = problem or _undroppable(where, name, obj[1], lacking)
+                    elif saved or nested:
+                        # the names of its state: what to read (without state, a checkpoint
+                        # without its state leaves it fresh)
+                        _init_state(obj[1])
+                    elif not obj[1].state and not isinstance(obj[1].state, MutableMapping):
+                        fresh.add(name)  # DCP loads no groups into it without state
                 value = self._get_state_dict(kind, obj, flat=not nested)
+                if kind == "optimizer" and not nested:
+                    # parameters saved without state (before the optimizer's first step, or
+                    # never updated) load without it
+                    held = _params_of(k for k in value if k.startswith("state."))
+                    stateless[name] = held - saved
+                    value = {
+                        k: v
+                        for k, v in value.items()
+                        if not (k.startswith("state.") and _param(k) in stateless[name])
+                    }
+                    if stateless[name] and not isinstance(obj[1].state, MutableMapping):
+                        problem = problem or _undroppable(where, name, obj[1], stateless[name])
                 keys[name] = None if nested else builtins.list(value)
                 if kind == "optimizer":
                     params[name] = _params_of(value)
@@ -429,7 +463,10 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
                         )
                     skeleton = {k: skeleton[k] for k in wanted}
                 value = state_json.join(skeleton, current[name], f"{where}:{name}")
-                self._set_state_dict(kind, obj, value, flat=wanted is not None)
+                if stateless.get(name):
+                    _drop_state(obj[0], obj[1], stateless[name])
+                if name not in fresh:
+                    self._set_state_dict(kind, obj, value, flat=wanted is not None)
             else:
                 value = state_json.join(rank_skel[name], request, f"{where}:{name}")
                 if kind == "dict":
@@ -569,7 +606,8 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
             return get_model_state_dict(obj)
         model, optimizer = obj
         options = StateDictOptions(flatten_optimizer_state_dict=flat)
-        return get_optimizer_state_dict(model, optimizer, options=options)
+        with _not_stepped(optimizer):
+            return get_optimizer_state_dict(model, optimizer, options=options)
 
     @staticmethod
     def _set_state_dict(kind: str, obj: Any, value: dict[str, Any], flat: bool = True) -> None:
@@ -584,7 +622,8 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         else:
             model, optimizer = obj
             options = StateDictOptions(flatten_optimizer_state_dict=flat)
-            set_optimizer_state_dict(model, optimizer, value, options=options)
+            with _not_stepped(optimizer):
+                set_optimizer_state_dict(model, optimizer, value, options=options)
 
     def _collect(
         self, state: Mapping[str, Any], entries: dict[str, tuple[str, Any]]
@@ -812,6 +851,83 @@ def _why(kind: str, keys: builtins.list[str], other_state: bool) -> str:
         "loads optimizer state of the same kind only: for such a change load the model entry "
         "alone and start the optimizer fresh"
     )
+
+
+def _grads(optimizer: torch.optim.Optimizer) -> builtins.list[tuple[torch.Tensor, Any]]:
+    return [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
+
+
+@contextlib.contextmanager
+def _not_stepped(optimizer: torch.optim.Optimizer) -> Generator[None, None, None]:
+    """Keep DCP's optimizer state-dict functions from stepping ``optimizer``.
+
+    Note: for an optimizer without state and without grads they first run ``step()`` with
+    lr=0 and zero grads (torch's ``_init_optim_state``), which creates state (AdamW: step 1)
+    that a run without the save would not have; a grad on one parameter makes them skip
+    it, and is taken away after.
+    """
+    grads = _grads(optimizer)
+    if optimizer.state or not grads or any(g is not None for _, g in grads):
+        yield
+        return
+    param = min((p for p, _ in grads), key=lambda p: p.numel())
+    param.grad = torch.zeros_like(param)
+    try:
+        yield
+    finally:
+        param.grad = None
+
+
+def _init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give an optimizer without state its state as DCP does (torch's ``_init_optim_state``,
+    a ``step()`` with lr=0 and zero grads), whatever its grads: DCP skips it where some are
+    set. The grads are kept."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    if optimizer.state:
+        return
+    grads = _grads(optimizer)
+    for p, _ in grads:
+        p.grad = None
+    try:
+        _init_optim_state(optimizer)
+    finally:
+        for p, grad in grads:
+            p.grad = grad
+
+
+def _undroppable(
+    where: str, name: str, optimizer: torch.optim.Optimizer, stateless: set[str]
+) -> str:
+    return (
+        f"{where}: entry {name!r} has no state of the parameters {sorted(stateless)[:3]} "
+        f"(saved before their first step), and a {type(optimizer).__name__} cannot drop the "
+        "state it has of them: load the model entry alone and start the optimizer fresh"
+    )
+
+
+def _trained(model: nn.Module, optimizer: torch.optim.Optimizer) -> set[str]:
+    """DCP's names of the parameters of ``optimizer`` that require grads (those that torch's
+    ``_init_optim_state`` gives state)."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    mine = {id(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
+    return {
+        fqn
+        for name, param in model.named_parameters(remove_duplicate=False)
+        if id(param) in mine
+        for fqn in _get_fqns(model, name)
+    }
+
+
+def _drop_state(model: nn.Module, optimizer: torch.optim.Optimizer, names: set[str]) -> None:
+    """Remove the state of the parameters ``names`` (DCP's names for them) from
+    ``optimizer``."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if _get_fqns(model, name) & names:
+            optimizer.state.pop(param, None)
 
 
 def _placeholder(metadata: Mapping[str, Any], key: str) -> torch.Tensor:

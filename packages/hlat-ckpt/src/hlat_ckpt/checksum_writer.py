@@ -147,7 +147,10 @@ class ChecksumStream(io.IOBase):
         if len(view) >= OVERLAP_BYTES:
             if self._helper is None:
                 self._helper = ThreadPoolExecutor(1, thread_name_prefix="hlat-ckpt-crc")
-            pending = self._helper.submit(zlib.crc32, view, self.crc)
+            try:
+                pending = self._helper.submit(zlib.crc32, view, self.crc)
+            except RuntimeError:  # at interpreter exit executors take no new work: inline
+                pending = None
         try:
             written = self._raw.write(view)
         except BaseException:

@@ -274,7 +274,8 @@ class NeuronCheckpointer(CheckpointPolicy[Written]):
         save_rng: save and restore each rank's Python/NumPy/torch RNG states as ``"rng"``.
         process_group: the ranks that checkpoint together; by default all ranks, through a
             new gloo group of their own.
-        layout: free-form description of the parallel layout, recorded in the manifest.
+        layout: free-form description of the parallel layout, recorded in the manifest as
+            JSON (as :class:`~hlat_ckpt.Checkpointer`'s).
         verify_checksums: before loading, read every file back and compare it with the
             manifest's checksum (the ranks share the reading); a damaged checkpoint is
             skipped by :meth:`load_latest` and refused by :meth:`load`.
@@ -362,6 +363,7 @@ class NeuronCheckpointer(CheckpointPolicy[Written]):
         With ``async_save`` this returns once NxD has copied the shards to host memory;
         the checkpoint is committed by the next :meth:`save`, :meth:`wait` or :meth:`close`.
         """
+        self._refuse_closed()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         first = _NXD_MODES.get(self._nxd)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import concurrent.futures.thread  # noqa: F401  (registers its exit hook before ours)
 import os
 import sys
 import threading
@@ -169,11 +170,14 @@ class CheckpointPolicy(Generic[PendingT]):
             raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
         if keep_every is not None and (not isinstance(keep_every, int) or keep_every < 1):
             raise ValueError(f"keep_every must be an int >= 1 or None, got {keep_every!r}")
+        if not isinstance(layout, Mapping):
+            raise TypeError(f"layout must be a dict, got {type(layout).__name__}")
+        _check_json(dict(layout), "layout")
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.async_save = async_save
         self.save_rng = save_rng
-        self.layout = layout
+        self.layout = dict(layout)
         self.verify_checksums = verify_checksums
         self._storage = Storage(root_url, storage_options)
         self.url = self._storage.url
@@ -189,6 +193,7 @@ class CheckpointPolicy(Generic[PendingT]):
             self._group = None
             self.rank, self.world_size, self._src = 0, 1, 0
         self._pending: PendingT | None = None
+        self._closed = False
         self._saved_steps: set[int] = set()  # committed by this object (storage is checked too)
         self._damaged: set[str] = set()  # directories load_latest skipped for their checksums
         # rank 0's view of the run lineage (hlat_ckpt.lineage), set by a load or the first save
@@ -199,7 +204,14 @@ class CheckpointPolicy(Generic[PendingT]):
         self._finished: builtins.list[SaveStats] = []
         self.last_save: SaveStats | None = None
         """What the newest committed save cost (:class:`~hlat_ckpt.SaveStats`)."""
-        atexit.register(_wait_at_exit, weakref.ref(self))
+        # Note: at exit concurrent.futures stops taking work (its hook runs before atexit's),
+        # and the pending save still needs it (the background write, s3fs's requests); a
+        # threading hook registered after that module's import runs before its own
+        args = (weakref.ref(self), os.getpid())
+        try:
+            threading._register_atexit(_wait_at_exit, *args)  # type: ignore[attr-defined]
+        except (AttributeError, RuntimeError):  # another Python, or already exiting
+            atexit.register(_wait_at_exit, *args)
 
     # --- engine hooks ----------------------------------------------------------------------
 
@@ -274,14 +286,17 @@ class CheckpointPolicy(Generic[PendingT]):
         newest starts a new lineage. Rank 0 chooses and every rank loads the same step.
         ``strict`` is :meth:`load`'s.
         """
+        self._refuse_closed()
         resolved = self._resolve(state)
         self.wait()
         rejected: set[str] = set()
         while True:
-            chosen: builtins.list[Any] = [-1, ""]
+            chosen: builtins.list[Any] = [-1, "", ""]
             commits: builtins.list[Commit] = []
             if self.rank == 0:
                 manifests, leftovers = scan(self._storage)
+                if not manifests and not leftovers:
+                    chosen[2] = self._root_mistake()
                 if not rejected:
                     self._warn_uncommitted(leftovers)
                 # Note: a damaged checkpoint stays among the commits, as an incomplete one
@@ -299,11 +314,13 @@ class CheckpointPolicy(Generic[PendingT]):
                         warnings.warn(f"skipping incomplete checkpoint: {e}", stacklevel=2)
                         rejected.add(candidate.dirname)
                         continue
-                    chosen = [candidate.step, candidate.dirname]
+                    chosen = [candidate.step, candidate.dirname, ""]
                     break
             if self._group is not None:
                 dist.broadcast_object_list(chosen, src=self._src, group=self._group)
             step, dirname = int(chosen[0]), str(chosen[1])
+            if chosen[2]:
+                raise CheckpointError(chosen[2])
             if step < 0:
                 if self.rank == 0:
                     self._begin_lineage(commits, None)
@@ -345,21 +362,26 @@ class CheckpointPolicy(Generic[PendingT]):
         lineage's is loaded. Saving after loading a step older than the newest commit starts
         a new lineage (:mod:`hlat_ckpt.lineage`).
         """
+        self._refuse_closed()
         resolved = self._resolve(state)
         self.wait()
-        chosen: builtins.list[Any] = [""]
+        chosen: builtins.list[Any] = ["", ""]
         commits: builtins.list[Commit] = []
         if self.rank == 0:
-            manifests, _ = scan(self._storage)
+            manifests, leftovers = scan(self._storage)
+            if not manifests and not leftovers:
+                chosen[1] = self._root_mistake()
             commits = [m.commit(d) for d, m in manifests.items()]
             current = {c.dirname for c in lineages.current_ancestry(commits)}
             matches = sorted(
                 (c for c in commits if c.step == step),
                 key=lambda c: (c.dirname in current, c.order),
             )
-            chosen = [matches[-1].dirname if matches else ""]
+            chosen[0] = matches[-1].dirname if matches else ""
         if self._group is not None:
             dist.broadcast_object_list(chosen, src=self._src, group=self._group)
+        if chosen[1]:
+            raise CheckpointError(chosen[1])
         dirname = str(chosen[0]) or step_dirname(step)
         manifest, problem = self._check(step, dirname)
         if manifest is None or problem is not None:
@@ -397,8 +419,32 @@ class CheckpointPolicy(Generic[PendingT]):
         return self._lineage
 
     def close(self) -> None:
-        """Wait for the last save to commit."""
+        """Wait for the last save to commit. A closed checkpointer (also at the end of a
+        ``with`` block) refuses to save or load: create a new one for that."""
+        self._closed = True
         self.wait()
+
+    def _refuse_closed(self) -> None:
+        if self._closed:
+            raise CheckpointError(
+                f"this {type(self).__name__} of {self.url} is closed; create a new one to save "
+                "or load"
+            )
+
+    def _root_mistake(self) -> str:
+        """Why the root cannot hold checkpoints, where it is a file or a checkpoint directory
+        passed by mistake, else ``""`` (rank 0, where no checkpoint was found under it)."""
+        storage = self._storage
+        if storage.fs.isfile(storage.root):
+            return f"{self.url} is a file, not a directory of checkpoints"
+        for name in (*self._markers, ".metadata"):
+            if storage.exists(name):
+                parent = self.url.rsplit("/", 1)[0] if "/" in self.url else "."
+                return (
+                    f"{self.url} is a checkpoint (it holds {name}), not a directory of "
+                    f"checkpoints; pass its parent ({parent})"
+                )
+        return ""
 
     def __enter__(self: PolicyT) -> PolicyT:
         return self
@@ -484,14 +530,18 @@ class CheckpointPolicy(Generic[PendingT]):
             self._parent = None if resumed is None else resumed.as_parent()
         self._seq = lineages.next_seq(commits)
 
-    def _ensure_lineage(self) -> None:
+    def _ensure_lineage(self) -> str:
         """Before the first save of a checkpointer that loaded nothing (rank 0): continue the
-        newest commit's lineage, as if resumed from it."""
+        newest commit's lineage, as if resumed from it. Returns why the root cannot hold
+        checkpoints (:meth:`_root_mistake`), or ``""``."""
         if self._lineage is not None:
-            return
-        manifests, _ = scan(self._storage)
+            return ""
+        manifests, leftovers = scan(self._storage)
+        if not manifests and not leftovers and (mistake := self._root_mistake()):
+            return mistake
         commits = [m.commit(d) for d, m in manifests.items()]
         self._begin_lineage(commits, lineages.head(commits))
+        return ""
 
     def _prepare(self, step: int) -> str:
         """Refuse a step already committed in this run's lineage; choose the directory name
@@ -503,8 +553,9 @@ class CheckpointPolicy(Generic[PendingT]):
         """
         name, refusal = step_dirname(step), ""
         if self.rank == 0:
-            self._ensure_lineage()
-            name, refusal = self._choose_dirname(step)
+            refusal = self._ensure_lineage()
+            if not refusal:
+                name, refusal = self._choose_dirname(step)
             if not refusal:
                 self._storage.remove_dir(self._storage.write_dirname(name))
         steps = [step]
@@ -744,9 +795,31 @@ class CheckpointPolicy(Generic[PendingT]):
                 )
 
 
-def _wait_at_exit(ref: weakref.ref[CheckpointPolicy[Any]]) -> None:
+def _check_json(value: Any, where: str) -> None:
+    """Raise ``ValueError`` where ``value`` is not what JSON records as it is: dicts with
+    str keys, lists and tuples, str, int, float, bool and None."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(
+                    f"{where} has the key {key!r} ({type(key).__name__}); it is recorded as "
+                    "JSON, whose keys are str"
+                )
+            _check_json(item, f"{where}[{key!r}]")
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _check_json(item, f"{where}[{i}]")
+    elif value is not None and not isinstance(value, str | int | float):
+        raise ValueError(
+            f"{where} is {value!r} ({type(value).__name__}); it is recorded as JSON: use "
+            "str, int, float, bool, None, lists and dicts with str keys"
+        )
+
+
+def _wait_at_exit(ref: weakref.ref[CheckpointPolicy[Any]], pid: int) -> None:
+    # a forked child (a DataLoader worker) inherits the hook, not the thread that writes
     checkpointer = ref()
-    if checkpointer is None:
+    if checkpointer is None or os.getpid() != pid:
         return
     try:
         checkpointer.wait()

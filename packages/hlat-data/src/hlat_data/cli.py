@@ -46,6 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("-o", "--output", required=True, help="the Arrow file to write")
     convert.add_argument("--text-field", default="text", help="field or column with the text")
     convert.add_argument("--batch-rows", type=int, default=8192, help="rows per record batch")
+    convert.add_argument(
+        "--nulls",
+        choices=("error", "skip"),
+        default="error",
+        help="a null text (JSON null, Arrow or Parquet null): stop with its file and line or "
+        "row (error), or leave it out and count it in nulls_skipped (skip)",
+    )
     convert.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     train = commands.add_parser(
@@ -121,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 text_field=args.text_field,
                 batch_rows=args.batch_rows,
                 progress=not args.no_progress,
+                nulls=args.nulls,
             )
             print(json.dumps({"output": args.output, **result}))
         elif args.command == "train-tokenizer":

@@ -44,6 +44,7 @@ def convert_to_arrow(
     batch_bytes: int = 32 << 20,
     progress: bool = False,
     storage_options: dict[str, Any] | None = None,
+    nulls: str = "error",
 ) -> dict[str, int]:
     """Write the documents of ``inputs`` to one Arrow IPC file with a ``text`` column.
 
@@ -60,20 +61,26 @@ def convert_to_arrow(
         batch_rows, batch_bytes: a record batch is written once either is reached; they
             bound memory and set the granularity of random access.
         progress: show a progress bar of documents written (needs ``tqdm``).
+        nulls: a null text (JSON ``null``, an Arrow or Parquet null): ``"error"`` (the
+            default, as the sources') stops naming file and line or row; ``"skip"`` leaves
+            it out and counts it.
 
     Returns:
-        ``{"files", "documents", "characters"}`` written.
+        ``{"files", "documents", "characters", "nulls_skipped"}``.
 
     Raises:
         DataError: naming file and line for broken JSON, invalid UTF-8, a missing or
-            non-string field; before anything is renamed into place.
+            non-string field, a null text (``nulls="error"``); before anything is renamed
+            into place.
     """
+    if nulls not in ("error", "skip"):
+        raise DataError(f"nulls must be 'error' or 'skip', got {nulls!r}")
     entries = [inputs] if isinstance(inputs, str | os.PathLike) else list(inputs)
     options = storage_options or {}
     files = _expand([os.fspath(e) for e in entries], options)
     output = os.fspath(output)
     schema = pa.schema([pa.field("text", pa.string())])
-    counts = {"files": len(files), "documents": 0, "characters": 0}
+    counts = {"files": len(files), "documents": 0, "characters": 0, "nulls_skipped": 0}
     bar = _progress(progress)
     fs, path = fsspec.core.url_to_fs(output, **options)
     try:
@@ -84,7 +91,10 @@ def convert_to_arrow(
             pending: list[str] = []
             size = 0
             for url in files:
-                for text in _documents(url, text_field, options):
+                for text in _documents(url, text_field, options, nulls):
+                    if text is None:
+                        counts["nulls_skipped"] += 1
+                        continue
                     pending.append(text)
                     size += len(text)
                     counts["documents"] += 1
@@ -190,20 +200,36 @@ def _expand(entries: list[str], options: dict[str, Any]) -> list[str]:
     return [os.path.abspath(f) if "://" not in f and "*" not in f else f for f in files]
 
 
-def _documents(url: str, field: str, options: dict[str, Any]) -> Iterator[str]:
+def _null(what: str) -> DataError:
+    return DataError(
+        f"{what}; clean the data, or pass --nulls skip (nulls='skip') to leave null texts out"
+    )
+
+
+def _documents(url: str, field: str, options: dict[str, Any], nulls: str) -> Iterator[str | None]:
+    """The texts of one input; None for a null text that ``nulls="skip"`` leaves out."""
     fs, path = fsspec.core.url_to_fs(url, **options)
     if is_jsonl(path):
-        yield from _json_lines(url, field, options)
+        yield from _json_lines(url, field, options, nulls)
     elif path.endswith(".parquet") or path.endswith(".pq"):
         with fs.open(path, "rb") as f:
             reader = pq.ParquetFile(f)
             _check_field(url, field, reader.schema_arrow)
+            row = 0
             for batch in reader.iter_batches(columns=[field], batch_size=4096):
-                yield from _strings(url, batch.column(0))
+                for value in batch.column(0).to_pylist():
+                    if value is None and nulls == "error":
+                        raise _null(f"{url}: row {row} has a null {field!r}")
+                    yield value
+                    row += 1
     elif path.endswith(_TABLE_SUFFIXES) or fs.isdir(path):
-        source = ArrowSource(url, text_column=field, storage_options=options, nulls="error")
+        source = ArrowSource(url, text_column=field, storage_options=options, nulls="skip")
         for start in range(0, len(source), 4096):
-            yield from source.texts(range(start, min(start + 4096, len(source))))
+            texts, bad = source.texts_with_bad(range(start, min(start + 4096, len(source))))
+            if len(bad) and nulls == "error":
+                raise _null(f"{source._where(start + int(bad[0]))} has a null {field!r}")
+            skipped = set(bad.tolist())
+            yield from (None if i in skipped else t for i, t in enumerate(texts))
     else:
         with fs.open(path, "rb") as f:
             data = f.read()
@@ -214,7 +240,7 @@ def _documents(url: str, field: str, options: dict[str, Any]) -> Iterator[str]:
             raise DataError(f"{url}:{line}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
 
 
-def _json_lines(url: str, field: str, options: dict[str, Any]) -> Iterator[str]:
+def _json_lines(url: str, field: str, options: dict[str, Any], nulls: str) -> Iterator[str | None]:
     with fsspec.open(url, "rb", **options) as f:
         fmt = compression(url)
         lines: Iterator[bytes] = iter(f) if fmt == "plain" else _lines(_text(url, fmt, f))
@@ -242,7 +268,10 @@ def _json_lines(url: str, field: str, options: dict[str, Any]) -> Iterator[str]:
                 )
             text = record[field]
             if text is None:
-                continue  # a null document is an empty one: nothing to write
+                if nulls == "error":
+                    raise _null(f"{url}:{number}: field {field!r} is null")
+                yield None
+                continue
             if not isinstance(text, str):
                 raise DataError(
                     f"{url}:{number}: field {field!r} is {type(text).__name__}, not a string"
@@ -290,12 +319,6 @@ def _check_field(url: str, field: str, schema: pa.Schema) -> None:
         raise DataError(f"{url}: no column {field!r} (columns: {', '.join(schema.names)})")
     if schema.field(field).type not in (pa.string(), pa.large_string()):
         raise DataError(f"{url}: column {field!r} has type {schema.field(field).type}, not string")
-
-
-def _strings(url: str, column: pa.Array) -> Iterator[str]:
-    for value in column.to_pylist():
-        if value is not None:
-            yield value
 
 
 def _progress(enabled: bool) -> Any:

@@ -14,11 +14,12 @@ from it across all data-parallel ranks); without either it repeats, each epoch i
 order. When a source ends, the schedule starts a new segment with the remaining sources'
 weights renormalised. Caps are met per rank, at the point where that rank's share of the
 source ends, so ranks keep yielding the same number of batches as long as any source is left.
-On a resume at another ``dp_size`` the rows the old ranks drew from each source are shared
+On a resume at another ``dp_size`` the tokens the old ranks drew from each source are shared
 out among the new ones, so a ``max_tokens`` cap still holds over all ranks.
 
-The state (:meth:`MixedLoader.state_dict`) is the mixture's spec, the schedule's counters and
-each source's own loader state, keyed by the source's name. Resuming with another spec (a
+The state (:meth:`MixedLoader.state_dict`) is the mixture's spec, the schedule's counters, the
+tokens drawn from each source and each source's own loader state, keyed by the source's name;
+it resumes at another ``seq_len`` too, the caps counted in tokens. Resuming with another spec (a
 source added or removed, a weight or cap changed) is refused unless asked for with
 ``on_change="continue"``: then the sources kept by name continue where they stood, new
 sources start at their beginning, removed ones are dropped, and the blend restarts from the
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -170,13 +172,12 @@ class MixedLoader:
             )
             for s, share in zip(self.sources, self.shares, strict=True)
         ]
-        # rows per rank a max_tokens cap allows (the cap is over all data-parallel ranks)
-        self._max_rows = [
-            -(-s.max_tokens // (seq_len * dp_size)) if s.max_tokens is not None else None
-            for s in self.sources
+        # tokens per rank a max_tokens cap allows (the cap is over all data-parallel ranks)
+        self._max_tokens = [
+            -(-s.max_tokens // dp_size) if s.max_tokens is not None else None for s in self.sources
         ]
         n = len(self.sources)
-        self._rows = [0] * n  # rows drawn from each source since the start of the run
+        self._tokens = [0] * n  # tokens drawn from each source since the start of the run
         self._segment = [0] * n  # rows drawn since the schedule's current segment began
         self._done = [False] * n
         self._batches = 0
@@ -230,7 +231,7 @@ class MixedLoader:
                     self._end(d)
                     continue
                 rows.append(row)
-                self._rows[d] += 1
+                self._tokens[d] += self.seq_len
                 self._segment[d] += 1
                 if len(rows) == self.micro_batch_size:
                     batch = _stack(rows)
@@ -258,17 +259,17 @@ class MixedLoader:
         """Per source: its weight's share, the tokens this rank drew from it (after a resume
         at another ``dp_size``, counting its part of what the old ranks drew), their share of
         this rank's tokens, the epoch it is in, and whether it has ended."""
-        total = max(1, sum(self._rows))
+        total = max(1, sum(self._tokens))
         return {
             s.name: {
                 "weight": share,
-                "tokens": rows * self.seq_len,
-                "share": rows / total,
+                "tokens": tokens,
+                "share": tokens / total,
                 "epoch": loader.epoch,
                 "ended": done,
             }
-            for s, share, rows, loader, done in zip(
-                self.sources, self.shares, self._rows, self.loaders, self._done, strict=True
+            for s, share, tokens, loader, done in zip(
+                self.sources, self.shares, self._tokens, self.loaders, self._done, strict=True
             )
         }
 
@@ -279,14 +280,16 @@ class MixedLoader:
         return [s.spec() for s in self.sources]
 
     def state_dict(self) -> dict[str, Any]:
-        """The spec, the schedule's counters and each source's loader state (by name)."""
+        """The spec, the schedule's counters, the tokens drawn from each source and each
+        source's loader state (by name)."""
         return {
             "format": MIXTURE_FORMAT,
             "mixture": self.spec(),
             "seed": self.seed,
             "dp_rank": self.dp_rank,
             "dp_size": self.dp_size,
-            "rows": list(self._rows),
+            "seq_len": self.seq_len,
+            "tokens": list(self._tokens),
             "segment": list(self._segment),
             "done": list(self._done),
             "batches": self._batches,
@@ -300,14 +303,17 @@ class MixedLoader:
         """Continue where ``state`` left off: this rank's own :meth:`state_dict`, or
         :func:`~hlat_data.merge_states` of every rank's. That also resumes at another
         ``dp_size``: each source's documents are dealt as :meth:`PackedLoader.load_state_dict`
-        describes; the rows all old ranks drew from each source are shared out among the new
-        ranks, so a ``max_tokens`` cap holds over all ranks; a source ends only where this
+        describes; the tokens all old ranks drew from each source are shared out among the
+        new ranks, so a ``max_tokens`` cap holds over all ranks; a source ends only where this
         rank has reached its cap or read its last epoch; and the blend goes on where the old
-        ranks stood if they stood alike, else it starts a new segment.
+        ranks stood if they stood alike, else it starts a new segment. The tokens drawn are
+        kept as tokens, so the caps hold at another ``seq_len`` too.
 
         Raises :class:`DataError` before changing anything when the state is not a mixture's,
         when the seed differs, when the spec differs and ``on_change`` is ``"error"``, or when
-        a source kept by name reads other files or another tokenizer.
+        a source kept by name reads other files or another tokenizer, or for a state of
+        hlat-data before 0.7 (rows drawn, not tokens) without the ``seq_len`` it was saved
+        with: set ``state["seq_len"]`` to it.
         """
         if state.get("format") != MIXTURE_FORMAT:
             raise DataError(
@@ -345,6 +351,7 @@ class MixedLoader:
                 )
             schedule = state
             ranks = [state]
+        drawn = [_drawn_tokens(r, state.get("seq_len"), self.seq_len) for r in ranks]
         names = [entry["name"] for entry in saved]
         # every kept source's state is checked before any loader changes
         for s, loader in zip(self.sources, self.loaders, strict=True):
@@ -352,19 +359,22 @@ class MixedLoader:
                 _check_loadable(loader, state["sources"][s.name], s.name)
         self._close_active()
         n = len(self.sources)
-        self._rows, self._segment, self._done = [0] * n, [0] * n, [False] * n
+        self._tokens, self._segment, self._done = [0] * n, [0] * n, [False] * n
         for d, (s, loader) in enumerate(zip(self.sources, self.loaders, strict=True)):
             if s.name not in state["sources"]:
                 continue
             loader.load_state_dict(state["sources"][s.name])
             old = names.index(s.name)
             if moved:
-                # this rank's part of the rows all old ranks drew, so that the caps, which
-                # are met per rank, hold over all ranks
-                total = sum(int(r["rows"][old]) for r in ranks)
-                self._rows[d] = total // self.dp_size + int(self.dp_rank < total % self.dp_size)
+                # this rank's part of the tokens all old ranks drew, in whole rows and the
+                # rest to one rank, so that the caps, which are met per rank, hold over all
+                total = sum(tokens[old] for tokens in drawn)
+                rows, rest = divmod(total, self.seq_len)
+                extra = rows % self.dp_size
+                share = rows // self.dp_size + int(self.dp_rank < extra)
+                self._tokens[d] = share * self.seq_len + (rest if self.dp_rank == extra else 0)
             else:
-                self._rows[d] = int(schedule["rows"][old])
+                self._tokens[d] = drawn[self.dp_rank if "ranks" in state else 0][old]
             if same and not moved:
                 self._segment[d] = int(schedule["segment"][old])
                 self._done[d] = bool(schedule["done"][old])
@@ -383,11 +393,11 @@ class MixedLoader:
 
     def _at_cap(self, d: int) -> bool:
         """Whether this rank has drawn its share of source ``d``'s ``max_tokens`` cap."""
-        cap = self._max_rows[d]
-        return cap is not None and self._rows[d] >= cap
+        cap = self._max_tokens[d]
+        return cap is not None and self._tokens[d] >= cap
 
     def _exhausted(self, d: int) -> bool:
-        """Whether source ``d`` has nothing left for this rank: its row cap is reached, or
+        """Whether source ``d`` has nothing left for this rank: its token cap is reached, or
         its loader is past its last epoch."""
         loader = self.loaders[d]
         past_epochs = loader.num_epochs is not None and loader.epoch >= loader.num_epochs
@@ -401,6 +411,24 @@ class MixedLoader:
             f"MixedLoader({parts}, seq_len={self.seq_len}, "
             f"micro_batch_size={self.micro_batch_size}, rank {self.dp_rank}/{self.dp_size})"
         )
+
+
+def _drawn_tokens(entry: dict[str, Any], seq_len: int | None, current: int) -> list[int]:
+    """The tokens one rank's state entry drew from each source; a state of hlat-data before
+    0.7 counts rows, converted with the ``seq_len`` it was saved with, which such a state
+    does not hold unless added: without it, this loader's ``current`` one (what a resume
+    with unchanged settings saved), with a warning."""
+    if "tokens" in entry:
+        return [int(v) for v in entry["tokens"]]
+    if seq_len is None:
+        warnings.warn(
+            "the mixture state counts the rows drawn from each source (saved by hlat-data "
+            f"before 0.7), not tokens; taking them as rows of this loader's seq_len {current}. "
+            'If it was saved with another seq_len, set state["seq_len"] to it',
+            stacklevel=3,
+        )
+        seq_len = current
+    return [int(v) * int(seq_len) for v in entry["rows"]]
 
 
 def _check_loadable(loader: PackedLoader, state: dict[str, Any], name: str) -> None:
@@ -448,13 +476,19 @@ def merge_mixture_states(states: list[dict[str, Any]]) -> dict[str, Any]:
             first["seed"],
         ):
             raise DataError(f"rank {s['dp_rank']}'s state reads another mixture than rank 0's")
-    keys = ("rows", "segment", "done", "batches")
+    seq_lens = {s.get("seq_len") for s in states}
+    if len(seq_lens) > 1:
+        raise DataError(
+            f"the ranks' states were saved with different seq_len: {sorted(seq_lens, key=str)}"
+        )
+    keys = ("tokens", "rows", "segment", "done", "batches")  # rows: before 0.7
     return {
         "format": MIXTURE_FORMAT,
         "mixture": first["mixture"],
         "seed": first["seed"],
         "dp_size": size,
-        "ranks": [{k: by_rank[r][k] for k in keys} for r in range(size)],
+        "seq_len": first.get("seq_len"),
+        "ranks": [{k: by_rank[r][k] for k in keys if k in by_rank[r]} for r in range(size)],
         "sources": {
             name: merge_states([by_rank[r]["sources"][name] for r in range(size)])
             for name in first["sources"]

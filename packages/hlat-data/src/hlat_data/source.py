@@ -332,6 +332,13 @@ class ArrowSource(FileSource):
             self._handles.add(index, handle)
         return handle
 
+    def _where(self, index: int) -> str:
+        """Document ``index`` as ``"<file>: row <row of the file>"``."""
+        part = int(np.searchsorted(self._offsets, index, side="right")) - 1
+        found = self._parts[part]
+        row = found.first_row + index - int(self._offsets[part])
+        return f"{self._files[found.file].url}: row {row}"
+
     def _check_schema(self, file: _File, schema: pa.Schema) -> None:
         if self.text_column not in schema.names:
             raise DataError(

@@ -176,6 +176,12 @@ class Tokenizer:
             impl = tokenizers.Tokenizer.from_str(self._model.decode())
         except Exception as e:
             raise DataError(f"tokenizer {self.name} is not a tokenizers JSON file ({e})") from None
+        # documents are packed whole, as text: a file's truncation and padding (transformers
+        # saves them) would cut each one and pack pad ids, and a special token's string in a
+        # document would encode to its id (an EOS mid-document); the loader adds BOS/EOS
+        impl.no_truncation()
+        impl.no_padding()
+        impl.encode_special_tokens = True
         self._impl = impl
         self.vocab_size = impl.get_vocab_size(with_added_tokens=True)
         bos, eos = template_specials(json.loads(self._model))
@@ -520,8 +526,8 @@ def train_tokenizer(
             skipped) or directories of them, or UTF-8 text files, one document each
             (``.txt``, ``.md`` or any suffix it does not know).
         text_column: the column (Arrow, Parquet) or field (JSON lines) with the text.
-        output: where to write the model; ``.model`` is appended when missing, and a
-            ``.vocab`` file is written next to it.
+        output: where to write the model, a local path (its directory is created);
+            ``.model`` is appended when missing, and a ``.vocab`` file is written next to it.
         vocab_size: number of pieces (at most).
         max_chars: characters fed to the trainer at most, documents in order.
 
@@ -545,17 +551,23 @@ def train_tokenizer(
         raise DataError("train_tokenizer needs at least one input file")
     if vocab_size < 8:
         raise DataError(f"vocab_size must be at least 8, got {vocab_size}")
+    if "://" in prefix:
+        raise DataError(
+            f"train_tokenizer writes the model to a local path, got {prefix}; write it "
+            "locally and copy it"
+        )
 
     # the tables and JSON lines are opened (and checked) before training starts
     inputs_read: list[ArrowSource | JsonlSource | str] = []
     for entry in entries:
+        fs, path = fsspec.core.url_to_fs(entry, **(storage_options or {}))
         if is_jsonl(entry):
             inputs_read.append(
                 JsonlSource(
                     entry, text_column, on_bad_record="skip", storage_options=storage_options
                 )
             )
-        elif os.path.isdir(entry):  # its JSON lines files, or else its tables
+        elif fs.isdir(path):  # its JSON lines files, or else its tables
             inputs_read.append(
                 open_source(
                     entry, text_column, on_bad_record="skip", storage_options=storage_options
@@ -569,6 +581,10 @@ def train_tokenizer(
             )
         else:
             inputs_read.append(entry)
+    try:  # SentencePiece writes the model only after training
+        os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cannot create the directory of {prefix}: {e.strerror}") from None
     bad = [0]  # records skipped
 
     def documents() -> Any:

@@ -227,6 +227,23 @@ def _bf16(t: torch.Tensor) -> int:
     return int(t.dtype == torch.bfloat16)
 
 
+def _plain(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` as a plain tensor whose ``data_ptr`` holds its values: an
+    ``AsyncCollectiveTensor`` (what a functional collective upstream returns, as under
+    sequence parallelism) is waited for and unwrapped; any other tensor subclass is refused,
+    its pointer being no buffer of its values."""
+    if type(grad) is torch.Tensor:
+        return grad
+    if torch.distributed.is_available():
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+        if isinstance(grad, AsyncCollectiveTensor):
+            return grad.wait()
+    raise TypeError(
+        f"hlat-model's CPU kernels take plain tensors; a gradient arrived as {type(grad).__name__}"
+    )
+
+
 def rms_norm_forward(
     lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,6 +263,7 @@ def rms_norm_backward(
     lib: ctypes.CDLL, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of :func:`rms_norm_forward`'s output for ``x`` and ``weight``."""
+    grad = _plain(grad).contiguous()
     dim = x.shape[-1]
     rows = rstd.numel()
     threads = torch.get_num_threads()
@@ -277,6 +295,7 @@ def swiglu_backward(
     lib: ctypes.CDLL, grad: torch.Tensor, gate_up: torch.Tensor, interleaved: bool = False
 ) -> torch.Tensor:
     """The gradient of :func:`swiglu_forward`'s output for ``gate_up`` (its layout)."""
+    grad = _plain(grad).contiguous()
     width = gate_up.shape[-1] // 2
     out = torch.empty_like(gate_up)
     lib.hlat_swiglu_backward(
@@ -344,7 +363,7 @@ def rope_heads_backward(
     """The gradient of :func:`rope_heads_forward` for ``qkv`` (of ``shape``) from those of
     q, k and v (None: zero)."""
     sample = next(g for g in grads if g is not None)
-    dq, dk, dv = (None if g is None else g.contiguous() for g in grads)
+    dq, dk, dv = (None if g is None else _plain(g).contiguous() for g in grads)
     out = sample.new_empty(shape)
     lib.hlat_rope_heads(
         _bf16(out), _heads_table(shape, cos), out.data_ptr(),
@@ -396,6 +415,7 @@ def cross_entropy_backward(
     """``(softmax(logits) - onehot(targets)) * scale[:, None]`` in the logits' dtype, from
     the rows' log-sum-exp ``lse`` (fp32, as :func:`cross_entropy_forward` gives)."""
     rows, vocab = logits.shape
+    scale = _plain(scale).contiguous()
     grad = torch.empty_like(logits)
     lib.hlat_xent_backward(
         _bf16(logits), logits.data_ptr(), rows, vocab, targets.data_ptr(), lse.data_ptr(),
@@ -437,6 +457,7 @@ def attention_softmax_backward(
     """The gradient of :func:`attention_softmax` for its scores, ``probs * (grad -
     sum(grad * probs))`` per row, written over ``grad`` (contiguous, as ``probs``) and
     returned; ``first`` as there (keys a row does not see get 0)."""
+    grad = _plain(grad)
     blocks, rows, width = grad.shape
     lib.hlat_attn_softmax_backward(
         _bf16(grad), grad.data_ptr(), probs.data_ptr(), blocks, rows, width, first,
@@ -569,6 +590,7 @@ def flash_attention_backward(
     with dense rows); ``tiles`` and ``first`` as forward's."""
     entry, head_counts = _flash_entry(lib, q, k, "backward", tiles)
     batch, _, seq, dim = q.shape
+    grad = _plain(grad)
     if grad.stride(3) != 1:
         grad = grad.contiguous()
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
@@ -638,6 +660,7 @@ def rope_attention_backward(
     with dense rows): the q and k gradients rotated back, each rounded once. It has
     ``qkv``'s strides; ``tiles`` and ``first`` as forward's."""
     batch, seq, dim = qkv.shape[0], qkv.shape[1], qkv.shape[-1]
+    grad = _plain(grad)
     if grad.stride(3) != 1:
         grad = grad.contiguous()
     grad_qkv = torch.empty_strided(qkv.shape, qkv.stride(), dtype=qkv.dtype)

@@ -180,12 +180,18 @@ def state_dict_to_hf(
 def from_hf(hf_state: Mapping[str, torch.Tensor], hf_config: Any, **overrides: Any) -> Llama:
     """A :class:`Llama` holding the weights of a Hugging Face Llama state dict.
 
-    ``overrides`` set hlat-only fields such as ``checkpointing`` or ``attention``.
+    ``overrides`` set hlat-only fields such as ``checkpointing`` or ``attention``. The
+    model's parameters are copies: training it leaves the tensors of ``hf_state`` as they were.
     """
     config = config_from_hf(hf_config, **overrides)
     with torch.device("meta"):
         model = Llama(config)
     state = state_dict_from_hf(hf_state, config)
+    # the fused tensors are new; copy those that are (views of) the caller's
+    given = {t.untyped_storage().data_ptr() for t in hf_state.values()}
+    for key, value in state.items():
+        if value.untyped_storage().data_ptr() in given:
+            state[key] = value.detach().clone()
     if config.tie_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state, assign=True, strict=True)

@@ -71,8 +71,9 @@ def _row_sources(name: str, config: LlamaConfig, hf_names: set[str]) -> RowSourc
         raise KeyError(f"{key} is missing from the Hugging Face checkpoint")
 
     if name == "lm_head.weight":
-        if "lm_head.weight" in hf_names:
-            return lambda r: ("lm_head.weight", r)
+        if {"lm_head.weight", _HF_PREFIX + "lm_head.weight"} & hf_names:
+            source = hf("lm_head.weight")
+            return lambda r: (source, r)
         if not config.tie_embeddings:
             raise KeyError(
                 "lm_head.weight is missing from the Hugging Face checkpoint and the model "
@@ -153,11 +154,121 @@ def _runs(rows: list[tuple[str, int]]) -> Iterator[tuple[str, int, int, int]]:
         start = end
 
 
+def _hf_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face tensors of a Llama of ``config`` (names without ``model.``) and
+    their shapes."""
+    d, f, hd = config.dim, config.ffn_dim, config.head_dim
+    q, kv = config.n_heads * hd, config.kv_heads * hd
+    out: dict[str, tuple[int, ...]] = {
+        "embed_tokens.weight": (config.vocab_size, d),
+        "norm.weight": (d,),
+    }
+    if not config.tie_embeddings:
+        out["lm_head.weight"] = (config.vocab_size, d)
+    for i in range(config.n_layers):
+        layer = f"layers.{i}."
+        for tail, shape in (
+            ("self_attn.q_proj.weight", (q, d)), ("self_attn.k_proj.weight", (kv, d)),
+            ("self_attn.v_proj.weight", (kv, d)), ("self_attn.o_proj.weight", (d, q)),
+            ("mlp.gate_proj.weight", (f, d)), ("mlp.up_proj.weight", (f, d)),
+            ("mlp.down_proj.weight", (d, f)), ("input_layernorm.weight", (d,)),
+            ("post_attention_layernorm.weight", (d,)),
+        ):  # fmt: skip
+            out[layer + tail] = shape
+    return out
+
+
+# the fields of the directory's config.json that must be the model's
+_CONFIG_FIELDS = (
+    "vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "ffn_dim", "rope_theta",
+    "norm_eps", "tie_embeddings",
+)  # fmt: skip
+
+
+def _check_config_json(path: str, config: LlamaConfig) -> bool:
+    """Refuse a ``config.json`` in ``path`` (if any) that is not ``config`` (see
+    :data:`_CONFIG_FIELDS`) or that hlat-model cannot run (``config_from_hf``'s refusals).
+    Returns whether there is one."""
+    from hlat_model.hf import config_from_hf
+
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        return False
+    with open(config_path) as f:
+        try:
+            theirs = config_from_hf(json.load(f))
+        except ValueError as e:
+            raise ValueError(f"{config_path}: {e}") from None
+    for field in _CONFIG_FIELDS:
+        mine, hf = getattr(config, field), getattr(theirs, field)
+        if mine != hf:
+            raise ValueError(
+                f"{config_path}: its {field} is {hf}, the model's is {mine}; is the "
+                "checkpoint's config the model's?"
+            )
+    return True
+
+
+def _check_tensors(
+    path: str, files: dict[str, str], config: LlamaConfig, open_: Any, tied_by_json: bool
+) -> None:
+    """Refuse a checkpoint whose tensors are not exactly those of a Llama of ``config``, of
+    their whole shapes (read from the files' headers). ``tied_by_json``: its ``config.json``
+    says the embeddings are tied, so a head saved as well is the embedding's copy."""
+    expected = _hf_shapes(config)
+    unused, wrong = [], []
+    found = set()
+    for name, file in files.items():
+        key = name.removeprefix(_HF_PREFIX)
+        if key.endswith("rotary_emb.inv_freq"):  # a buffer older transformers saved
+            continue
+        if key == "lm_head.weight" and tied_by_json and "lm_head.weight" not in expected:
+            # a tied model's head saved as well (transformers ties it to the embedding and
+            # so does the model): checked for its shape, not read
+            expected_head = expected["embed_tokens.weight"]
+            shape = tuple(open_(file).get_slice(name).get_shape())
+            if shape != expected_head:
+                wrong.append(f"{name} {shape} (expected {expected_head})")
+            continue
+        if key not in expected:
+            unused.append(name)
+            continue
+        found.add(key)
+        shape = tuple(open_(file).get_slice(name).get_shape())
+        if shape != expected[key]:
+            wrong.append(f"{name} {shape} (expected {expected[key]})")
+    missing = [key for key in expected if key not in found]
+    if missing:
+        raise KeyError(
+            f"{path} lacks {len(missing)} tensor(s) of a model of this config, such as "
+            f"{missing[:3]}; is the checkpoint's config the model's?"
+        )
+    if unused:
+        raise ValueError(
+            f"{path} holds {len(unused)} tensor(s) that a model of this config has no "
+            f"parameter for, such as {unused[:3]}; is the checkpoint's config the model's "
+            f"({config.n_layers} layers, tie_embeddings={config.tie_embeddings})?"
+        )
+    if wrong:
+        raise ValueError(
+            f"{path} holds {len(wrong)} tensor(s) of another shape than this config's, such "
+            f"as {wrong[:3]}; is the checkpoint's config the model's?"
+        )
+
+
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, path: str, config: LlamaConfig) -> int:
     """Copy the weights of the Hugging Face Llama directory ``path`` into ``model``'s
     parameters (hlat names; plain tensors or DTensors), reading only what this rank holds.
-    Returns the number of elements read. Every parameter of ``model`` must be found."""
+    Returns the number of elements read. Every parameter of ``model`` must be found.
+
+    Before anything is read, the directory must be a checkpoint of ``config``: its
+    ``config.json``, when there is one, with the same shape, ``rope_theta``, ``norm_eps``
+    and tying (plain RoPE only), and its tensors exactly those of ``config``, of their whole
+    shapes (a pipeline rank's model may hold some of them); the model's parameters must be
+    those of ``config``."""
+    from hlat_model.model import Llama
+
     safe_open = _safe_open()
 
     files = hf_files(path)
@@ -169,9 +280,20 @@ def load_hf_weights(model: torch.nn.Module, path: str, config: LlamaConfig) -> i
             handles[file] = safe_open(file, "pt")
         return handles[file]
 
+    has_json = _check_config_json(path, config)
+    sources = {name: _row_sources(name, config, names) for name, _ in model.named_parameters()}
+    _check_tensors(path, files, config, open_, has_json and config.tie_embeddings)
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in Llama(config).named_parameters()}
+    for name, param in model.named_parameters():
+        if name not in shapes or param.shape != shapes[name]:
+            raise ValueError(
+                f"the model's {name} of shape {tuple(param.shape)} is not a parameter of a "
+                f"Llama of this config ({tuple(shapes[name]) if name in shapes else 'none'})"
+            )
     read = 0
     for name, param in model.named_parameters():
-        rows_sources = _row_sources(name, config, names)
+        rows_sources = sources[name]
         index = held_indices(param)
         local = param.to_local() if hasattr(param, "to_local") else param
         rows = index[0].tolist() if index[0] is not None else range(param.shape[0])

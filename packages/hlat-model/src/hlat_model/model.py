@@ -505,6 +505,12 @@ def _is_default_loss(loss_fn: Any) -> bool:
     return marked and getattr(loss_fn, "__wrapped__", None) is cross_entropy_loss
 
 
+def _retie(module: Llama, _incompatible_keys: Any) -> None:
+    """``load_state_dict`` post-hook: tie the head to the embedding again (a module-level
+    function, so that the model pickles)."""
+    module._tie()
+
+
 class Llama(nn.Module):
     """A Llama-family decoder returning next-token logits.
 
@@ -536,7 +542,7 @@ class Llama(nn.Module):
         self.lm_head = Linear(config.dim, config.vocab_size)
         self._tie()
         # ``load_state_dict(assign=True)`` puts a Parameter of the state into each module
-        self.register_load_state_dict_post_hook(lambda module, _: module._tie())
+        self.register_load_state_dict_post_hook(_retie)
         if self.embed_tokens.weight.device.type != "meta":
             self.init_weights()
 
@@ -594,8 +600,9 @@ class Llama(nn.Module):
         ``sequence_first``), or
         :func:`hlat_model.linear_cross_entropy` where that fuses the head (on CPUs: fp32,
         and bf16 where the CPU multiplies bf16 natively; with the default ``loss_fn``): the
-        logits are then never made. A head with forward
-        hooks, or sharded by tensor parallelism, goes through its module and the logits.
+        logits are then never made. Any other head (another module in its place, a wrapper,
+        one with forward hooks, or one sharded by tensor parallelism) goes through its module
+        and the logits.
         """
         if input_ids.dim() != 2:
             raise ValueError(
@@ -619,6 +626,17 @@ class Llama(nn.Module):
                 f"doc_lens must be integer document lengths [batch, documents] with batch "
                 f"{batch} (or 1, shared by the rows), zero padded, got {doc_lens.dtype} of "
                 f"shape {tuple(doc_lens.shape)}"
+            )
+        # Note: values are checked on CPU tensors only (reading an accelerator's would wait
+        # for it), and not while compiling (a graph break)
+        if (
+            doc_lens is not None and doc_lens.device.type == "cpu"
+            and not torch.compiler.is_compiling() and bool((doc_lens < 0).any())
+        ):  # fmt: skip
+            row = int((doc_lens < 0).any(1).nonzero()[0])
+            raise ValueError(
+                f"doc_lens must be non-negative document lengths, got {doc_lens[row].tolist()} "
+                f"in row {row}"
             )
         if (
             self.config.attention == "flex" and doc_lens is not None
@@ -663,7 +681,6 @@ class Llama(nn.Module):
         h = self.norm(h)
         if labels is not None:
             head = self.lm_head
-            hooked = head._forward_hooks or head._forward_pre_hooks
             default_loss = _is_default_loss(self.loss_fn)
             if not default_loss:
                 # another loss gets batch-first logits and the labels as given
@@ -672,7 +689,7 @@ class Llama(nn.Module):
                 return self.loss_fn(logits, labels)
             if self.config.sequence_first:  # the mean over all positions, in either layout
                 labels = labels.transpose(0, 1)
-            if fuses_head(h, head.weight) and not hooked:
+            if _plain_module(head) and fuses_head(h, head.weight):
                 return linear_cross_entropy(h, head.weight, labels)
             return self.loss_fn(head(h), labels)
         logits = self.lm_head(h)

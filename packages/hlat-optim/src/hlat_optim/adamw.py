@@ -9,7 +9,7 @@ import operator
 import threading
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.fx.experimental._config as fx_config
@@ -29,6 +29,16 @@ __all__ = ["AdamW", "adamw_update", "adamw_update_flat"]
 
 _GROUP_SETTINGS = ("lr", "betas", "eps", "weight_decay", "seed")
 """The settings of a param group this optimizer reads at each step."""
+_MODE_SETTINGS = (
+    "stochastic_rounding",
+    "state_dtype",
+    "master_weights",
+    "kahan_sum",
+    "impl",
+    "compile_backend",
+)
+"""The constructor's settings an ``AdamW`` keeps besides its param groups' (its precision
+mode and path)."""
 _SUPPORTED = (torch.float32, torch.bfloat16)
 _IMPLS = ("auto", "native", "compiled", "reference")
 _HYPER_WIDTH = 7  # adamw_update's hyper
@@ -335,6 +345,14 @@ def _compiled_update(backend: str, device_type: str = "cpu") -> Callable[..., No
     return fn
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _not_traced(fn: _F) -> _F:
+    """``fn``, left out of ``torch.compile``'s tracing: it runs eagerly inside compiled code."""
+    return cast(_F, torch.compiler.disable(fn, reason=f"{fn.__qualname__} runs eagerly"))
+
+
 def _default_backend(device: torch.device) -> str:
     """The ``torch.compile`` backend for tensors on ``device``.
 
@@ -589,12 +607,28 @@ class AdamW(torch.optim.Optimizer):
         self.kahan_sum = kahan_sum
         self.impl = impl
         self.compile_backend = compile_backend
+        self._clear_caches()
+
+    def _clear_caches(self) -> None:
+        """Forget what the steps worked out about the parameters; the next step works it
+        out again."""
         self._layouts: dict[torch.Tensor, tuple[int, int]] = {}
         # Flat states of the compiled path: by the ids of their parameters, and by parameter.
         self._flat: dict[tuple[int, ...], _FlatStates] = {}
         self._flat_of: dict[torch.Tensor, _FlatStates] = {}
         # What the compiled path reuses from one step to the next (see _Steady).
         self._steady: _Steady | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """``torch.optim.Optimizer``'s (defaults, state, param groups) and the precision mode
+        and path, so that ``copy.deepcopy`` and pickle give an optimizer that steps on."""
+        state = super().__getstate__()
+        state.update({name: getattr(self, name) for name in _MODE_SETTINGS})
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._clear_caches()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """``torch.optim.Optimizer.add_param_group``, refusing a group that holds a parameter
@@ -801,6 +835,9 @@ class AdamW(torch.optim.Optimizer):
             self._flat_of[p] = plan
         return plan
 
+    # Note: a step traced by torch.compile would hand the CPU kernel pointers into tensors
+    # that the graph frees before the call; the update paths compile on their own.
+    @_not_traced
     @torch.no_grad()
     def step(  # type: ignore[override]
         self,
@@ -838,6 +875,9 @@ class AdamW(torch.optim.Optimizer):
         parallel norm weight's ``Partial`` one) is multiplied on every path after it is
         brought to the parameter's layout, where ``clip_grad_norm_`` multiplies each rank's
         part of it; its ``.grad`` is left as it was. Never read on the host.
+
+        Under ``torch.compile`` (``torch.compile(opt.step)``, or a compiled function that
+        calls it) the step is not traced: it runs eagerly, as without compilation.
         """
         loss = None
         if closure is not None:

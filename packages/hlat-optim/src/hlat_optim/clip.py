@@ -114,6 +114,22 @@ def _square_and_groups(
     return _square(tensor), tuple(groups) if sharded(param) else ()
 
 
+def _check_groups(fn: str, name: str, groups: Any) -> None:
+    """Refuse a ``groups`` or ``stage_groups`` that is not a sequence of process groups."""
+    if isinstance(groups, Sequence) and not isinstance(groups, str):
+        bad = [g for g in groups if not (dist.is_available() and isinstance(g, dist.ProcessGroup))]
+        if not bad:
+            return
+        got = f"a {type(groups).__name__} holding {bad[0]!r}"
+    else:
+        got = f"{type(groups).__name__} {groups!r}"
+    raise TypeError(
+        f"{fn}: {name} must be a sequence of process groups, got {got}; only the L2 norm "
+        "is supported (there is no norm_type argument: torch's clip_grad_norm_ takes it "
+        "third, this one takes groups)"
+    )
+
+
 @torch.no_grad()
 def global_norm(
     params: Iterable[torch.Tensor],
@@ -142,6 +158,8 @@ def global_norm(
     TP x FSDP weights beside 1-D FSDP-only norm weights); summing squares per group of ranks
     can, with at most one all-reduce per distinct group.
     """
+    _check_groups("global_norm", "groups", groups)
+    _check_groups("global_norm", "stage_groups", stage_groups)
     params = list(params)
     given: list[torch.Tensor | None] = list(params) if tensors is None else list(tensors)
     if len(given) != len(params):
@@ -217,7 +235,12 @@ def clip_grad_norm_(
     ``error_if_nonfinite=True`` reads the norm on the host and raises
     :class:`NonFiniteGradNormError` naming the local parameters with non-finite gradients.
     ``max_norm = inf`` measures without clipping.
+
+    Only the L2 norm is computed: the third argument is ``groups``, not torch's
+    ``norm_type``, and anything but a sequence of process groups there is refused.
     """
+    _check_groups("clip_grad_norm_", "groups", groups)
+    _check_groups("clip_grad_norm_", "stage_groups", stage_groups)
     if isinstance(params, torch.Tensor):
         params = [params]
     if not max_norm > 0:

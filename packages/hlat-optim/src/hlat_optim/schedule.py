@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -18,7 +19,15 @@ class CosineWithWarmup:
     - cosine, until ``total_steps``: ``min_lr_ratio + (1 - min_lr_ratio) * (1 + cos(pi * t)) / 2``
       with ``t = (s - warmup_steps - constant_steps) / (total_steps - warmup_steps - constant_steps)``;
     - afterwards: ``min_lr_ratio``.
+
+    The configuration lives in slots, not in the instance's ``__dict__``, which is what
+    ``LambdaLR.state_dict()`` saves of a callable and ``load_state_dict`` writes back: a
+    scheduler's state dict holds its position only, and a resumed run follows the schedule
+    it was built with (a longer ``total_steps`` stretches the cosine from where the run
+    is). A configuration saved by an older version is written to ``__dict__`` and ignored.
     """
+
+    __slots__ = ("__dict__", "constant_steps", "min_lr_ratio", "total_steps", "warmup_steps")
 
     def __init__(
         self, warmup_steps: int, total_steps: int, min_lr_ratio: float, constant_steps: int
@@ -42,6 +51,18 @@ class CosineWithWarmup:
         self.total_steps = total_steps
         self.min_lr_ratio = min_lr_ratio
         self.constant_steps = constant_steps
+
+    def __setstate__(self, state: Any) -> None:
+        """Unpickle; a pickle of a version before 0.12 holds the configuration in its
+        ``__dict__``, which goes to the slots."""
+        attrs, slots = state if isinstance(state, tuple) else (state, None)
+        attrs, slots = dict(attrs or {}), dict(slots or {})
+        for name in ("constant_steps", "min_lr_ratio", "total_steps", "warmup_steps"):
+            if name in attrs:
+                slots.setdefault(name, attrs.pop(name))
+        self.__dict__.update(attrs)
+        for name, value in slots.items():
+            setattr(self, name, value)
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:

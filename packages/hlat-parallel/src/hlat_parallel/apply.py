@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from hlat_parallel.dims import ParallelDims
-from hlat_parallel.plan import check_shapes, match_plan
+from hlat_parallel.plan import check_sequence_parallel, check_shapes, match_plan
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -126,7 +126,8 @@ def parallelize(
     collectives. On the neuron backend, modules are swapped for NeuronX Distributed layers
     and data parallelism is left to :func:`shard_optimizer`.
 
-    The plan is validated against the model (patterns, layer types, divisibility by tp)
+    The plan is validated against the model (patterns, layer types, divisibility by tp;
+    under sequence parallelism, that it matches every module holding parameters of its own)
     before anything changes. Returns ``model``.
     """
     dp_shard = resolve_dp_shard(dp_shard, dims.backend)
@@ -137,6 +138,8 @@ def parallelize(
         )
     matched = match_plan(model, plan)
     check_shapes(model, matched, dims.tp)
+    if dims.sequence_parallel:
+        check_sequence_parallel(model, matched)
     if dims.backend == "neuron":
         if compile:
             raise ValueError(

@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
+from hlat_parallel.device import accelerator
 from hlat_parallel.dims import ParallelConfigError, check_pipeline_torch
 from hlat_parallel.plan import computes_sequence_first
 
@@ -235,6 +236,9 @@ class StageModule(nn.Module):
     the hidden state from the previous stage otherwise; ``kwargs`` go to ``block_args``.
     ``checkpoint_blocks`` recomputes each block in the backward pass (full activation
     checkpointing); checkpointing inside the blocks keeps working either way.
+
+    ``model_type`` and ``model_module_names`` name the model and all of its modules, so
+    that :func:`stage_plan` checks a plan against the whole model.
     """
 
     def __init__(
@@ -255,6 +259,8 @@ class StageModule(nn.Module):
         self.layers_name = layers
         self.block_args = block_args
         self.checkpoint_blocks = checkpoint_blocks
+        self.model_type = type(model).__name__
+        self.model_module_names = tuple(name for name, _ in model.named_modules() if name)
         blocks = _blocks(model, layers)
         for name in self.pre_names:
             _attach(self, name, _get(model, name, "pre"))
@@ -362,6 +368,18 @@ def _pp_group(group: Any) -> dist.ProcessGroup:
     if hasattr(group, "get_group"):  # a 1-D DeviceMesh, e.g. mesh["pp"]
         return group.get_group()
     return group
+
+
+def _mesh_device(group: Any) -> torch.device:
+    """The device of a ``DeviceMesh`` ``group`` (its type, on the current index of that
+    accelerator when there is one); the CPU for a process group or ``None``."""
+    kind = getattr(group, "device_type", None)
+    if not isinstance(kind, str) or kind == "cpu":
+        return torch.device("cpu")
+    found = accelerator()
+    if found is not None and found.type == kind:
+        return torch.device(kind, torch.accelerator.current_device_index())
+    return torch.device(kind)
 
 
 def check_schedule(name: str, pp: int, virtual: int, n_microbatches: int) -> None:
@@ -543,13 +561,20 @@ def rank_module(stages: Sequence[StageModule]) -> RankModule:
 def stage_plan(plan: Mapping[str, Any], stage: nn.Module) -> dict[str, Any]:
     """The entries of a parallel plan (see ``hlat_parallel.match_plan``) whose patterns
     match a module of ``stage``: a middle stage has no embedding and no head, and
-    ``parallelize`` requires every pattern to match. Check the whole plan against the whole
-    model first (``match_plan(model, plan)``), so a typo is still an error.
-    """
-    from hlat_parallel.plan import parse_plan
+    ``parallelize`` requires every pattern to match.
 
+    For a :class:`StageModule` the whole plan is first checked against the whole model it
+    was cut from, as ``match_plan`` checks it, so a pattern that matches no module of the
+    model (a typo) is an error on every rank. For any other module, check the whole plan
+    against the whole model first (``match_plan(model, plan)``).
+    """
+    from hlat_parallel.plan import _match_names, parse_plan
+
+    entries = parse_plan(plan)
+    if isinstance(stage, StageModule):
+        _match_names(entries, list(stage.model_module_names), stage.model_type)
     names = [name for name, _ in stage.named_modules() if name]
-    keep = {e.pattern for e in parse_plan(plan) if any(e.matches(n) for n in names)}
+    keep = {e.pattern for e in entries if any(e.matches(n) for n in names)}
     return {pattern: value for pattern, value in plan.items() if pattern in keep}
 
 
@@ -560,7 +585,7 @@ def build_pipeline(
     n_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
     group: Any = None,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
     virtual: int | None = None,
     split: Sequence[int] | None = None,
     pre_cost: float = 1.0,
@@ -582,6 +607,10 @@ def build_pipeline(
     this rank's stage modules before torch wraps it: the place to apply tensor and data
     parallelism (``parallelize(m, dims, stage_plan(plan, m))``) or to materialise it. Every
     check runs before any communication.
+
+    ``device``: where the stages run and receive their inputs; by default the device type of
+    ``group`` when it is a ``DeviceMesh`` (``dims.pp_mesh``), on the current device index
+    as DTensor takes it, and the CPU otherwise.
     """
     check_pipeline_torch()
     if virtual is None:
@@ -610,10 +639,8 @@ def build_pipeline(
             prepare(m)
     from torch.distributed.pipelining import PipelineStage
 
-    stages = [
-        PipelineStage(m, m.split.index, pp * virtual, torch.device(device), group=pg)
-        for m in modules
-    ]
+    where = torch.device(device) if device is not None else _mesh_device(group)
+    stages = [PipelineStage(m, m.split.index, pp * virtual, where, group=pg) for m in modules]
     built = build_schedule(schedule, stages, n_microbatches, loss_fn, scale_grads=scale_grads)
     return Pipeline(built, modules, stages, splits)
 

@@ -92,8 +92,12 @@ def match_plan(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, PlanEntry
     Every pattern must match at least one module and no module may match two patterns, so a
     renamed layer is an error rather than a silently unsplit weight.
     """
-    entries = parse_plan(plan)
     names = [name for name, _ in model.named_modules() if name]
+    return _match_names(parse_plan(plan), names, type(model).__name__)
+
+
+def _match_names(entries: list[PlanEntry], names: list[str], owner: str) -> dict[str, PlanEntry]:
+    """:func:`match_plan` on the module ``names`` of a model called ``owner``."""
     matched: dict[str, PlanEntry] = {}
     for entry in entries:
         hits = [name for name in names if entry.matches(name)]
@@ -101,7 +105,7 @@ def match_plan(model: nn.Module, plan: Mapping[str, Any]) -> dict[str, PlanEntry
             sample = ", ".join(names[:6])
             raise ParallelConfigError(
                 f"plan pattern {entry.pattern!r} matches no module of "
-                f"{type(model).__name__} (its modules are named like {sample}, ...); "
+                f"{owner} (its modules are named like {sample}, ...); "
                 "fix the pattern or the plan"
             )
         for name in hits:
@@ -160,10 +164,32 @@ def check_shapes(model: nn.Module, matched: Mapping[str, PlanEntry], tp: int) ->
                 )
             if entry.groups % tp:
                 raise ParallelConfigError(
-                    f"{where}: tp {tp} does not divide its {entry.groups} groups (for qkv_proj: "
-                    "the key/value heads), so a contiguous split would cut a group; pick tp "
-                    "dividing the group count"
+                    f"{where}: tp {tp} does not divide its {entry.groups} groups (each "
+                    f"of segments {list(entry.segments)}), so a contiguous split would cut a "
+                    f"group; pick tp dividing {entry.groups}"
                 )
+
+
+def check_sequence_parallel(model: nn.Module, matched: Mapping[str, PlanEntry]) -> None:
+    """Raise :class:`ParallelConfigError` naming every module of ``model`` that holds
+    parameters of its own and that no plan entry matches.
+
+    Under sequence parallelism such a module (a norm left out of the plan, a mistyped
+    pattern) runs on this rank's part of the sequence, and nothing sums its gradients over
+    tp. Runs before any module is changed.
+    """
+    uncovered = [
+        name or f"{type(model).__name__} itself"
+        for name, module in model.named_modules()
+        if name not in matched and next(module.parameters(recurse=False), None) is not None
+    ]
+    if uncovered:
+        raise ParallelConfigError(
+            f"sequence parallelism runs every module on a part of the sequence, and "
+            f"{', '.join(uncovered)} {'holds' if len(uncovered) == 1 else 'hold'} "
+            "parameters that no plan entry matches: their gradients would not be summed "
+            "over tp; add them to the plan (a norm is 'norm'), or set sp=False"
+        )
 
 
 def _divisible(size: int, tp: int, what: str, fix: str) -> None:

@@ -258,8 +258,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
     Build it with :func:`zero1_optimizer`. It behaves as the wrapped optimizer to a
     trainer: ``param_groups`` (learning-rate schedulers set ``lr`` there) lists the model's
     parameters, ``step(**kwargs)`` passes ``kwargs`` on (``skip=`` of
-    ``hlat_optim.AdamW``), and ``state_dict()`` is the wrapped optimizer's, whose tensors
-    are DTensors with their parameters' global shapes. Gradients must be averaged first
+    ``hlat_optim.AdamW``), ``state_dict()`` is the wrapped optimizer's, whose tensors
+    are DTensors with their parameters' global shapes, and hooks registered on it run as
+    on any torch optimizer. Gradients must be averaged first
     (:func:`sync_gradients`); the step reads this rank's slice of them, and of the
     parameters as the model holds them then, so weights loaded into the model after the
     optimizer was built (a resumed checkpoint, a rollback) are the ones it updates.
@@ -392,16 +393,24 @@ class Zero1Optimizer(torch.optim.Optimizer):
                     target.copy_(out[offset : offset + count].view(target.shape))
                     offset += slot.chunk_numel
 
+    @torch.optim.Optimizer.profile_hook_step
     def step(self, closure: Any = None, **kwargs: Any) -> Any:
         """Cut this rank's slices from the parameters, step them with this rank's slice of
-        each (averaged) gradient, then gather the whole parameters."""
+        each (averaged) gradient, then gather the whole parameters.
+
+        The step hooks registered on this optimizer and torch's global optimizer hooks run
+        around it, as around any torch optimizer's step; the wrapped optimizer's own step
+        hooks run around its step, and the global ones do not run again there (a global
+        hook sees one step, of this optimizer), unless something replaced the wrapped
+        optimizer's ``step`` (an LR scheduler built on it), which then runs as it is.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._refresh()
         self._slice_gradients()
-        self.inner.step(**kwargs)
+        _step_inner(self.inner, kwargs)
         self._gather()
         return loss
 
@@ -415,15 +424,32 @@ class Zero1Optimizer(torch.optim.Optimizer):
                     slot.param.grad.zero_()
 
     def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
+        """The wrapped optimizer's state dict, with this optimizer's state-dict hooks run
+        around it as ``torch.optim.Optimizer.state_dict`` runs them."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = self.inner.state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load into the wrapped optimizer, its slices first cut afresh from the model: state
         it makes from its parameters on load (``hlat_optim.AdamW``'s master weights, where
         the state dict lacks them) comes from the model's weights as they are (load the
-        model first)."""
+        model first). This optimizer's load hooks run around it, as
+        ``torch.optim.Optimizer.load_state_dict`` runs them."""
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         self._refresh()
         self.inner.load_state_dict(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError("Zero1Optimizer: build it with every parameter group")
@@ -447,3 +473,26 @@ def zero1_optimizer(
 
         return neuron_zero1_optimizer(optimizer_cls, list(params), dims, **kwargs)  # type: ignore[arg-type]
     return Zero1Optimizer(optimizer_cls, params, dims, **kwargs)
+
+
+def _step_inner(inner: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
+    """Step the wrapped optimizer with its own step hooks but not torch's global ones, which
+    ran around the ZeRO-1 step; a ``step`` replaced on the instance, or one without torch's
+    hook wrapper, is called as it is."""
+    step = type(inner).step
+    if "step" in vars(inner) or not getattr(step, "hooked", False):
+        inner.step(**kwargs)
+        return
+    args: tuple[Any, ...] = (inner,)
+    for pre_hook in inner._optimizer_step_pre_hooks.values():
+        result = pre_hook(inner, args, kwargs)
+        if result is not None:
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(
+                    f"a step pre-hook must return None or (new_args, new_kwargs), got {result}"
+                )
+            args, kwargs = result
+    step.__wrapped__(*args, **kwargs)  # type: ignore[attr-defined]
+    inner._optimizer_step_code()
+    for post_hook in inner._optimizer_step_post_hooks.values():
+        post_hook(inner, args, kwargs)

@@ -278,7 +278,8 @@ class LoggingConfig:
     that read values from the device (one transfer); the steps between them never make the
     host wait for the device."""
     progress: bool = True
-    """Progress bar with ETA on rank 0 (tqdm when installed)."""
+    """Progress bar with ETA on rank 0 (tqdm when installed). Off, the lines it would print
+    (loss spikes, validation losses) go to the log (stderr, rank 0)."""
     jsonl: bool = True
     """Write ``<out_dir>/metrics.jsonl``."""
     tensorboard: bool = False

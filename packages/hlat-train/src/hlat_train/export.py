@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import warnings
 from typing import Any
 
 from hlat_train.config import ConfigError, TrainConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 CONFIG_NAME = "hlat-train-config.toml"
 TOKENIZER_NAME = "tokenizer.model"
@@ -33,6 +40,41 @@ def save_run_files(config: TrainConfig, checkpoint_dir: str) -> None:
             dst.write(src.read())
 
 
+def save_step_config(config: TrainConfig, step_url: str) -> None:
+    """Write the config a checkpoint was trained with into its directory ``step_url``."""
+    import fsspec
+
+    with fsspec.open(f"{step_url.rstrip('/')}/{CONFIG_NAME}", "w") as f:
+        f.write(config.to_toml())
+
+
+def read_trained_config(step_url: str) -> tuple[str | None, str, bool]:
+    """``(TOML text, where it was read, whether it is the checkpoint's own)`` of the config
+    the checkpoint ``step_url`` was trained with: its own copy, or for a checkpoint without
+    one (hlat-train before 0.24) the root's; ``(None, "", False)`` when there is neither."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(step_url)
+    found = _find(fs, path.rstrip("/"), CONFIG_NAME)
+    if found is None:
+        return None, "", False
+    with fs.open(found, "r") as f:
+        return f.read(), found, found == f"{path.rstrip('/')}/{CONFIG_NAME}"
+
+
+def parse_config(text: str, where: str) -> dict[str, Any]:
+    """A saved config's TOML as plain data; a parse error names ``where``."""
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _read_config(fs: Any, path: str) -> TrainConfig:
+    with fs.open(path, "r") as f:
+        return TrainConfig.from_dict(parse_config(f.read(), path), source=path)
+
+
 def _find(fs: Any, path: str, name: str) -> str | None:
     for folder in (path, path.rstrip("/").rsplit("/", 1)[0]):
         if fs.exists(f"{folder}/{name}"):
@@ -49,14 +91,16 @@ def export_hf(
     storage_options: dict[str, Any] | None = None,
 ) -> str:
     """Write ``out_dir`` with ``model.safetensors``, ``config.json``,
-    ``generation_config.json`` and the tokenizer files (SentencePiece's as a
-    ``LlamaTokenizer``, or a Hugging Face ``tokenizer.json`` as a
+    ``generation_config.json`` and the tokenizer files (a SentencePiece model with its
+    conversion to ``tokenizer.json``, or a Hugging Face ``tokenizer.json`` as it is, both as a
     ``PreTrainedTokenizerFast``), loadable by ``transformers.LlamaForCausalLM.from_pretrained``
     and ``AutoTokenizer``.
 
     Args:
         checkpoint: a checkpoint root (the newest complete checkpoint is used) or one
-            ``step_<N>`` directory; local or fsspec URL.
+            ``step_<N>`` directory; local or fsspec URL. A checkpoint exports with the config
+            it was trained with: the copy in its directory, or the root's for one written
+            before hlat-train 0.24.
         out_dir: local output directory (created).
         dtype: ``bfloat16``, ``float16`` or ``float32`` for the weights.
         tokenizer: SentencePiece ``.model`` or ``tokenizer.json`` to ship; default: the
@@ -69,15 +113,22 @@ def export_hf(
     import torch
     from safetensors.torch import save_file
 
-    from hlat_ckpt import consolidate
     from hlat_model.hf import config_to_hf, state_dict_to_hf
 
     dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
     if dtype not in dtypes:
         raise ConfigError(f"dtype must be one of {', '.join(dtypes)}, got {dtype!r}")
-    fs, path = fsspec.core.url_to_fs(checkpoint, **(storage_options or {}))
-    config_path = _find(fs, path, CONFIG_NAME)
-    if config_path is None:
+    options = storage_options or {}
+    fs, path = fsspec.core.url_to_fs(checkpoint, **options)
+    path = path.rstrip("/")
+    # a root is read at its newest complete checkpoint; each checkpoint with the config it
+    # was trained with (its own copy, else the root's)
+    directories = _checkpoint_dirs(checkpoint, fs, path, options) or [checkpoint]
+    config_paths = [
+        _find(fs, fsspec.core.url_to_fs(d, **options)[1].rstrip("/"), CONFIG_NAME)
+        for d in directories
+    ]
+    if config_paths[0] is None:
         raise ConfigError(
             f"{checkpoint}: no {CONFIG_NAME} in it or its parent; point at a checkpoint "
             "directory written by hlat-train (the root given as checkpoint.dir)"
@@ -90,14 +141,7 @@ def export_hf(
             f"{checkpoint}: no {TOKENIZER_NAME} or {HF_TOKENIZER_NAME} saved with the run; "
             "pass tokenizer="
         )
-    import sys
-
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover
-        import tomli as tomllib
-    with fs.open(config_path, "rb") as f:
-        config = TrainConfig.from_dict(tomllib.load(f), source=config_path)
+    config = _read_config(fs, config_paths[0])
     tok_fs = fs if tokenizer is None else fsspec.core.url_to_fs(tokenizer)[0]
     with tok_fs.open(tokenizer_path, "rb") as f:
         tokenizer_bytes = f.read()
@@ -105,10 +149,13 @@ def export_hf(
     if tokenizer_path.endswith(".json"):
         files = _hf_tokenizer_files(tokenizer_bytes, out_dir)
     else:
-        files = _sentencepiece_files(tokenizer_bytes, out_dir)
+        files = _sentencepiece_files(tokenizer_bytes, out_dir, config.data.add_bos)
     llama = config.llama_config(files.vocab_size)
 
-    state = consolidate(checkpoint, storage_options)["model"]
+    state, config_path = _consolidate(directories, config_paths, options)
+    if config_path != config_paths[0]:  # an older checkpoint: the newest failed its checks
+        config = _read_config(fs, config_path)
+        llama = config.llama_config(files.vocab_size)
     tensors = state_dict_to_hf(state, llama)
     tensors = {k: v.to(dtypes[dtype]).contiguous() for k, v in tensors.items()}
 
@@ -129,15 +176,53 @@ def export_hf(
             **files.special,
             "pad_token": None,
             "model_max_length": llama.max_seq_len,
-        }
-        | (
-            # training added EOS after each document and no BOS (unless data.add_bos)
-            {"add_bos_token": config.data.add_bos, "add_eos_token": False, "legacy": False}
-            if files.config["tokenizer_class"] == "LlamaTokenizer"
-            else {}
-        ),
+        },
     )
     return out_dir
+
+
+def _checkpoint_dirs(checkpoint: str, fs: Any, path: str, options: dict[str, Any]) -> list[str]:
+    """The checkpoint directories export may read: ``checkpoint`` itself, or those of a
+    root's current lineage, newest first (what ``consolidate`` of the root would try)."""
+    import torch.distributed as dist
+
+    from hlat_ckpt import MANIFEST_NAME, Checkpointer
+
+    if fs.exists(f"{path}/{MANIFEST_NAME}"):
+        return [checkpoint]
+    if not fs.isdir(path):
+        return []
+    # Note: listing makes no collective; an existing group is passed so that none is created
+    group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    lister = Checkpointer(
+        checkpoint, async_save=False, storage_options=options, process_group=group
+    )
+    try:
+        return [info.url for info in reversed(lister.list()) if info.current]
+    finally:
+        lister.close()
+
+
+def _consolidate(
+    directories: list[str], config_paths: list[str | None], options: dict[str, Any]
+) -> tuple[dict[str, Any], str]:
+    """The model state of the first of ``directories`` that passes ``consolidate``'s checks
+    (a damaged one is skipped with a warning, as ``consolidate`` of a root does) and the
+    path of its config."""
+    from hlat_ckpt import consolidate
+
+    for i, (directory, config_path) in enumerate(zip(directories, config_paths, strict=True)):
+        try:
+            state = consolidate(directory, options)["model"]
+        except ValueError as error:
+            if i == len(directories) - 1:
+                raise
+            warnings.warn(f"skipping {directory}: {error}", stacklevel=3)
+            continue
+        if config_path is None:
+            raise ConfigError(f"{directory}: no {CONFIG_NAME} in it or its parent")
+        return state, config_path
+    raise AssertionError("unreachable")
 
 
 class _TokenizerFiles:
@@ -150,22 +235,116 @@ class _TokenizerFiles:
         self.special, self.config = special, config
 
 
-def _sentencepiece_files(data: bytes, out_dir: str) -> _TokenizerFiles:
+def _sentencepiece_files(data: bytes, out_dir: str, add_bos: bool) -> _TokenizerFiles:
+    """``tokenizer.model`` as it is, and a ``tokenizer.json`` that encodes as it does, shipped
+    as a ``PreTrainedTokenizerFast``.
+
+    Note: transformers' ``LlamaTokenizer`` builds a ``Metaspace`` pre-tokenizer, which adds
+    SentencePiece's dummy prefix only to text that does not start with a space, so text that
+    starts with whitespace (indented code) got other ids than the run trained on.
+    """
     import sentencepiece
 
     sp = sentencepiece.SentencePieceProcessor()
     sp.LoadFromSerializedProto(data)
+    fast = _fast_sentencepiece(data)
     with open(os.path.join(out_dir, TOKENIZER_NAME), "wb") as f:
         f.write(data)
-    ids = {"bos_token": sp.bos_id(), "eos_token": sp.eos_id(), "unk_token": sp.unk_id()}
+    bos = sp.bos_id()
+    if add_bos and bos >= 0:
+        from tokenizers import processors
+
+        piece = sp.id_to_piece(bos)
+        fast.post_processor = processors.TemplateProcessing(
+            single=f"{piece} $A", pair=f"{piece} $A {piece} $B", special_tokens=[(piece, bos)]
+        )
+    fast.save(os.path.join(out_dir, HF_TOKENIZER_NAME))
+    ids = {"bos_token": bos, "eos_token": sp.eos_id(), "unk_token": sp.unk_id()}
     special = {k: sp.id_to_piece(i) for k, i in ids.items() if i >= 0}
     return _TokenizerFiles(
         sp.get_piece_size(),
-        sp.bos_id(),
+        bos,
         sp.eos_id(),
         special,
-        {"tokenizer_class": "LlamaTokenizer"},
+        # training added EOS after each document and no BOS (unless data.add_bos)
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": add_bos,
+            "add_eos_token": False,
+        },
     )
+
+
+def _fast_sentencepiece(data: bytes) -> Any:
+    """The SentencePiece model ``data`` as a ``tokenizers.Tokenizer`` with the same pieces,
+    ids and normalisation, laid out as Llama 2's ``tokenizer.json``: BPE merges ranked by
+    the score of the piece they make (or a unigram model), byte fallback, the dummy prefix
+    prepended to every text, spaces as ``▁``; control pieces special."""
+    try:
+        import tokenizers
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError as e:
+        raise ConfigError(
+            f"exporting a SentencePiece tokenizer needs tokenizers and protobuf ({e}): "
+            "pip install 'hlat-train[hf]'"
+        ) from None
+    from tokenizers import AddedToken, Regex, decoders, normalizers
+
+    proto = sentencepiece_model_pb2.ModelProto()  # type: ignore[attr-defined]
+    proto.ParseFromString(data)
+    trainer, spec = proto.trainer_spec, proto.normalizer_spec
+    pieces = [(p.piece, p.score) for p in proto.pieces]
+    unk = trainer.unk_id if 0 <= trainer.unk_id < len(pieces) else None
+    if trainer.model_type == trainer.UNIGRAM:
+        model: Any = tokenizers.models.Unigram(pieces, unk, trainer.byte_fallback)
+    elif trainer.model_type == trainer.BPE:
+        vocab = {piece: i for i, (piece, _) in enumerate(pieces)}
+        normal = [(p.piece, p.score) for p in proto.pieces if p.type == p.NORMAL]
+        merges = []
+        for piece, score in normal:
+            splits = [(piece[:k], piece[k:], score) for k in range(1, len(piece))]
+            found = [m for m in splits if m[0] in vocab and m[1] in vocab]
+            merges += sorted(found, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+        model = tokenizers.models.BPE(
+            vocab,
+            [(left, right) for left, right, _ in merges],
+            unk_token=None if unk is None else pieces[unk][0],
+            fuse_unk=True,
+            byte_fallback=trainer.byte_fallback,
+        )
+    else:
+        raise ConfigError(
+            "export_hf converts SentencePiece BPE and unigram models; this one is "
+            f"{trainer.ModelType.Name(trainer.model_type)}"
+        )
+    fast = tokenizers.Tokenizer(model)
+    steps: list[Any] = []
+    if spec.precompiled_charsmap:
+        steps.append(normalizers.Precompiled(spec.precompiled_charsmap))
+    if spec.remove_extra_whitespaces:
+        steps += [
+            normalizers.Replace(Regex("^ +| +$"), ""),
+            normalizers.Replace(Regex(" {2,}"), " "),
+        ]
+    if spec.add_dummy_prefix:
+        steps.append(normalizers.Prepend("▁"))
+    steps.append(normalizers.Replace(" ", "▁"))
+    fast.normalizer = normalizers.Sequence(steps)
+    fast.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if spec.add_dummy_prefix else [])
+    )
+    types = {proto.SentencePiece.CONTROL: True, proto.SentencePiece.UNKNOWN: True}
+    types[proto.SentencePiece.USER_DEFINED] = False
+    fast.add_tokens(
+        [
+            AddedToken(p.piece, special=types[p.type], normalized=False)
+            for p in proto.pieces
+            if p.type in types
+        ]
+    )
+    return fast
 
 
 def _hf_tokenizer_files(data: bytes, out_dir: str) -> _TokenizerFiles:

@@ -12,6 +12,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
 # Dense bf16 peak TFLOP/s per device (the unit one process drives), from vendor data sheets.
@@ -258,11 +260,17 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 
 
 class Progress:
-    """A progress bar with ETA (tqdm when installed, else a line every few seconds)."""
+    """A progress bar with ETA (tqdm when installed, else a line every few seconds).
 
-    def __init__(self, total: int, initial: int, enabled: bool) -> None:
+    ``log``: where :meth:`write` sends its lines when the bar is off (the trainer's log).
+    """
+
+    def __init__(
+        self, total: int, initial: int, enabled: bool, log: Callable[[str], None] | None = None
+    ) -> None:
         self._bar: Any = None
         self._enabled = enabled
+        self._log = log
         self._total = total
         self._last_print = 0.0
         self._start = time.perf_counter()
@@ -292,11 +300,13 @@ class Progress:
             self._last_print = now
 
     def write(self, text: str) -> None:
-        """Print a line without breaking the bar."""
+        """Print a line without breaking the bar; with the bar off, give it to ``log``."""
         if self._bar is not None:
             self._bar.write(text)
         elif self._enabled:
             print(text, flush=True)
+        elif self._log is not None:
+            self._log(text)
 
     def close(self) -> None:
         """Finish the bar."""

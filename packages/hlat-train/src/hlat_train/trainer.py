@@ -1,4 +1,4 @@
-"""`Trainer(config).fit()`: the training loop, flat enough to read in one sitting."""
+"""`Trainer(config).fit()`: the training loop, flat enough to read from top to bottom."""
 
 from __future__ import annotations
 
@@ -39,6 +39,23 @@ from hlat_train.watchdog import HangWatchdog, process_group_timeout
 from hlat_train.watchdog import describe as describe_watchdog
 
 PEAK_CACHE_NAME = "peak_tflops.json"  # in train.out_dir: the measured peak, for restarts
+# fields of hlat_model.LlamaConfig that a resume may change: how the model runs, and its
+# initialisation (which a checkpoint replaces); every other field defines the network
+NOT_ARCHITECTURE = (
+    "max_seq_len",
+    "checkpointing",
+    "attention",
+    "sequence_first",
+    "init_std",
+    "scaled_init",
+)
+
+
+def _schedule_settings(fn: Any) -> dict[str, Any]:
+    """The configuration of a learning-rate multiplier (``hlat_optim.CosineWithWarmup``'s
+    slots)."""
+    names = [n for n in getattr(type(fn), "__slots__", ()) if n != "__dict__"]
+    return {n: getattr(fn, n) for n in names}
 
 
 class TrainState:
@@ -51,6 +68,8 @@ class TrainState:
         self.bad_micro_batches: list[int] = []
         self.rollbacks = 0
         self.guard: SpikeGuard | None = None
+        # the LR schedule's configuration this run trains with; on load, the saved one's
+        self.schedule: list[dict[str, Any]] = []
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data for the checkpoint."""
@@ -61,6 +80,7 @@ class TrainState:
             "bad_micro_batches": list(self.bad_micro_batches),
             "rollbacks": self.rollbacks,
             "guard": self.guard.state_dict() if self.guard else {},
+            "schedule": [dict(s) for s in self.schedule],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -71,6 +91,8 @@ class TrainState:
         self.rollbacks = int(state["rollbacks"])
         if self.guard is not None and state["guard"]:
             self.guard.load_state_dict(state["guard"])
+        # absent from checkpoints of hlat-train before 0.24, whose scheduler state held it
+        self.schedule = [dict(s) for s in state.get("schedule", [])]
 
 
 class GlobalLoaderState:
@@ -374,7 +396,7 @@ class Trainer:
         )
         # the config's optimizer settings, which a checkpoint's must not replace on resume
         self._configured = (
-            [dict(fn.__dict__) for fn in self.scheduler.lr_lambdas],
+            [_schedule_settings(fn) for fn in self.scheduler.lr_lambdas],
             list(self.scheduler.base_lrs),
             [
                 {k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
@@ -389,6 +411,7 @@ class Trainer:
             s.epochs is not None or s.max_tokens is not None for s in c.data.sources
         )
         self.state = TrainState()
+        self.state.schedule = [dict(s) for s in self._configured[0]]
         self.state.guard = SpikeGuard(
             c.spike.window,
             c.spike.k,
@@ -414,10 +437,7 @@ class Trainer:
                 rank_state_from=self._rank_state_from,
             )
         )
-        if self.rank0:
-            from hlat_train.export import save_run_files
-
-            save_run_files(c, c.checkpoint_dir)
+        self._unrecorded: list[int] = []  # committed steps whose directory lacks the config
         self.checkpoint_state = {
             "model": self.model,
             "optimizer": self.optimizer,
@@ -617,16 +637,28 @@ class Trainer:
         watchdog.activity("set-up (process group, model, data)", region="startup")
         self._setup()
         watchdog.activity("checkpoint load", region="startup")
-        resumed = (
-            self.checkpointer.load_latest(self.checkpoint_state) if c.checkpoint.resume else None
-        )
+        resumed = None
+        if c.checkpoint.resume:
+            # the newest checkpoint's model is checked before anything is read; an older one
+            # loaded instead (the newest failed its checks) is checked once loaded
+            checked = self._check_trained_model(None)
+            resumed = self.checkpointer.load_latest(self.checkpoint_state)
+            if resumed is not None and resumed != checked:
+                self._check_trained_model(resumed)
         if resumed is not None:
             self._log(f"resumed from step {resumed} of {c.checkpoint_dir}")
             self._apply_configured_optimizer(resumed)
+        if self.rank0:
+            from hlat_train.export import save_run_files
+
+            # Note: after the checks above, so a refused resume leaves the run's files as
+            # they were
+            save_run_files(c, c.checkpoint_dir)
         self._restore_guard_file()
         start = self.state.step
         previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-        progress = Progress(c.train.steps, start, c.logging.progress and self.rank0)
+        # with the bar off, its lines (spikes, validation losses) go to the log
+        progress = Progress(c.train.steps, start, c.logging.progress and self.rank0, self._log)
         batches = self._batches()
         tokens_per_step = c.data.seq_len * c.data.micro_batch_size * self.grad_accum * self.dims.dp
         first_loss: torch.Tensor | None = None
@@ -772,9 +804,11 @@ class Trainer:
                         watchdog.activity("validation", region="long")
                         self._validate(step, progress)
                     watchdog.activity("checkpoint save", region="long")
+                    self._record_configs()
                     self.checkpointer.save(step, self.checkpoint_state)
                     last_saved = step
                 self._log_saves()
+                self._record_configs()  # a synchronous save's, committed by now
                 window.paused_s += time.perf_counter() - paused
                 if save and auto_every and fresh and not stop and step < c.train.steps:
                     watchdog.activity("checkpoint interval all-reduce", region="long")
@@ -803,10 +837,12 @@ class Trainer:
                 )
             if self.state.step > last_saved and self.state.step > 0 and not skip_final_save:
                 watchdog.activity("checkpoint save (final)", region="long")
+                self._record_configs()
                 self.checkpointer.save(self.state.step, self.checkpoint_state)
             watchdog.activity("checkpoint wait (final)", region="long")
             self.checkpointer.wait()
             self._log_saves()
+            self._record_configs()
         except torch.OutOfMemoryError:
             snapshot.on_oom()
             raise
@@ -968,6 +1004,7 @@ class Trainer:
         for s in self.checkpointer.pop_save_stats():
             self._save_seconds = [*self._save_seconds[-2:], s.save_s]
             self._last_stats = s
+            self._unrecorded.append(s.step)
             if self.writer:
                 self.writer.write(
                     {
@@ -1295,11 +1332,18 @@ class Trainer:
                 return list(saved) != list(configured)
             return bool(saved != configured)
 
-        for fn, configured in zip(sched.lr_lambdas, lambdas, strict=True):
+        # the saved schedule: the trainer state's, or (checkpoints of hlat-train before 0.24)
+        # what the scheduler's state wrote into each multiplier's __dict__, dropped here so
+        # it is not saved again; the multipliers keep the configured schedule either way
+        saved = self.state.schedule or [
+            {k: fn.__dict__.pop(k) for k in configured if k in fn.__dict__}
+            for fn, configured in zip(sched.lr_lambdas, lambdas, strict=True)
+        ]
+        for old, configured in zip(saved, lambdas, strict=False):
             for key, value in configured.items():
-                if differ(fn.__dict__.get(key), value):
-                    changes.append(f"schedule {key} {fn.__dict__.get(key)} -> {value}")
-            fn.__dict__.update(configured)
+                if key in old and differ(old[key], value):
+                    changes.append(f"schedule {key} {old[key]} -> {value}")
+        self.state.schedule = [dict(s) for s in lambdas]
         for i, (group, base, hyper) in enumerate(
             zip(self.optimizer.param_groups, base_lrs, hypers, strict=True)
         ):
@@ -1322,6 +1366,96 @@ class Trainer:
                 f"step {step}: the config's optimizer settings replace the checkpoint's: "
                 + "; ".join(unique)
             )
+
+    def _check_trained_model(self, step: int | None) -> int | None:
+        """Refuse to resume into another network: compare the model of this run with the one
+        checkpoint ``step`` (``None``: the newest of the current lineage) was trained as, by
+        the config saved with it (the checkpoint root's for a checkpoint without its own).
+        Every field of the model but its run-time choices (``max_seq_len``, attention kernel,
+        activation checkpointing, layout) and its initialisation counts, so a change that
+        keeps every tensor's shape (``n_heads``, ``rope_theta``, ``norm_eps``) is refused too.
+        A change of ``optim.precision`` is logged. Returns the step checked, ``None`` when
+        there is no checkpoint.
+
+        Note: rank 0 reads the config and every rank gets it, so all ranks decide alike.
+        """
+        found: list[Any] = [None, None, "", False]
+        if self.rank0:
+            from hlat_train.export import read_trained_config
+
+            infos = [
+                i
+                for i in self.checkpointer.list()
+                if i.current and (step is None or i.step == step)
+            ]
+            if infos:
+                found = [infos[-1].step, *read_trained_config(infos[-1].url)]
+        if self._control is not None:
+            dist.broadcast_object_list(found, src=0, group=self._control)
+        checked, text, where, own = found
+        if text is None:
+            return checked
+        from hlat_train.export import parse_config
+
+        c = self.config
+        try:
+            data = parse_config(text, where)
+            saved = TrainConfig.from_dict({"model": data.get("model", {})}, source=where)
+            before = dataclasses.asdict(saved.llama_config(self.tokenizer.vocab_size))
+        except ValueError as error:  # ConfigError of hlat-train or hlat-model
+            self._log(f"the model of checkpoint step {checked} is not compared: {error}")
+            return checked
+        now = dataclasses.asdict(self.llama_config)
+        for name in now:
+            if name in NOT_ARCHITECTURE:
+                continue
+            if before.get(name) != now[name]:
+                key = f"model.{name}" if hasattr(c.model, name) else f"{name} (model.preset)"
+                if not own:
+                    # the root's config: hlat-train before 0.24 rewrote it at every start,
+                    # refused ones included, so it may not be the checkpoint's
+                    self._log(
+                        f"warning: {key} is {now[name]!r}, but the run's saved config "
+                        f"({where}) says {before.get(name)!r}; checkpoint step {checked} has "
+                        "no config of its own to tell which it was trained with"
+                    )
+                    continue
+                raise ConfigError(
+                    f"{key} is {now[name]!r}, but checkpoint step {checked} under "
+                    f"{c.checkpoint_dir} was trained with {before.get(name)!r} ({where}): "
+                    "resuming would load its weights into another network. Set it back to "
+                    "resume, or train the new model in another checkpoint.dir"
+                )
+        precision = data.get("optim", {}).get("precision")
+        if precision not in (None, "auto", c.optim.precision):
+            self._log(
+                f"optim.precision {precision} -> {c.optim.precision}: checkpoint step "
+                f"{checked} was trained in {precision}; its weights and optimizer state are "
+                f"converted to {c.optim.precision} as they load"
+            )
+        return checked
+
+    def _record_configs(self) -> None:
+        """Write the run's config into the directory of each checkpoint committed since the
+        last call (rank 0), where :func:`~hlat_train.export_hf` and a resume read the config
+        the checkpoint was trained with.
+
+        Note: called before a save and at the end, not at the commit: listing the checkpoints
+        then does not wait for the deletion a synchronous save leaves in the background.
+        """
+        steps, self._unrecorded = self._unrecorded, []
+        if not steps or not self.rank0:
+            return
+        from hlat_train.export import save_step_config
+
+        try:
+            urls = {i.step: i.url for i in self.checkpointer.list() if i.current}
+            for step in steps:
+                if step in urls:
+                    save_step_config(self.config, urls[step])
+        except Exception as error:  # an auxiliary file: the run goes on
+            self._unrecorded = steps  # tried again at the next call
+            self._log(f"could not write the config of checkpoint(s) {steps}: {error}")
 
     def _restore_guard_file(self) -> None:
         """Merge the rollback state persisted since the checkpoint (``spike-guard.json``):
@@ -1399,22 +1533,26 @@ class Trainer:
 
         The estimate is the slowest of the last three measured saves, from the call to the
         commit (an async save must also finish writing before the process may exit), plus
-        the wait for a save still in flight, taken as one more save. With no save measured
-        yet there is nothing to estimate from, and the run saves. When the save does not
+        the wait for a save still in flight, taken as one more save. A rank with no save
+        measured yet (its first save not committed) has nothing to estimate from and counts
+        as fitting; with no save measured on any rank the run saves. When the save does not
         fit, the run exits at once and says what is lost: the steps since the newest
         committed checkpoint, which the next run trains again.
         """
         budget = self.config.checkpoint.preempt_budget
-        if not budget or not self._save_seconds:
+        if not budget:
             return True
         elapsed = time.monotonic() - (self._sigterm_at or time.monotonic())
         in_flight = self.checkpointer.saving
-        estimate = max(self._save_seconds) * (2 if in_flight else 1)
-        fits = estimate <= budget - elapsed
+        estimate = max(self._save_seconds, default=0.0) * (2 if in_flight else 1)
+        fits = not self._save_seconds or estimate <= budget - elapsed
         if self._control is not None:
-            flag = torch.tensor([int(fits)], dtype=torch.int32)
-            dist.all_reduce(flag, dist.ReduceOp.MIN, self._control)
-            fits = bool(flag.tolist()[0])
+            # every rank joins, measured or not: (any rank that does not fit, the slowest
+            # estimate)
+            agreed = torch.tensor([float(not fits), estimate], dtype=torch.float64)
+            dist.all_reduce(agreed, dist.ReduceOp.MAX, self._control)
+            refused, estimate = agreed.tolist()
+            fits = not refused
         if not fits:
             lost = step - max(last_saved, 0)
             self._log(

@@ -9,9 +9,9 @@ parameter gathered whole, this rank's local element count, and the elements a fr
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
+from train_helpers import run_worker
 
 from hlat_model.hf_load import load_hf_weights
 from hlat_train import TrainConfig, Trainer
@@ -35,11 +35,4 @@ def main(config_path: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
-    # Note: the work is saved and the process group destroyed; end before the interpreter's
-    # finalization, where torch's threads of a destroyed group now and then abort a finished
-    # rank (SIGABRT, "terminate called without an active exception"); hlat-train's CLI ends
-    # the same way
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_worker(main)

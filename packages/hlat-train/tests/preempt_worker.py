@@ -8,9 +8,9 @@ OUT/rank<r>.
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
+
+from train_helpers import run_worker
 
 from hlat_train import TrainConfig, Trainer
 
@@ -29,8 +29,4 @@ def main(config_path: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
-    # Note: end before the interpreter's finalization, as reshard_worker.py does
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_worker(main)

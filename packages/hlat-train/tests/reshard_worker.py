@@ -7,8 +7,7 @@ state, now in this run's layout, is saved to DEST by a new checkpointer.
 
 from __future__ import annotations
 
-import os
-import sys
+from train_helpers import run_worker
 
 from hlat_ckpt import Checkpointer
 from hlat_train import TrainConfig, Trainer
@@ -27,11 +26,4 @@ def main(config_path: str, dest: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
-    # Note: the work is saved and the process group destroyed; end before the interpreter's
-    # finalization, where torch's threads of a destroyed group now and then abort a finished
-    # rank (SIGABRT, "terminate called without an active exception"); hlat-train's CLI ends
-    # the same way
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_worker(main)

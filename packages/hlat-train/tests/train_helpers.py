@@ -86,3 +86,17 @@ def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: flo
             raise AssertionError(f"the run ended (exit {proc.returncode}) before step {step}")
         time.sleep(0.02)
     raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+def run_worker(main) -> None:
+    """Run a torchrun worker script's ``main(*argv)`` and end the process.
+
+    Note: the work is saved and the process group destroyed; the process ends before the
+    interpreter's finalization, where torch's threads of a destroyed group now and then abort
+    a finished rank (SIGABRT, "terminate called without an active exception"); hlat-train's
+    CLI ends the same way.
+    """
+    main(*sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

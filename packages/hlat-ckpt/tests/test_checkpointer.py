@@ -772,7 +772,10 @@ def test_a_fresh_zero1_optimizer_loads_a_checkpoint_saved_before_the_first_step(
         text=True,
         timeout=240,
     )
-    assert done.returncode == 0 and done.stdout.split() == ["ok"], done.stdout + done.stderr
+    # Note: the last line; older torch's gloo prints its connections to stdout before it
+    assert done.returncode == 0 and done.stdout.splitlines()[-1:] == ["ok"], (
+        done.stdout + done.stderr
+    )
 
 
 def _without_metadata(path, how: str) -> None:

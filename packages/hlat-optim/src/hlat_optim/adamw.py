@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
 import math
@@ -349,8 +350,18 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _not_traced(fn: _F) -> _F:
-    """``fn``, left out of ``torch.compile``'s tracing: it runs eagerly inside compiled code."""
-    return cast(_F, torch.compiler.disable(fn, reason=f"{fn.__qualname__} runs eagerly"))
+    """``fn``, left out of ``torch.compile``'s tracing: it runs eagerly inside compiled code.
+
+    Note: a plain function around the disabled one, so that it binds as a method; what
+    older torch's ``torch.compiler.disable`` returns does not.
+    """
+    disabled = torch.compiler.disable(fn, reason=f"{fn.__qualname__} runs eagerly")
+
+    @functools.wraps(fn)
+    def eager(*args: Any, **kwargs: Any) -> Any:
+        return disabled(*args, **kwargs)
+
+    return cast(_F, eager)
 
 
 def _default_backend(device: torch.device) -> str:

@@ -804,7 +804,6 @@ class Trainer:
                         watchdog.activity("validation", region="long")
                         self._validate(step, progress)
                     watchdog.activity("checkpoint save", region="long")
-                    self._record_configs()
                     self.checkpointer.save(step, self.checkpoint_state)
                     last_saved = step
                 self._log_saves()
@@ -837,7 +836,6 @@ class Trainer:
                 )
             if self.state.step > last_saved and self.state.step > 0 and not skip_final_save:
                 watchdog.activity("checkpoint save (final)", region="long")
-                self._record_configs()
                 self.checkpointer.save(self.state.step, self.checkpoint_state)
             watchdog.activity("checkpoint wait (final)", region="long")
             self.checkpointer.wait()
@@ -1440,8 +1438,8 @@ class Trainer:
         last call (rank 0), where :func:`~hlat_train.export_hf` and a resume read the config
         the checkpoint was trained with.
 
-        Note: called before a save and at the end, not at the commit: listing the checkpoints
-        then does not wait for the deletion a synchronous save leaves in the background.
+        Note: called after each :meth:`_log_saves`, which hands over the saves committed
+        since the last call; a failed write is logged and tried again at the next call.
         """
         steps, self._unrecorded = self._unrecorded, []
         if not steps or not self.rank0:

@@ -193,8 +193,31 @@ def test_train_step_tokens_per_second(benchmark, dtype):
         fraction_of_matmul=round(
             (model_flops / benchmark.stats.stats.min) / (gemm_flops / min(gemm_times)), 3
         ),
+        **_paired(benchmark.stats.stats.data, gemm_times, peer_times[1:], model_flops, gemm_flops),
     )
     print(f"\n[{dtype}] {benchmark.extra_info}")
+
+
+def _paired(
+    ours: list[float],
+    gemms: list[float],
+    peers: list[float],
+    model_flops: float,
+    gemm_flops: float,
+) -> dict[str, float]:
+    """The ratios of each round to the products and the peer timed just before it (in its
+    setup), their medians: on a machine whose speed moves between rounds (its
+    neighbours on a shared host, as on a 2-core Xeon with AMX whose products' rate moved
+    widely from one round to the next) the best round of each need not come from the same
+    state of the machine, so the ratio of the minima moves with it, while adjacent timings
+    share the state."""
+    fractions = [(model_flops / t) / (gemm_flops / g) for t, g in zip(ours, gemms, strict=True)]
+    paired = {"fraction_of_matmul_paired_median": round(statistics.median(fractions), 3)}
+    if len(peers) == len(ours):
+        paired["speedup_vs_hf_paired_median"] = round(
+            statistics.median(p / t for p, t in zip(peers, ours, strict=True)), 3
+        )
+    return paired
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,3 +175,64 @@ def test_a_run_on_a_tokenizer_json_exports_a_fast_tokenizer_that_encodes_the_sam
     ids = torch.tensor([reference.encode(text)])
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, llama(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_a_root_shared_by_runs_of_two_tokenizers_exports_each_checkpoint_with_its_own(
+    corpus, tmp_path
+):
+    """A run on a 384-piece SentencePiece model saves steps 2 and 4; a new run in the same
+    directory (``checkpoint.resume = false``) on a 448-piece one saves step 3 and overwrites
+    the root's copy of the tokenizer. Each checkpoint exports with the tokenizer it was
+    trained with (its own copy) and loads in transformers."""
+    from hlat_data import train_tokenizer
+
+    other = train_tokenizer(corpus["train"], str(tmp_path / "other.model"), vocab_size=448)
+    for extra, steps in (
+        ((), 4),
+        ((f'--data.tokenizer="{other}"', "--checkpoint.resume=false", "--checkpoint.every=3"), 3),
+    ):
+        trainer = Trainer(
+            tiny_config(corpus, tmp_path, "--model.vocab_size=0", *extra, steps=steps)
+        )
+        try:
+            trainer.fit()
+        finally:
+            trainer.close()
+    checkpoints = tmp_path / "checkpoints"
+    for source, tokenizer, vocab in (
+        (checkpoints / "step_0000000004", corpus["tokenizer"], 384),
+        (checkpoints, other, 448),
+    ):
+        out = export_hf(str(source), str(tmp_path / f"hf-{vocab}"), dtype="float32")
+        shipped = (tmp_path / f"hf-{vocab}" / "tokenizer.model").read_bytes()
+        assert shipped == Path(tokenizer).read_bytes()
+        hf = transformers.LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+        assert hf.config.vocab_size == hf.model.embed_tokens.weight.shape[0] == vocab
+
+
+def test_export_refuses_a_tokenizer_of_another_vocabulary_before_writing(corpus, trained, tmp_path):
+    from hlat_data import train_tokenizer
+
+    _, checkpoints = trained
+    other = train_tokenizer(corpus["train"], str(tmp_path / "other.model"), vocab_size=448)
+    with pytest.raises(ConfigError, match=r"its embedding has 384 rows.*448 pieces"):
+        export_hf(str(checkpoints), str(tmp_path / "hf"), tokenizer=other)
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_tied_run_exports_a_tied_model_with_the_same_logits(corpus, tmp_path):
+    config = tiny_config(corpus, tmp_path, "--model.tie_embeddings=true", steps=2)
+    trainer = Trainer(config)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    checkpoints = tmp_path / "checkpoints"
+    out = export_hf(str(checkpoints), str(tmp_path / "hf"), dtype="float32")
+    hf = transformers.LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    assert hf.config.tie_word_embeddings
+    llama = Llama(config.llama_config(384))
+    llama.load_state_dict(consolidate(str(checkpoints))["model"])
+    ids = torch.randint(0, 384, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, llama(ids), rtol=1e-4, atol=1e-4)

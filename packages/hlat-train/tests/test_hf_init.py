@@ -115,3 +115,41 @@ def test_a_directory_without_the_head_of_an_untied_model_is_refused(corpus, tmp_
     with pytest.raises(ConfigError, match=r"holds no lm_head.weight, but the model does not tie"):
         Trainer(config)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_tied_checkpoint_with_another_norm_eps_trains_once_the_model_section_says_so(
+    corpus, tmp_path
+):
+    """A tied Llama with ``rms_norm_eps`` 1e-6 (transformers' default): each difference is
+    refused naming the override that matches it, and with both overrides the first logits
+    equal transformers'. Tensor parallelism of a tied model is refused before any work."""
+    llama = validate(
+        tiny_config(corpus, tmp_path / "unused", *SHAPE, "--model.norm_eps=1e-6",
+                    "--model.tie_embeddings=true"),
+        1,
+    )  # fmt: skip
+    assert llama.tie_embeddings and llama.norm_eps == 1e-6
+    torch.manual_seed(7)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config_to_hf(llama))).eval()
+    assert hf.config.tie_word_embeddings and hf.config.rms_norm_eps == 1e-6
+    hf.save_pretrained(tmp_path / "tied", safe_serialization=True)
+    start = (*SHAPE, f'--model.init_from_hf="{tmp_path / "tied"}"')
+    for extra, needle in (
+        ((), r"its norm_eps is 1e-06, the model's is 1e-05; set model\.norm_eps = 1e-06"),
+        (("--model.norm_eps=1e-6",), r"set model\.tie_embeddings = true"),
+    ):
+        with pytest.raises(ConfigError, match=needle):
+            Trainer(tiny_config(corpus, tmp_path / "run", *start, *extra))
+        assert not (tmp_path / "run").exists()
+    both = (*start, "--model.norm_eps=1e-6", "--model.tie_embeddings=true")
+    with pytest.raises(ConfigError, match=r"tie_embeddings = true with parallel\.tp = 2"):
+        validate(tiny_config(corpus, tmp_path / "run", *both, "--parallel.tp=2"), 2)
+    trainer = Trainer(tiny_config(corpus, tmp_path / "run", *both))
+    try:
+        trainer._setup()
+        ids = torch.randint(0, llama.vocab_size, (2, 24))
+        with torch.no_grad():
+            torch.testing.assert_close(trainer.model(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
+        assert trainer.model.lm_head.weight is trainer.model.embed_tokens.weight
+    finally:
+        trainer.close()

@@ -54,6 +54,12 @@ class ModelConfig:
     """Longest sequence (RoPE positions)."""
     rope_theta: float | None = None
     """RoPE base."""
+    norm_eps: float | None = None
+    """RMSNorm epsilon (a Hugging Face config's ``rms_norm_eps``)."""
+    tie_embeddings: bool | None = None
+    """The LM head uses the input embedding's weight (a Hugging Face config's
+    ``tie_word_embeddings``). Not with ``parallel.tp > 1`` or ``parallel.pp > 1``, or on the
+    neuron backend."""
     init_std: float | None = None
     """Normal init standard deviation (HLAT: 0.021)."""
     scaled_init: bool | None = None

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 import warnings
 from typing import Any
 
@@ -19,6 +21,7 @@ else:  # pragma: no cover
 CONFIG_NAME = "hlat-train-config.toml"
 TOKENIZER_NAME = "tokenizer.model"
 HF_TOKENIZER_NAME = "tokenizer.json"
+_KEPT = {".model": TOKENIZER_NAME, ".json": HF_TOKENIZER_NAME}
 
 
 def save_run_files(config: TrainConfig, checkpoint_dir: str) -> None:
@@ -30,22 +33,39 @@ def save_run_files(config: TrainConfig, checkpoint_dir: str) -> None:
     fs.makedirs(root, exist_ok=True)
     with fs.open(f"{root}/{CONFIG_NAME}", "w") as f:
         f.write(config.to_toml())
-    kept = {".model": TOKENIZER_NAME, ".json": HF_TOKENIZER_NAME}
-    suffix = os.path.splitext(config.data.tokenizer)[1]
-    if config.data.tokenizer and suffix in kept:
-        with (
-            fsspec.open(config.data.tokenizer, "rb") as src,
-            fs.open(f"{root}/{kept[suffix]}", "wb") as dst,
-        ):
-            dst.write(src.read())
+    _copy_tokenizer(config, fs, root)
 
 
 def save_step_config(config: TrainConfig, step_url: str) -> None:
-    """Write the config a checkpoint was trained with into its directory ``step_url``."""
+    """Write the config a checkpoint was trained with, and a copy of its tokenizer, into its
+    directory ``step_url``: a root whose runs trained with different tokenizers exports each
+    checkpoint with its own."""
     import fsspec
 
-    with fsspec.open(f"{step_url.rstrip('/')}/{CONFIG_NAME}", "w") as f:
+    fs, path = fsspec.core.url_to_fs(step_url)
+    path = path.rstrip("/")
+    with fs.open(f"{path}/{CONFIG_NAME}", "w") as f:
         f.write(config.to_toml())
+    _copy_tokenizer(config, fs, path)
+
+
+def _tokenizer_name(config: TrainConfig) -> str | None:
+    """The name a run's tokenizer is kept under beside its checkpoints, by its kind."""
+    return _KEPT.get(os.path.splitext(config.data.tokenizer)[1]) if config.data.tokenizer else None
+
+
+def _copy_tokenizer(config: TrainConfig, fs: Any, folder: str) -> None:
+    """Copy the run's tokenizer file into ``folder`` of ``fs`` (nothing for a run without
+    one)."""
+    import fsspec
+
+    name = _tokenizer_name(config)
+    if name is not None:
+        with (
+            fsspec.open(config.data.tokenizer, "rb") as src,
+            fs.open(f"{folder}/{name}", "wb") as dst,
+        ):
+            dst.write(src.read())
 
 
 def read_trained_config(step_url: str) -> tuple[str | None, str, bool]:
@@ -133,29 +153,33 @@ def export_hf(
             f"{checkpoint}: no {CONFIG_NAME} in it or its parent; point at a checkpoint "
             "directory written by hlat-train (the root given as checkpoint.dir)"
         )
-    tokenizer_path = (
-        tokenizer or _find(fs, path, TOKENIZER_NAME) or _find(fs, path, HF_TOKENIZER_NAME)
-    )
-    if tokenizer_path is None:
-        raise ConfigError(
-            f"{checkpoint}: no {TOKENIZER_NAME} or {HF_TOKENIZER_NAME} saved with the run; "
-            "pass tokenizer="
-        )
     config = _read_config(fs, config_paths[0])
+    tokenizer_path = tokenizer or _trained_tokenizer(fs, directories[0], config, options)
+
+    state, used = _consolidate(directories, config_paths, options)
+    if used:  # an older checkpoint: the newest failed its checks
+        config = _read_config(fs, config_paths[used])  # type: ignore[arg-type]
+        tokenizer_path = tokenizer or _trained_tokenizer(fs, directories[used], config, options)
     tok_fs = fs if tokenizer is None else fsspec.core.url_to_fs(tokenizer)[0]
     with tok_fs.open(tokenizer_path, "rb") as f:
         tokenizer_bytes = f.read()
-    os.makedirs(out_dir, exist_ok=True)
-    if tokenizer_path.endswith(".json"):
-        files = _hf_tokenizer_files(tokenizer_bytes, out_dir)
-    else:
-        files = _sentencepiece_files(tokenizer_bytes, out_dir, config.data.add_bos)
-    llama = config.llama_config(files.vocab_size)
-
-    state, config_path = _consolidate(directories, config_paths, options)
-    if config_path != config_paths[0]:  # an older checkpoint: the newest failed its checks
-        config = _read_config(fs, config_path)
+    with tempfile.TemporaryDirectory() as staging:  # out_dir only gets a checked export
+        if tokenizer_path.endswith(".json"):
+            files = _hf_tokenizer_files(tokenizer_bytes, staging)
+        else:
+            files = _sentencepiece_files(tokenizer_bytes, staging, config.data.add_bos)
         llama = config.llama_config(files.vocab_size)
+        rows = state["embed_tokens.weight"].shape[0]
+        if rows != llama.vocab_size or files.vocab_size > rows:
+            raise ConfigError(
+                f"{checkpoint}: its embedding has {rows} rows, but the config says "
+                f"vocab_size {llama.vocab_size} and the tokenizer {tokenizer_path} has "
+                f"{files.vocab_size} pieces; pass the tokenizer it was trained with "
+                "(tokenizer=)"
+            )
+        os.makedirs(out_dir, exist_ok=True)
+        for name in os.listdir(staging):
+            shutil.move(os.path.join(staging, name), os.path.join(out_dir, name))
     tensors = state_dict_to_hf(state, llama)
     tensors = {k: v.to(dtypes[dtype]).contiguous() for k, v in tensors.items()}
 
@@ -203,12 +227,30 @@ def _checkpoint_dirs(checkpoint: str, fs: Any, path: str, options: dict[str, Any
         lister.close()
 
 
+def _trained_tokenizer(
+    fs: Any, directory: str, config: TrainConfig, options: dict[str, Any]
+) -> str:
+    """The tokenizer file the checkpoint ``directory`` was trained with: the copy of the kind
+    its config's ``data.tokenizer`` names, in the directory, else beside it (the root)."""
+    import fsspec
+
+    name = _tokenizer_name(config)
+    path = fsspec.core.url_to_fs(directory, **options)[1].rstrip("/")
+    found = _find(fs, path, name) if name is not None else None
+    if found is None:
+        raise ConfigError(
+            f"{directory}: no {name or 'tokenizer file'} saved with it or its root (its "
+            f"data.tokenizer is {config.data.tokenizer!r}); pass tokenizer="
+        )
+    return found
+
+
 def _consolidate(
     directories: list[str], config_paths: list[str | None], options: dict[str, Any]
-) -> tuple[dict[str, Any], str]:
+) -> tuple[dict[str, Any], int]:
     """The model state of the first of ``directories`` that passes ``consolidate``'s checks
-    (a damaged one is skipped with a warning, as ``consolidate`` of a root does) and the
-    path of its config."""
+    (a damaged one is skipped with a warning, as ``consolidate`` of a root does) and its
+    index."""
     from hlat_ckpt import consolidate
 
     for i, (directory, config_path) in enumerate(zip(directories, config_paths, strict=True)):
@@ -221,7 +263,7 @@ def _consolidate(
             continue
         if config_path is None:
             raise ConfigError(f"{directory}: no {CONFIG_NAME} in it or its parent")
-        return state, config_path
+        return state, i
     raise AssertionError("unreachable")
 
 

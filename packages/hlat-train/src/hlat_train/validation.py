@@ -349,6 +349,14 @@ def validate(
         ) from None
     if par.pp > 1:
         _check_pipeline(config, llama, world_size)
+    if llama.tie_embeddings and (par.tp > 1 or par.backend == "neuron"):
+        where = f"parallel.tp = {par.tp}" if par.tp > 1 else "parallel.backend = 'neuron'"
+        raise ConfigError(
+            f"model.tie_embeddings = true with {where}: the embedding and the LM head are "
+            "split differently and cannot share one weight; set model.tie_embeddings = false "
+            "(an untied copy of the weights) or train without tensor parallelism on the torch "
+            "backend"
+        )
     if llama.vocab_size % par.tp:
         raise ConfigError(
             f"parallel.tp {par.tp} does not divide model.vocab_size {llama.vocab_size} "
@@ -475,21 +483,23 @@ def _check_hf_init(path: str, llama: Any) -> None:
             theirs = config_from_hf(json.load(f))
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"model.init_from_hf {path!r}: {e}") from None
-    if not llama.tie_embeddings and not {"lm_head.weight", "model.lm_head.weight"} & set(names):
-        raise ConfigError(
-            f"model.init_from_hf {path!r} holds no lm_head.weight, but the model does not tie "
-            "its embeddings (model.tie_embeddings = false): the head would have no weights"
-        )
     for field in (
         "vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "ffn_dim", "rope_theta",
         "norm_eps", "tie_embeddings",
     ):  # fmt: skip
         mine, hf = getattr(llama, field), getattr(theirs, field)
         if mine != hf:
+            key = "n_kv_heads" if field == "kv_heads" else field
+            value = str(hf).lower() if isinstance(hf, bool) else hf
             raise ConfigError(
                 f"model.init_from_hf {path!r}: its {field} is {hf}, the model's is {mine}; "
-                "set the model section (preset and overrides) to the checkpoint's shape"
+                f"set model.{key} = {value} (or a preset of the checkpoint's shape)"
             )
+    if not llama.tie_embeddings and not {"lm_head.weight", "model.lm_head.weight"} & set(names):
+        raise ConfigError(
+            f"model.init_from_hf {path!r} holds no lm_head.weight, but the model does not tie "
+            "its embeddings (model.tie_embeddings = false): the head would have no weights"
+        )
 
 
 def _check_pipeline(config: TrainConfig, llama: Any, world_size: int | None) -> None:

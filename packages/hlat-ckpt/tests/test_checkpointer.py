@@ -760,6 +760,20 @@ except CheckpointError as e:
 else:
     raise AssertionError("loaded")
 assert not opt.state
+# a weight shared by two modules (tied embeddings) has its state under its first name only
+def build_tied(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8, bias=False) for _ in range(2)))
+    model[1].weight = model[0].weight
+    parallelize(model, dims, {}, dp_shard="zero1")
+    return model, zero1_optimizer(torch.optim.AdamW, model.parameters(), dims, lr=1e-2)
+model, opt = build_tied(0)
+train(model, opt, [0, 1])
+Checkpointer(sys.argv[1] + "/tied", async_save=False).save(2, {"model": model, "optimizer": opt})
+expected = train(model, opt, [0, 1])
+model, opt = build_tied(1)
+assert Checkpointer(sys.argv[1] + "/tied").load_latest({"model": model, "optimizer": opt}) == 2
+assert all(torch.equal(a, b) for a, b in zip(train(model, opt, [0, 1]), expected, strict=True))
 print("ok")
 """
 

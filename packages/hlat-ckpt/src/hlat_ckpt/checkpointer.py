@@ -908,13 +908,14 @@ def _undroppable(
 
 def _trained(model: nn.Module, optimizer: torch.optim.Optimizer) -> set[str]:
     """DCP's names of the parameters of ``optimizer`` that require grads (those that torch's
-    ``_init_optim_state`` gives state)."""
+    ``_init_optim_state`` gives state). A parameter shared by several modules (tied
+    embeddings) is named once, by its first name, as DCP saves its state."""
     from torch.distributed.checkpoint.state_dict import _get_fqns
 
     mine = {id(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
     return {
         fqn
-        for name, param in model.named_parameters(remove_duplicate=False)
+        for name, param in model.named_parameters()
         if id(param) in mine
         for fqn in _get_fqns(model, name)
     }

@@ -299,6 +299,7 @@ def test_a_held_out_directory_or_glob_of_json_lines_is_left_to_the_loader(corpus
         ("--spike.min_history=0", "spike.min_history must be at least 1"),
         ("--spike.min_history=10 --spike.window=5", r"spike.min_history \(10\) exceeds"),
         ("--data.block_size=0", "data.block_size must be at least 1"),
+        ("--train.gc_every=-1", "train.gc_every must be at least 0"),
         ("--spike.new_level_after=1", "spike.new_level_after must be 0 .never. or at least 2"),
     ],
 )

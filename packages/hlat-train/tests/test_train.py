@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import signal
@@ -51,6 +52,34 @@ def test_training_lowers_loss_writes_metrics_and_checkpoints(corpus, tmp_path):
     for r in saves:
         assert r["async_save"] is False and r["stall_s"] == r["save_s"] > 0  # synchronous
         assert 0 < r["checksum_s"] < r["write_s"] <= r["save_s"] and r["bytes"] > 0
+
+
+@pytest.mark.parametrize("every", [3, 0])
+def test_the_garbage_collector_runs_every_gc_every_steps_and_is_restored(corpus, tmp_path, every):
+    """train.gc_every = 3: no automatic collection within the loop (the collector is off),
+    young-generation collections after steps 3 and 6, full ones before the saves of steps 4
+    and 6. 0: Python collects on its own throughout. Either way it is on after the run."""
+    config = tiny_config(corpus, tmp_path, f"--train.gc_every={every}", "--checkpoint.every=4")
+    trainer = Trainer(config)
+    seen: list[tuple[int, int, bool]] = []
+
+    def record(phase: str, info: dict) -> None:
+        if phase == "start":  # the state exists once set-up has built it
+            step = trainer.state.step if hasattr(trainer, "state") else -1
+            seen.append((step, info["generation"], gc.isenabled()))
+
+    gc.callbacks.append(record)
+    try:
+        summary = trainer.fit()
+    finally:
+        gc.callbacks.remove(record)
+        trainer.close()
+    assert summary["step"] == 6 and gc.isenabled()
+    while_off = [(step, generation) for step, generation, enabled in seen if not enabled]
+    if every:
+        assert while_off == [(3, 1), (4, 2), (6, 1), (6, 2)]
+    else:
+        assert seen and not while_off
 
 
 def test_rerun_resumes_from_newest_checkpoint_and_continues_identically(corpus, tmp_path):

@@ -421,6 +421,14 @@ class RunConfig:
     checkpoint loads and the first step of each process (compilation) get at least
     1800 s. Negative: no watchdog. The process group's own timeout is set above it:
     max(1800 s, this) + 300 s (torch's default without a watchdog)."""
+    gc_every: int = 50
+    """Python's garbage collector during training, as torchtitan's ``training.gc_freq``: off
+    between steps, and a young-generation collection (``gc.collect(1)``) on every rank
+    after every this many steps, so that no rank stops in the middle of a step for an
+    automatic collection that the other ranks then wait for (on a 2-core Xeon, the demo's
+    automatic full collections took about 70 ms each, a step's time). The collector's
+    state is restored when the loop ends. 0: Python collects on its own, as outside
+    training."""
     eval_every: int = 0
     """Validation loss every this many steps (0: at checkpoints only, when valid data exists)."""
     eval_batches: int = 8

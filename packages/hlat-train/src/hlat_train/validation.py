@@ -108,6 +108,7 @@ def validate(
         ("train.sample_tokens", run.sample_tokens, 1),
         ("train.sample_temperature", run.sample_temperature, 0),
         ("train.sample_top_k", run.sample_top_k, 0),
+        ("train.gc_every", run.gc_every, 0),
     ):
         if value < low:
             raise ConfigError(f"{key} must be at least {low}, got {value}")

@@ -55,6 +55,19 @@ inline To same_bits(From v) {
   return out;
 }
 
+// Asks for the cache lines of `bytes` bytes at p ahead of their use: the rows that the
+// attention kernels read from the fused qkv product (and the output's gradient) lie a
+// position's heads apart, kilobytes, where the hardware's prefetchers, which follow a page,
+// miss most of them.
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
+}
+inline void prefetch_row_for_write(void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 1);
+}
+
 inline u16 to_bf16(float f) {
   const u32 b = same_bits<u32>(f);
   const u32 rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
@@ -522,6 +535,7 @@ void add_into(float* acc, int64_t stride, const u16* x, int64_t batches, int64_t
 // ---------------------------------------------------------------------------------------
 // What the flash attention kernels share.
 
+constexpr int64_t kAhead = 8;  // rows prefetched ahead in the strided reads
 constexpr int kBlock = 32;  // queries and keys per block (on AMX: two tiles of 16 rows)
 
 // Row strides of the transposed operands of the attention kernels: a row more than the
@@ -605,12 +619,15 @@ inline void transpose16(__m512i r[16]) {
 void transpose_u32(const u32* src, int64_t ld, int64_t rows, int64_t cols, u32* dst,
                    int64_t ldd) {
   __m512i r[16];
-  for (int64_t s0 = 0; s0 < rows; s0 += 16)
+  for (int64_t s0 = 0; s0 < rows; s0 += 16) {
+    for (int j = 0; s0 + 16 < rows && j < 16; ++j)
+      prefetch_row(src + (s0 + 16 + j) * ld, cols * 4);  // the next 16 rows
     for (int64_t i0 = 0; i0 < cols; i0 += 16) {
       for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(src + (s0 + j) * ld + i0);
       transpose16(r);
       for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + (i0 + j) * ldd + s0, r[j]);
     }
+  }
 }
 
 // exp_reduced16v on an AVX-512 register.
@@ -760,9 +777,14 @@ inline void interleave32(const u16* a, const u16* b, u16* pairs) {
 // dst[s / 2][d][s % 2] = src[s][d]: the B layout of a product against src (src [rows][dim],
 // row stride ld; rows even, dim a multiple of 32).
 void pack_row_pairs(const u16* src, int64_t ld, int64_t rows, int64_t dim, u16* dst) {
-  for (int64_t s = 0; s < rows; s += 2)
+  for (int64_t s = 0; s < rows; s += 2) {
+    if (s + kAhead + 1 < rows) {
+      prefetch_row(src + (s + kAhead) * ld, dim * 2);
+      prefetch_row(src + (s + kAhead + 1) * ld, dim * 2);
+    }
     for (int64_t d = 0; d < dim; d += 32)
       interleave32(src + s * ld + d, src + (s + 1) * ld + d, dst + (s / 2) * 2 * dim + 2 * d);
+  }
 }
 
 // dst[d][s] = src[s][d] (src [rows][dim], row stride ld; rows a multiple of 32, dim of
@@ -955,9 +977,11 @@ struct Rope {
 // sign 1) into dst, rows dim apart; rounded once, as the RoPE head split rounds.
 void rotated_rows(const u16* src, int64_t pos, int64_t rows, int64_t dim, const Rope& rope,
                   int64_t b, int64_t first, u16* dst) {
-  for (int64_t r = 0; r < rows; ++r)
+  for (int64_t r = 0; r < rows; ++r) {
+    if (r + kAhead < rows) prefetch_row(src + (r + kAhead) * pos, dim * 2);
     rotate(src + r * pos, dst + r * dim, rope.cos_at(b, first + r), rope.sin_at(b, first + r),
            1.f, dim / 2);
+  }
 }
 
 // A row of dim fp32 sums rounded to bf16 at dst, rotated back by RoPE at (b, s) (the
@@ -1018,6 +1042,11 @@ void bf16_attention_forward(Rows<const u16> q, Rows<const u16> k, Rows<const u16
           // keys from .. q0 + 31, the last block diagonal: scores, softmax, then the output's
           // products over all the keys at once (the sums stay in the tiles)
           const int64_t from = fk.block(b, q0), end = q0 + kBlock;
+          // this block's output rows (written at its end), the next block's query rows
+          for (int r = 0; r < kBlock; ++r) {
+            prefetch_row_for_write(outh + (q0 + r) * out.pos, dim * 2);
+            if (end < seq) prefetch_row(qh + (end + r) * q.pos, dim * 2);
+          }
           const u16* qb = qh + q0 * q.pos;
           int64_t qpos = q.pos;
           if (rope) {
@@ -1120,6 +1149,10 @@ void bf16_attention_backward(Rows<const u16> q, Rows<const u16> k, Rows<const u1
         const int64_t os = out.pos, gs = grad.pos;
         // the output's gradient, dense, and delta = rowsum(grad * out)
         for (int64_t s = 0; s < seq; ++s) {
+          if (s + kAhead < seq) {
+            prefetch_row(gr + (s + kAhead) * gs, dim * 2);
+            prefetch_row(o + (s + kAhead) * os, dim * 2);
+          }
           __m512 sum = _mm512_setzero_ps();
           for (int64_t d = 0; d < dim; d += 16) {
             std::memcpy(g.data() + s * dim + d, gr + s * gs + d, 32);
@@ -1195,8 +1228,10 @@ void bf16_attention_backward(Rows<const u16> q, Rows<const u16> k, Rows<const u1
           }
         }
         u16* dqh = dq.at(b, grp) + j * heads.qstep;
-        for (int64_t s = 0; s < seq; ++s)
+        for (int64_t s = 0; s < seq; ++s) {
+          if (s + kAhead < seq) prefetch_row_for_write(dqh + (s + kAhead) * dq.pos, dim * 2);
           store_row(dqacc.data() + s * dim, dim, rope, b, s, dqh + s * dq.pos);
+        }
       }
       // the key blocks' rows, from the transposed sums, then rounded into dk and dv
       for (int64_t k0 = 0; k0 < seq; k0 += kBlock) {
@@ -1219,6 +1254,10 @@ void bf16_attention_backward(Rows<const u16> q, Rows<const u16> k, Rows<const u1
           }
         for (int r = 0; r < kBlock; ++r) {
           const int64_t s = k0 + r;
+          if (s + kAhead < seq) {
+            prefetch_row_for_write(dk.at(b, grp) + (s + kAhead) * dk.pos, dim * 2);
+            prefetch_row_for_write(dv.at(b, grp) + (s + kAhead) * dv.pos, dim * 2);
+          }
           store_row(dkrows.data() + r * dim, dim, rope, b, s, dk.at(b, grp) + s * dk.pos);
           store_row(dvrows.data() + r * dim, dim, nullptr, b, s, dv.at(b, grp) + s * dv.pos);
         }

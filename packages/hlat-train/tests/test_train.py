@@ -74,12 +74,33 @@ def test_the_garbage_collector_runs_every_gc_every_steps_and_is_restored(corpus,
     finally:
         gc.callbacks.remove(record)
         trainer.close()
-    assert summary["step"] == 6 and gc.isenabled()
+    assert summary["step"] == 6 and gc.isenabled() and gc.get_freeze_count() == 0
     while_off = [(step, generation) for step, generation, enabled in seen if not enabled]
     if every:
         assert while_off == [(3, 1), (4, 2), (6, 1), (6, 2)]
     else:
         assert seen and not while_off
+
+
+def test_a_run_that_fails_in_its_loop_restores_the_garbage_collector(corpus, tmp_path):
+    """The loop's end by an exception (a loss spike with no rollback left) gives the
+    collector back on and unfrozen, for a program that embeds the trainer and goes on."""
+    config = tiny_config(
+        corpus,
+        tmp_path,
+        "--train.gc_every=2",
+        "--spike.policy=rollback",
+        "--spike.min_history=3",
+        "--spike.inject_at=[5]",
+        "--spike.max_rollbacks=0",
+    )
+    trainer = Trainer(config)
+    try:
+        with pytest.raises(RuntimeError, match="loss spike at step 5 after 0 rollbacks"):
+            trainer.fit()
+    finally:
+        trainer.close()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
 
 
 def test_rerun_resumes_from_newest_checkpoint_and_continues_identically(corpus, tmp_path):

@@ -426,9 +426,12 @@ class RunConfig:
     between steps, and a young-generation collection (``gc.collect(1)``) on every rank
     after every this many steps, so that no rank stops in the middle of a step for an
     automatic collection that the other ranks then wait for (on a 2-core Xeon, the demo's
-    automatic full collections took about 70 ms each, a step's time). The collector's
-    state is restored when the loop ends. 0: Python collects on its own, as outside
-    training."""
+    automatic full collections took about 70 ms each, a step's time). A full collection
+    runs before each checkpoint save (a pause already), so that what outlives the young
+    collections is not kept for the whole run; what set-up left is collected once and
+    frozen (``gc.freeze``, unless the process froze objects itself), so that those full
+    collections skip it. The collector's state is restored when the loop ends, however it
+    ends. 0: Python collects on its own, as outside training."""
     eval_every: int = 0
     """Validation loss every this many steps (0: at checkpoints only, when valid data exists)."""
     eval_batches: int = 8

@@ -879,6 +879,7 @@ class Trainer:
                 )
             if self.state.step > last_saved and self.state.step > 0 and not skip_final_save:
                 watchdog.activity("checkpoint save (final)", region="long")
+                collector.before_save()
                 self.checkpointer.save(self.state.step, self.checkpoint_state)
             watchdog.activity("checkpoint wait (final)", region="long")
             self.checkpointer.wait()
@@ -888,12 +889,12 @@ class Trainer:
             snapshot.on_oom()
             raise
         finally:
+            collector.close()  # first: what follows may raise (a stopped peer's all-reduce)
             watchdog.activity("end of the run (profiler, stop flag, metrics)", region="long")
             profiler.close()
             self._finish_stop_flag()
             progress.close()
             signal.signal(signal.SIGTERM, previous_handler)
-            collector.close()
         summary = {
             "step": self.state.step,
             "resumed_from": resumed,

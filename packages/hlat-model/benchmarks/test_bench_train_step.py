@@ -672,6 +672,57 @@ def test_rope_attention_against_heads_and_flash(benchmark, kv_heads):
     print(f"\n[bf16 rope + attention, one layer, {kv_heads} kv heads] {benchmark.extra_info}")
 
 
+def test_rope_attention_prefetch_against_none(benchmark, monkeypatch):
+    """One layer's RoPE attention at the model's shape in bf16, forward and backward
+    (:func:`hlat_model.attention.rope_flash_attention`, as in the model), with the kernels
+    built as shipped against a build without their prefetches of strided rows
+    (``HLAT_MODEL_CXXFLAGS=-DHLAT_NO_PREFETCH``), in alternating rounds; forward and
+    backward timed apart (CPUs where the bf16 flash attention runs)."""
+    _bf16_flash_or_skip()
+    from hlat_model import _native
+    from hlat_model.attention import rope_flash_attention
+    from hlat_model.model import rope_cos_sin
+
+    torch.manual_seed(0)
+    heads, head_dim = CONFIG["n_heads"], CONFIG["dim"] // CONFIG["n_heads"]
+    qkv = torch.randn(BATCH, SEQ, heads, 3, head_dim, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = rope_cos_sin(torch.arange(SEQ)[None], head_dim, 10000.0)
+    grad = torch.randn(BATCH, heads, SEQ, head_dim, dtype=torch.bfloat16)
+    shipped = _native.load()
+    flags = os.environ.get("HLAT_MODEL_CXXFLAGS", "")
+    monkeypatch.setenv("HLAT_MODEL_CXXFLAGS", f"{flags} -DHLAT_NO_PREFETCH")
+    _native.reset()
+    without = _native.load()
+    assert shipped is not None and without is not None and without is not shipped
+    times: dict[str, list[float]] = {"fwd": [], "bwd": [], "fwd_without": [], "bwd_without": []}
+
+    def layer(lib, suffix: str) -> None:
+        _native._state["lib"] = lib  # the kernels the next calls take
+        start = time.perf_counter()
+        out = rope_flash_attention(qkv, cos, sin)
+        middle = time.perf_counter()
+        out.backward(grad)
+        times["bwd" + suffix].append(time.perf_counter() - middle)
+        times["fwd" + suffix].append(middle - start)
+        qkv.grad = None
+
+    try:
+        _alternating(benchmark, lambda: layer(shipped, ""), lambda: layer(without, "_without"))
+    finally:
+        monkeypatch.setenv("HLAT_MODEL_CXXFLAGS", flags)
+        _native.reset()
+    median = {name: statistics.median(t[1:]) for name, t in times.items()}  # after a warm-up
+    benchmark.extra_info.update(
+        fwd_ms=round(median["fwd"] * 1e3, 2),
+        fwd_without_prefetch_ms=round(median["fwd_without"] * 1e3, 2),
+        bwd_ms=round(median["bwd"] * 1e3, 2),
+        bwd_without_prefetch_ms=round(median["bwd_without"] * 1e3, 2),
+        fwd_speedup=round(median["fwd_without"] / median["fwd"], 3),
+        bwd_speedup=round(median["bwd_without"] / median["bwd"], 3),
+    )
+    print(f"\n[bf16 rope attention, prefetch] {benchmark.extra_info}")
+
+
 def test_rope_attention_in_the_model_step(benchmark, monkeypatch):
     """The bf16 model step with the fused RoPE attention against the same step with the head
     split and the attention kernel apart, in alternating steps of the same model (CPUs where

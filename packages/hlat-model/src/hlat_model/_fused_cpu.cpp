@@ -58,14 +58,22 @@ inline To same_bits(From v) {
 // Asks for the cache lines of `bytes` bytes at p ahead of their use: the rows that the
 // attention kernels read from the fused qkv product (and the output's gradient) lie a
 // position's heads apart, kilobytes, where the hardware's prefetchers, which follow a page,
-// miss most of them.
+// miss most of them. Built with -DHLAT_NO_PREFETCH (the benchmark's other build), nothing.
 inline void prefetch_row(const void* p, int64_t bytes) {
+#ifndef HLAT_NO_PREFETCH
   const char* c = static_cast<const char*>(p);
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
+#else
+  (void)p, (void)bytes;
+#endif
 }
 inline void prefetch_row_for_write(void* p, int64_t bytes) {
+#ifndef HLAT_NO_PREFETCH
   const char* c = static_cast<const char*>(p);
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 1);
+#else
+  (void)p, (void)bytes;
+#endif
 }
 
 inline u16 to_bf16(float f) {

@@ -690,10 +690,6 @@ def test_rope_attention_prefetch_against_none(benchmark, monkeypatch):
     grad = torch.randn(BATCH, heads, SEQ, head_dim, dtype=torch.bfloat16)
     shipped = _native.load()
     flags = os.environ.get("HLAT_MODEL_CXXFLAGS", "")
-    monkeypatch.setenv("HLAT_MODEL_CXXFLAGS", f"{flags} -DHLAT_NO_PREFETCH")
-    _native.reset()
-    without = _native.load()
-    assert shipped is not None and without is not None and without is not shipped
     times: dict[str, list[float]] = {"fwd": [], "bwd": [], "fwd_without": [], "bwd_without": []}
 
     def layer(lib, suffix: str) -> None:
@@ -707,6 +703,11 @@ def test_rope_attention_prefetch_against_none(benchmark, monkeypatch):
         qkv.grad = None
 
     try:
+        monkeypatch.setenv("HLAT_MODEL_CXXFLAGS", f"{flags} -DHLAT_NO_PREFETCH")
+        _native.reset()
+        without = _native.load()
+        assert shipped is not None and without is not None
+        assert without._name != shipped._name  # another build, another file
         _alternating(benchmark, lambda: layer(shipped, ""), lambda: layer(without, "_without"))
     finally:
         monkeypatch.setenv("HLAT_MODEL_CXXFLAGS", flags)

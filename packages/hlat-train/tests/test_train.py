@@ -82,21 +82,32 @@ def test_the_garbage_collector_runs_every_gc_every_steps_and_is_restored(corpus,
         assert seen and not while_off
 
 
-def test_a_run_that_fails_in_its_loop_restores_the_garbage_collector(corpus, tmp_path):
-    """The loop's end by an exception (a loss spike with no rollback left) gives the
-    collector back on and unfrozen, for a program that embeds the trainer and goes on."""
-    config = tiny_config(
-        corpus,
-        tmp_path,
-        "--train.gc_every=2",
+@pytest.mark.parametrize("where", ["loop", "end"])
+def test_a_run_that_fails_restores_the_garbage_collector(corpus, tmp_path, monkeypatch, where):
+    """A run that ends by an exception gives the collector back on and unfrozen, for a
+    program that embeds the trainer and goes on: one raised in the loop (a loss spike with
+    no rollback left), or by the loop's clean-up (the stop flag's last all-reduce, as with a
+    stopped peer)."""
+    spike = [
         "--spike.policy=rollback",
         "--spike.min_history=3",
         "--spike.inject_at=[5]",
         "--spike.max_rollbacks=0",
+    ]
+    config = tiny_config(
+        corpus, tmp_path, "--train.gc_every=2", *(spike if where == "loop" else [])
     )
     trainer = Trainer(config)
+    expected = "loss spike at step 5 after 0 rollbacks"
+    if where == "end":
+        expected = "the stop flag's all-reduce failed"
+
+        def stop_flag_fails() -> None:
+            raise RuntimeError(expected)
+
+        monkeypatch.setattr(trainer, "_finish_stop_flag", stop_flag_fails)
     try:
-        with pytest.raises(RuntimeError, match="loss spike at step 5 after 0 rollbacks"):
+        with pytest.raises(RuntimeError, match=expected):
             trainer.fit()
     finally:
         trainer.close()

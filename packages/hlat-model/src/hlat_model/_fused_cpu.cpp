@@ -58,21 +58,20 @@ inline To same_bits(From v) {
 // Asks for the cache lines of `bytes` bytes at p ahead of their use: the rows that the
 // attention kernels read from the fused qkv product (and the output's gradient) lie a
 // position's heads apart, kilobytes, where the hardware's prefetchers, which follow a page,
-// miss most of them. Built with -DHLAT_NO_PREFETCH (the benchmark's other build), nothing.
-inline void prefetch_row(const void* p, int64_t bytes) {
+// miss most of them; `write`: lines about to be written. Built with -DHLAT_NO_PREFETCH (the
+// benchmark's other build), nothing.
+inline void prefetch_row(const void* p, int64_t bytes, bool write = false) {
 #ifndef HLAT_NO_PREFETCH
   const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
+  for (int64_t i = 0; i < bytes; i += 64) {
+    if (write) {
+      __builtin_prefetch(c + i, 1);
+    } else {
+      __builtin_prefetch(c + i);
+    }
+  }
 #else
-  (void)p, (void)bytes;
-#endif
-}
-inline void prefetch_row_for_write(void* p, int64_t bytes) {
-#ifndef HLAT_NO_PREFETCH
-  const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 1);
-#else
-  (void)p, (void)bytes;
+  (void)p, (void)bytes, (void)write;
 #endif
 }
 
@@ -1052,7 +1051,7 @@ void bf16_attention_forward(Rows<const u16> q, Rows<const u16> k, Rows<const u16
           const int64_t from = fk.block(b, q0), end = q0 + kBlock;
           // this block's output rows (written at its end), the next block's query rows
           for (int r = 0; r < kBlock; ++r) {
-            prefetch_row_for_write(outh + (q0 + r) * out.pos, dim * 2);
+            prefetch_row(outh + (q0 + r) * out.pos, dim * 2, true);
             if (end < seq) prefetch_row(qh + (end + r) * q.pos, dim * 2);
           }
           const u16* qb = qh + q0 * q.pos;
@@ -1237,7 +1236,7 @@ void bf16_attention_backward(Rows<const u16> q, Rows<const u16> k, Rows<const u1
         }
         u16* dqh = dq.at(b, grp) + j * heads.qstep;
         for (int64_t s = 0; s < seq; ++s) {
-          if (s + kAhead < seq) prefetch_row_for_write(dqh + (s + kAhead) * dq.pos, dim * 2);
+          if (s + kAhead < seq) prefetch_row(dqh + (s + kAhead) * dq.pos, dim * 2, true);
           store_row(dqacc.data() + s * dim, dim, rope, b, s, dqh + s * dq.pos);
         }
       }
@@ -1263,8 +1262,8 @@ void bf16_attention_backward(Rows<const u16> q, Rows<const u16> k, Rows<const u1
         for (int r = 0; r < kBlock; ++r) {
           const int64_t s = k0 + r;
           if (s + kAhead < seq) {
-            prefetch_row_for_write(dk.at(b, grp) + (s + kAhead) * dk.pos, dim * 2);
-            prefetch_row_for_write(dv.at(b, grp) + (s + kAhead) * dv.pos, dim * 2);
+            prefetch_row(dk.at(b, grp) + (s + kAhead) * dk.pos, dim * 2, true);
+            prefetch_row(dv.at(b, grp) + (s + kAhead) * dv.pos, dim * 2, true);
           }
           store_row(dkrows.data() + r * dim, dim, rope, b, s, dk.at(b, grp) + s * dk.pos);
           store_row(dvrows.data() + r * dim, dim, nullptr, b, s, dv.at(b, grp) + s * dv.pos);

@@ -16,7 +16,15 @@ from ckpt_helpers import launch, make_state, snapshot, train_step
 from nxd_standin import NxdStandIn
 
 from hlat_ckpt import MANIFEST_NAME, Checkpointer, CheckpointError
-from hlat_ckpt.lineage import Commit, Parent, abandoned, ancestry, current_ancestry, to_delete
+from hlat_ckpt.lineage import (
+    Commit,
+    Parent,
+    abandoned,
+    ancestry,
+    current_ancestry,
+    parents,
+    to_delete,
+)
 from hlat_ckpt.neuron import NeuronCheckpointer
 
 # --- the rule ------------------------------------------------------------------------------
@@ -52,6 +60,36 @@ def test_keep_last_counts_the_current_ancestry_and_keep_every_keeps_its_multiple
     assert names(to_delete(A + B, B[2], keep_last=2)) == ["a10", "a20", "a30", "a40", "b30"]
     assert names(to_delete(A + B, B[2], keep_last=2, keep_every=20)) == ["a10", "a30", "a40", "b30"]
     assert to_delete(A + B, B[2], keep_last=None) == []  # keep everything
+
+
+def test_the_recorded_chain_reaches_back_after_a_lineage_between_is_deleted():
+    # c forked from b's 40, b from a's 20; retention then deleted every commit of b
+    links = (Parent("b", 40, 6), Parent("a", 20, 2))
+    c = Commit(60, "c60", "c", 8, links[0], links[1:])
+    assert parents(A + B + [c], c) == links
+    assert names(current_ancestry([*A, c])) == ["c60", "a20", "a10"]
+    # a manifest recording the parent only (hlat-ckpt before 0.10) lost the link
+    legacy = Commit(60, "c60", "c", 8, links[0])
+    assert names(current_ancestry([*A, legacy])) == ["c60"]
+    # ... and has its chain from the parent lineage's commits while they exist
+    assert parents(A + B + [legacy], legacy) == links
+    # a's 10 and 20 (multiples of 10) stay kept, whatever number of lineages lie between
+    assert names(to_delete([*A, c], c, keep_last=1, keep_every=10)) == ["a30", "a40"]
+
+
+def test_a_lineage_whose_older_commits_record_the_parent_only_takes_the_fullest_chain():
+    # c forked from b's 120 (b from a's 100); c150 was written before chains were recorded,
+    # c160 records the whole chain; every commit of b is deleted
+    a = [Commit(50, "a50", "a", 1), Commit(100, "a100", "a", 2)]
+    links = (Parent("b", 120, 4), Parent("a", 100, 2))
+    c150 = Commit(150, "c150", "c", 5, links[0])
+    c160 = Commit(160, "c160", "c", 6, links[0], links[1:])
+    commits = [*a, c150, c160]
+    assert parents(commits, c150) == parents(commits, c160) == links
+    # a run resumed from c150 forks with the whole chain: a's 50 and 100 stay kept
+    d = Commit(180, "d180", "d", 7, c150.as_parent(), parents(commits, c150))
+    assert names(ancestry([*commits, d], d)) == ["d180", "c150", "a100", "a50"]
+    assert names(to_delete([*commits, d], d, keep_last=2, keep_every=50)) == ["c160"]
 
 
 def test_legacy_manifests_order_by_step_before_every_recorded_commit():
@@ -141,6 +179,83 @@ def seq_and_parent(root: Path, name: str) -> tuple[int, dict | None]:
     return record["seq"], record["parent"]
 
 
+def test_keep_every_survives_two_forks_whose_middle_lineage_retention_deleted(tmp_path):
+    state = make_state(0)
+
+    def run(resume_from, steps):
+        ck = Checkpointer(tmp_path, keep_last=2, keep_every=100, async_save=False)
+        if resume_from is not None:
+            ck.load(resume_from, state)
+        for step in steps:
+            train_step(state)
+            ck.save(step, state)
+        ck.close()  # a synchronous save deletes what retention drops in the background
+        return ck
+
+    run(None, (100, 200, 250))
+    run(200, (210, 220, 230))  # a fork from 200
+    last = run(220, (240, 260, 270))  # a fork from the fork's 220, deleted by its 260
+    kept = {c.step: c.current for c in last.list()}
+    assert kept == {100: True, 200: True, 260: True, 270: True}
+    manifest = json.loads((tmp_path / "step_0000000200" / MANIFEST_NAME).read_text())
+    assert manifest["lineage"]["ancestors"] == []  # the first lineage has no parent
+    # the newest manifest records both parents, the deleted lineage's included
+    newest = next(p for p in tmp_path.iterdir() if p.name.startswith("step_0000000270"))
+    record = json.loads((newest / MANIFEST_NAME).read_text())["lineage"]
+    assert record["parent"]["step"] == 220
+    assert [a["step"] for a in record["ancestors"]] == [200]
+
+
+def test_keep_last_none_deletes_no_checkpoint_not_even_a_damaged_one(tmp_path):
+    ck = Checkpointer(tmp_path, keep_last=None, async_save=False)
+    a = make_state(0)
+    ck.save(1, a)
+    ck.save(2, a)
+    flip_a_byte(tmp_path / "step_0000000002" / "__0_0.distcp")
+    resumed = Checkpointer(tmp_path, keep_last=None, async_save=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert resumed.load_latest(make_state(1)) == 1
+    resumed.save(3, a)
+    resumed.close()
+    assert dirs(tmp_path)[:2] == ["step_0000000001", "step_0000000002"]
+    assert len(dirs(tmp_path)) == 3  # the damaged 2 is kept beside the new lineage's 3
+
+
+def test_a_run_started_over_in_a_used_root_saves_its_own_steps_and_resumes_them(tmp_path):
+    old = Checkpointer(tmp_path, keep_last=5, async_save=False)
+    a = make_state(0)
+    for step in (2, 4):
+        train_step(a)
+        old.save(step, a)
+    old.close()
+    fresh = Checkpointer(tmp_path, keep_last=5, async_save=False)
+    fresh.start_new_lineage()
+    b = make_state(1)
+    before = weights(b)
+    # nothing of its own yet: a rollback's load_latest finds nothing, not the old run's 4
+    assert fresh.load_latest(b) is None
+    assert torch.equal(weights(b), before)
+    train_step(b)
+    fresh.save(2, b)  # step 2 of the old run: saved beside it, no refusal
+    saved = weights(b)
+    d = make_state(3)
+    assert fresh.load_latest(d) == 2  # once committed, its own (a rollback's load)
+    assert torch.equal(weights(d), saved)
+    fresh.close()
+    assert fresh.lineage != old.lineage
+    # the old run's 2 is passed and deleted, its 4 waits until the new run gets past it
+    assert dirs(tmp_path) == [f"step_0000000002-{fresh.lineage}", "step_0000000004"]
+    assert [(c.step, c.current) for c in fresh.list()] == [(4, False), (2, True)]
+    record = json.loads(
+        (tmp_path / f"step_0000000002-{fresh.lineage}" / MANIFEST_NAME).read_text()
+    )["lineage"]
+    assert record["parent"] is None  # not a fork of the old run
+    c = make_state(2)
+    assert Checkpointer(tmp_path, async_save=False).load_latest(c) == 2
+    assert torch.equal(weights(c), saved)
+
+
 def test_restarts_past_a_damaged_newest_checkpoint_fork_and_save_its_step_again(tmp_path):
     # each Checkpointer is a restart of the run: a new process knows nothing of the last's
     first = Checkpointer(tmp_path, async_save=False)
@@ -196,12 +311,18 @@ def test_lineage_is_recorded_in_the_manifest(tmp_path):
     def lineage(name: str) -> dict:
         return json.loads((tmp_path / name / MANIFEST_NAME).read_text())["lineage"]
 
-    assert lineage("step_0000000001") == {"id": ck.lineage, "seq": 1, "parent": None}
+    assert lineage("step_0000000001") == {
+        "id": ck.lineage,
+        "seq": 1,
+        "parent": None,
+        "ancestors": [],
+    }
     assert lineage("step_0000000002")["seq"] == 2
     assert lineage(f"step_0000000002-{again.lineage}") == {
         "id": again.lineage,
         "seq": 3,
         "parent": {"id": ck.lineage, "step": 1, "seq": 1},
+        "ancestors": [],  # the first lineage has no parent
     }
 
 

@@ -181,6 +181,30 @@ def test_train_tokenizer_creates_the_output_directory_and_refuses_a_url(tmp_path
         train_tokenizer(str(tmp_path / "train.txt"), tmp_path / "file" / "sp", 400)
 
 
+# "€abcd" is 7 bytes: 4 x 5000 bytes end on the euro sign's first byte
+@pytest.mark.parametrize("word", ["hello world, this is text. ", "€abcd"])
+def test_max_chars_bounds_what_one_large_text_file_feeds(tmp_path, monkeypatch, word):
+    """A text file is one document: ``max_chars`` cuts it, and no more than 4 bytes per
+    character is read (a character that limit cuts, of the euro sign's 3 bytes, is left out,
+    not an error)."""
+    import sentencepiece
+
+    from hlat_data import train_tokenizer
+
+    fed = []
+    train = sentencepiece.SentencePieceTrainer.train
+
+    def counting(**kwargs):
+        pieces = list(kwargs.pop("sentence_iterator"))
+        fed.append(sum(map(len, pieces)))
+        return train(sentence_iterator=iter(pieces), **kwargs)
+
+    monkeypatch.setattr(sentencepiece.SentencePieceTrainer, "train", counting)
+    (tmp_path / "big.txt").write_text(word * 4000, encoding="utf-8")
+    train_tokenizer(str(tmp_path / "big.txt"), tmp_path / "sp", 400, max_chars=5000)
+    assert fed == [5000]
+
+
 def test_train_tokenizer_reads_a_remote_directory_as_a_local_one(tmp_path, documents, s3_bucket):
     import json
 
@@ -310,6 +334,11 @@ def test_bos_and_eos_come_from_the_post_processor_unless_named(tmp_path, documen
     assert (tokenizer.bos_id, tokenizer.eos_id) == (0, 1)
     named = Tokenizer.from_file(tmp_path / "tokenizer.json", eos_token="</s>")
     assert (named.bos_id, named.eos_id) == (0, 2)
+    # each special id is part of the fingerprint: a loader state refuses another BOS
+    other_bos = Tokenizer.from_file(tmp_path / "tokenizer.json", bos_token="[STOP]")
+    assert other_bos.bos_id == 1
+    assert other_bos.fingerprint()["bos_id"] != tokenizer.fingerprint()["bos_id"]
+    assert named.fingerprint()["eos_id"] != tokenizer.fingerprint()["eos_id"]
     llama3 = _llama3_style(
         documents, ["<|begin_of_text|>", "<|end_of_text|>"], "<|begin_of_text|> $A"
     )

@@ -47,6 +47,15 @@ def test_preset_overrides_fields():
     assert LlamaConfig.preset("tiny", n_layers=2).n_layers == 2
 
 
+def test_a_multi_head_preset_stays_multi_head_when_only_n_heads_changes():
+    for name, heads in (("hlat-7b", 64), ("tiny", 4)):
+        config = LlamaConfig.preset(name, n_heads=heads)
+        assert (config.n_heads, config.kv_heads) == (heads, heads), name
+    # a grouped-query preset keeps its key/value heads; naming them keeps them too
+    assert LlamaConfig.preset("llama3-8b", n_heads=16).kv_heads == 8
+    assert LlamaConfig.preset("hlat-7b", n_heads=64, n_kv_heads=16).kv_heads == 16
+
+
 def test_unknown_preset_lists_the_known_ones():
     with pytest.raises(ConfigError, match=r"unknown preset 'llama9'.*hlat-7b"):
         LlamaConfig.preset("llama9")
@@ -77,6 +86,9 @@ def test_unknown_override_field_is_named():
         (dict(n_kv_heads=True), "n_kv_heads must be a positive integer, got True"),
         (dict(checkpointing="some"), "checkpointing must be 'none', 'selective' or 'full'"),
         (dict(attention="xformers"), "attention must be 'auto', 'sdpa', 'flex' or 'blocked'"),
+        (dict(tie_embeddings="false"), "tie_embeddings must be True or False, got 'false'"),
+        (dict(sequence_first=1), "sequence_first must be True or False, got 1"),
+        (dict(scaled_init=None), "scaled_init must be True or False, got None"),
     ],
 )
 def test_invalid_config_is_rejected_with_a_specific_message(fields, message):

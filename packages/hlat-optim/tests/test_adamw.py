@@ -622,6 +622,15 @@ def test_add_param_group_refuses_float16_and_float64_parameters():
         assert len(opt.param_groups) == 1  # the group was not added
 
 
+def test_a_seed_that_is_not_an_integer_is_refused_before_any_step():
+    with pytest.raises(TypeError, match=r"seed of param group 0 must be an integer, got 1.0"):
+        AdamW([torch.nn.Parameter(torch.zeros(2))], seed=1.0)
+    opt = AdamW([torch.nn.Parameter(torch.zeros(2))], seed=3)
+    with pytest.raises(TypeError, match=r"seed of param group 1 must be an integer, got '7'"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4))], "seed": "7"})
+    assert len(opt.param_groups) == 1  # the group was not added
+
+
 def test_a_torch_adamw_state_dict_loads_with_the_constructors_seed_and_steps_on():
     ours, theirs = _params(torch.float32), _params(torch.float32)
     kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

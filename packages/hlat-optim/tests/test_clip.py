@@ -141,7 +141,7 @@ def test_global_norm_of_the_parameters_themselves():
     assert abs(global_norm(params).double() - exact) / exact < 1e-6
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 def test_norm_of_millions_of_elements_in_rows_and_a_tail_is_the_float64_norm(dtype):
     # whole rows of 1024 and a shorter tail, a tensor shorter than one row, one of exact rows
     params = _params((3_000_001,), (5, 7), (4, 1024), (0,), seed=5, dtype=dtype)

@@ -87,6 +87,37 @@ def test_the_models_loss_is_compiled_too_and_gives_the_eager_loss_and_gradients(
         torch.testing.assert_close(b.grad.float(), a.grad.float(), rtol=0.05, atol=2e-3, msg=name)
 
 
+def test_without_tensor_parallelism_the_compiled_llama_still_fuses_its_head_and_loss(
+    monkeypatch,
+):
+    """No module is hooked where nothing is sharded, so hlat-model's Llama, blocks
+    compiled, still computes its loss through the fused head and loss (no [B, S, V]
+    logits) and gives the eager model's loss."""
+    from hlat_model import Llama, LlamaConfig
+    from hlat_model import model as llama_module
+
+    fused = []
+    real = llama_module.linear_cross_entropy
+
+    def counted(*args, **kwargs):
+        fused.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llama_module, "linear_cross_entropy", counted)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, ffn_dim=64)
+    eager, compiled = Llama(config), Llama(config)
+    compiled.load_state_dict(eager.state_dict())
+    compile_blocks(compiled, backend="eager")
+    assert not any(m._forward_hooks for m in compiled.modules())
+    tokens = torch.randint(0, config.vocab_size, (2, 17))
+    eager_loss = eager(tokens[:, :-1], labels=tokens[:, 1:])
+    assert fused == [1]
+    compiled_loss = compiled(tokens[:, :-1], labels=tokens[:, 1:])
+    assert fused == [1, 1]
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-6)
+
+
 WORKER = Path(__file__).with_name("compile_worker.py")
 
 

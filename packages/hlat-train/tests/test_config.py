@@ -300,6 +300,11 @@ def test_a_held_out_directory_or_glob_of_json_lines_is_left_to_the_loader(corpus
         ("--spike.min_history=10 --spike.window=5", r"spike.min_history \(10\) exceeds"),
         ("--data.block_size=0", "data.block_size must be at least 1"),
         ("--train.gc_every=-1", "train.gc_every must be at least 0"),
+        ("--checkpoint.mtbf_hours=inf", "checkpoint.mtbf_hours must be a finite number > 0"),
+        ("--checkpoint.mtbf_hours=nan", "checkpoint.mtbf_hours must be a finite number > 0"),
+        ("--checkpoint.preempt_budget=nan", "checkpoint.preempt_budget must be a finite number"),
+        ("--train.sample_temperature=inf", "train.sample_temperature must be a finite number"),
+        ("--checkpoint.dir=s3://bucket/run[1]", "object-store checkpoint root cannot contain"),
         ("--spike.new_level_after=1", "spike.new_level_after must be 0 .never. or at least 2"),
     ],
 )

@@ -46,7 +46,7 @@ def test_an_async_save_waits_for_its_write_before_the_next():
     [
         ("--checkpoint.every=often", "a number of steps or 'auto'"),
         ("--checkpoint.every=0", "at least 1"),
-        ("--checkpoint.mtbf_hours=0", "mtbf_hours must be > 0"),
+        ("--checkpoint.mtbf_hours=0", "mtbf_hours must be a finite number > 0"),
         ("--checkpoint.preempt_budget=-1", "preempt_budget must be at least 0"),
     ],
 )

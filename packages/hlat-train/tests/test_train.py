@@ -174,6 +174,12 @@ def test_a_resume_into_another_network_is_refused_before_any_work_and_changes_no
         with pytest.raises(ConfigError, match=rf"model\.{change} is {value}, but checkpoint "):
             _fit(tiny_config(corpus, tmp_path, override, steps=6))
         assert files() == before, change
+    # an optimizer that keeps other state (fp32 master weights) than the checkpoint's
+    with pytest.raises(
+        ConfigError, match=r"optim\.precision is mixed, but checkpoint step 4 under .* in fp32"
+    ):
+        _fit(tiny_config(corpus, tmp_path, "--optim.precision=mixed", steps=6))
+    assert files() == before
     # a checkpoint without its own config (hlat-train before 0.24) is compared with the root's,
     # which those versions rewrote at every start: a difference is a warning
     own.unlink()
@@ -191,6 +197,30 @@ def test_a_resume_into_another_network_is_refused_before_any_work_and_changes_no
     assert "optim.precision fp32 -> bf16-sr: checkpoint step 4 was trained in fp32" in (
         capfd.readouterr().err
     )
+
+
+def test_a_run_that_starts_over_in_a_used_checkpoint_dir_saves_its_own_steps(
+    corpus, tmp_path, capfd
+):
+    from hlat_train.spike import GUARD_FILE, write_guard_file
+
+    checkpoints = tmp_path / "checkpoints"
+    _fit(tiny_config(corpus, tmp_path, steps=4))
+    write_guard_file(str(checkpoints), [0, 1], 1, 3)  # the older run's spike guard
+    capfd.readouterr()
+    # the same steps again, from scratch: saved beside the older run's, which go
+    _, summary = _fit(tiny_config(corpus, tmp_path, "--checkpoint.resume=false", steps=4))
+    err = capfd.readouterr().err
+    assert summary["resumed_from"] is None
+    assert re.search(
+        r"checkpoint.resume is false: the \d+ checkpoint\(s\) under .* \(newest step 4\)", err
+    )
+    assert "spike guard:" not in err and not (checkpoints / GUARD_FILE).exists()
+    steps = sorted(p.name for p in checkpoints.glob("step_*"))
+    assert steps and all("-" in name for name in steps), steps  # the new lineage's only
+    # the run that started over resumes its own newest checkpoint
+    _, summary = _fit(tiny_config(corpus, tmp_path, steps=5))
+    assert summary["resumed_from"] == 4
 
 
 def test_train_records_leave_out_the_time_of_checkpoint_saves_and_validation(

@@ -11,7 +11,11 @@ times. From that:
 - the *head* is the newest commit (highest ``(seq, step)``), and the *current lineage* the
   head's;
 - the *ancestry* of a checkpoint is its lineage's commits up to it, then its lineage's
-  parent and that parent's ancestry: what a run resumed from it has actually trained through;
+  parent and that parent's ancestry: what a run resumed from it has actually trained through.
+  Every manifest records the whole chain of parents (the parent, its lineage's parent, and so
+  on), so the ancestry reaches the oldest lineage even after retention has deleted every
+  commit of a lineage between (manifests of hlat-ckpt before 0.10 record the parent only;
+  the chain then goes on through the parent lineage's own commits while they exist);
 - every other commit is *abandoned*: resume never picks it, and retention deletes it once
   the current lineage has committed a step at least as new (until then it is left, so that
   nothing is lost before the new lineage has got as far).
@@ -56,6 +60,9 @@ class Commit:
     lineage: str = LEGACY_LINEAGE
     seq: int = 0
     parent: Parent | None = None
+    ancestors: tuple[Parent, ...] = ()
+    """The parents beyond ``parent``, as recorded: its lineage's parent, then that one's,
+    and so on (empty where the manifest records the parent only)."""
 
     @property
     def order(self) -> tuple[int, int]:
@@ -71,9 +78,28 @@ def new_lineage_id() -> str:
     return secrets.token_hex(4)
 
 
-def lineage_record(lineage: str, seq: int, parent: Parent | None) -> dict[str, Any]:
-    """The manifest's ``lineage`` field."""
-    return {"id": lineage, "seq": seq, "parent": None if parent is None else parent.to_json()}
+def lineage_record(
+    lineage: str, seq: int, parent: Parent | None, ancestors: Iterable[Parent] = ()
+) -> dict[str, Any]:
+    """The manifest's ``lineage`` field: ``ancestors`` are the parents beyond ``parent``
+    (:func:`parents`)."""
+    return {
+        "id": lineage,
+        "seq": seq,
+        "parent": None if parent is None else parent.to_json(),
+        "ancestors": [a.to_json() for a in ancestors],
+    }
+
+
+def _parent_from(record: Any) -> Parent:
+    if not (
+        isinstance(record, dict)
+        and isinstance(record.get("id"), str)
+        and isinstance(record.get("step"), int)
+        and isinstance(record.get("seq"), int)
+    ):
+        raise ValueError(f"lineage parent mistyped: {record!r}")
+    return Parent(record["id"], record["step"], record["seq"])
 
 
 def commit_from_record(step: int, dirname: str, record: dict[str, Any]) -> Commit:
@@ -82,19 +108,17 @@ def commit_from_record(step: int, dirname: str, record: dict[str, Any]) -> Commi
     if not record:
         return Commit(step, dirname)
     lineage, seq, parent = record.get("id"), record.get("seq"), record.get("parent")
-    if not isinstance(lineage, str) or not isinstance(seq, int) or seq < 0:
+    ancestors = record.get("ancestors", [])
+    if (
+        not isinstance(lineage, str)
+        or not isinstance(seq, int)
+        or seq < 0
+        or not isinstance(ancestors, list)
+    ):
         raise ValueError(f"lineage field mistyped: {record!r}")
-    found: Parent | None = None
-    if parent is not None:
-        if not (
-            isinstance(parent, dict)
-            and isinstance(parent.get("id"), str)
-            and isinstance(parent.get("step"), int)
-            and isinstance(parent.get("seq"), int)
-        ):
-            raise ValueError(f"lineage parent mistyped: {parent!r}")
-        found = Parent(parent["id"], parent["step"], parent["seq"])
-    return Commit(step, dirname, lineage, seq, found)
+    found = None if parent is None else _parent_from(parent)
+    beyond = tuple(_parent_from(a) for a in ancestors) if found is not None else ()
+    return Commit(step, dirname, lineage, seq, found, beyond)
 
 
 def head(commits: Iterable[Commit]) -> Commit | None:
@@ -111,11 +135,35 @@ def ancestry(commits: Iterable[Commit], tip: Commit) -> list[Commit]:
     """The commits a run resumed from ``tip`` has trained through, ``tip`` first, then
     older ones (newest first): ``tip``'s lineage up to it, then its parent's up to the
     parent checkpoint, and so on."""
+    return _walk(commits, tip)[0]
+
+
+def parents(commits: Iterable[Commit], tip: Commit) -> tuple[Parent, ...]:
+    """The chain of parents of ``tip``'s lineage: its parent, that lineage's parent, and so
+    on to a lineage without one (what a manifest records: the parent, then ``ancestors``)."""
+    return _walk(commits, tip)[1]
+
+
+def _walk(commits: Iterable[Commit], tip: Commit) -> tuple[list[Commit], tuple[Parent, ...]]:
+    """(:func:`ancestry`, :func:`parents`) of ``tip``: the chain of parents is the
+    fullest one that ``tip`` or a commit of its lineage records, continued, where it stops
+    at the parent (manifests of hlat-ckpt before 0.10 record the parent only), by the
+    chains that the parent lineages' own commits record."""
     by_lineage: dict[str, list[Commit]] = {}
     for c in commits:
         by_lineage.setdefault(c.lineage, []).append(c)
+
+    def recorded(lineage: str, *more: Commit) -> tuple[Parent | None, list[Parent]]:
+        # a lineage's commits share one chain; those of hlat-ckpt before 0.10 record its
+        # first link only, so the fullest record counts
+        own = [*by_lineage.get(lineage, []), *more]
+        fullest = max(own, key=lambda c: (c.parent is not None, len(c.ancestors)), default=None)
+        return (None, []) if fullest is None else (fullest.parent, list(fullest.ancestors))
+
     chain: list[Commit] = []
-    lineage, upto, parent = tip.lineage, tip.order, tip.parent
+    links: list[Parent] = []
+    lineage, upto = tip.lineage, tip.order
+    parent, beyond = recorded(tip.lineage, tip)
     seen: set[str] = set()
     while lineage not in seen:
         seen.add(lineage)
@@ -127,11 +175,13 @@ def ancestry(commits: Iterable[Commit], tip: Commit) -> list[Commit]:
         chain += members
         if parent is None:
             break
-        # the parent lineage's own parent is recorded by its commits (all the same)
-        own = by_lineage.get(parent.lineage, [])
+        links.append(parent)
         lineage, upto = parent.lineage, (parent.seq, parent.step)
-        parent = own[0].parent if own else None
-    return chain
+        if beyond:
+            parent = beyond.pop(0)
+        else:  # the parent lineage's own parent, as its commits record it
+            parent, beyond = recorded(lineage)
+    return chain, tuple(links)
 
 
 def current_ancestry(commits: Iterable[Commit]) -> list[Commit]:

@@ -66,8 +66,8 @@ class Manifest:
     time: float = field(default_factory=time.time)
     checksums: dict[str, str] = field(default_factory=dict)
     lineage: dict[str, Any] = field(default_factory=dict)
-    """The run lineage (:mod:`hlat_ckpt.lineage`): ``{"id", "seq", "parent"}``; empty in
-    manifests written before hlat-ckpt 0.5."""
+    """The run lineage (:mod:`hlat_ckpt.lineage`): ``{"id", "seq", "parent", "ancestors"}``
+    (``ancestors`` since hlat-ckpt 0.10); empty in manifests written before hlat-ckpt 0.5."""
 
     @property
     def total_bytes(self) -> int:

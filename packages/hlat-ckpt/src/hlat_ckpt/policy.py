@@ -199,6 +199,9 @@ class CheckpointPolicy(Generic[PendingT]):
         # rank 0's view of the run lineage (hlat_ckpt.lineage), set by a load or the first save
         self._lineage: str | None = None
         self._parent: Parent | None = None
+        self._ancestors: tuple[Parent, ...] = ()  # the parents beyond _parent
+        # (dirname, lineage) of the commits under the root when start_new_lineage ran
+        self._foreign: set[tuple[str, str]] = set()
         self._seq = 0  # the next commit's sequence number
         self._stats_lock = threading.Lock()  # commits may run in an engine's background thread
         self._finished: builtins.list[SaveStats] = []
@@ -308,6 +311,8 @@ class CheckpointPolicy(Generic[PendingT]):
                 for candidate in lineages.current_ancestry(commits):
                     if candidate.dirname in rejected or candidate.dirname in self._damaged:
                         continue
+                    if (candidate.dirname, candidate.lineage) in self._foreign:
+                        continue  # another run's: this one started over
                     try:
                         validate(self._storage, candidate.dirname, candidate.step)
                     except IncompleteCheckpointError as e:
@@ -411,6 +416,26 @@ class CheckpointPolicy(Generic[PendingT]):
             )
             for c in sorted(commits.values(), key=lambda c: c.order)
         ]
+
+    def start_new_lineage(self) -> None:
+        """Commit the next saves under a new lineage without a parent: for a run that starts
+        over, not resumed, under a root that holds another run's checkpoints. Those become
+        an abandoned lineage (:mod:`hlat_ckpt.lineage`): this object's :meth:`load_latest`
+        never picks them (before this run's first commit it finds nothing), other
+        checkpointers do not once this run has committed, and retention deletes each once
+        this run has committed a step at least as new (``keep_last=None``: never). Without
+        it, the first save of a checkpointer that loaded nothing continues the newest
+        commit's lineage, as if resumed from it. Call it on every rank, before the first
+        save; an explicit :meth:`load` of a step may still fork from any of them."""
+        self._refuse_closed()
+        self.wait()
+        if self.rank == 0:
+            manifests, _ = scan(self._storage)
+            if manifests:  # else the first save starts a lineage of its own anyway
+                commits = [m.commit(d) for d, m in manifests.items()]
+                self._foreign = {(c.dirname, c.lineage) for c in commits}
+                self._begin_lineage(commits, None)
+        self._saved_steps.clear()
 
     @property
     def lineage(self) -> str | None:
@@ -520,14 +545,19 @@ class CheckpointPolicy(Generic[PendingT]):
         continued under a new id whose parent is that head.
         """
         tip = lineages.head(commits)
+        # the chain of parents, recorded whole in every manifest: read while the commits that
+        # record it exist, it outlives their deletion by retention
+        chain: tuple[Parent, ...] = ()
         if resumed is not None and tip is not None and resumed.dirname == tip.dirname:
             if tip.lineage != lineages.LEGACY_LINEAGE:
-                self._lineage, self._parent = tip.lineage, tip.parent
+                self._lineage, chain = tip.lineage, lineages.parents(commits, tip)
             else:
-                self._lineage, self._parent = lineages.new_lineage_id(), tip.as_parent()
+                self._lineage, chain = lineages.new_lineage_id(), (tip.as_parent(),)
         else:
             self._lineage = lineages.new_lineage_id()
-            self._parent = None if resumed is None else resumed.as_parent()
+            if resumed is not None:
+                chain = (resumed.as_parent(), *lineages.parents(commits, resumed))
+        self._parent, self._ancestors = (chain[0], chain[1:]) if chain else (None, ())
         self._seq = lineages.next_seq(commits)
 
     def _ensure_lineage(self) -> str:
@@ -613,7 +643,7 @@ class CheckpointPolicy(Generic[PendingT]):
         if other.lineage == self._lineage:
             return True
         manifests, _ = scan(self._storage)
-        tip = Commit(-1, "", self._lineage, self._seq, self._parent)
+        tip = Commit(-1, "", self._lineage, self._seq, self._parent, self._ancestors)
         commits = [*(m.commit(d) for d, m in manifests.items()), tip]
         return other.dirname in {c.dirname for c in lineages.ancestry(commits, tip)}
 
@@ -687,7 +717,9 @@ class CheckpointPolicy(Generic[PendingT]):
                     layout=written.layout,
                     versions=package_versions(),
                     checksums=checksums,
-                    lineage=lineages.lineage_record(self._lineage or "", self._seq, self._parent),
+                    lineage=lineages.lineage_record(
+                        self._lineage or "", self._seq, self._parent, self._ancestors
+                    ),
                 )
                 write_manifest(self._storage, dirname, manifest)
                 self._storage.commit_dir(dirname, final)
@@ -711,7 +743,11 @@ class CheckpointPolicy(Generic[PendingT]):
         if self.rank == 0:
             self._damaged.discard(final)
             self._seq += 1
-            self._retain(Commit(step, final, self._lineage or "", self._seq - 1, self._parent))
+            self._retain(
+                Commit(
+                    step, final, self._lineage or "", self._seq - 1, self._parent, self._ancestors
+                )
+            )
         end = time.perf_counter()
         synchronous = written.stall_s is None
         stats = SaveStats(
@@ -754,8 +790,10 @@ class CheckpointPolicy(Generic[PendingT]):
         manifests, leftovers = scan(self._storage)
         commits: builtins.list[Commit] = []
         for dirname, manifest in manifests.items():
-            if dirname in self._damaged and dirname != committed.dirname:
-                leftovers[dirname] = manifest.step  # skipped by load_latest: not one to keep
+            damaged = dirname in self._damaged and dirname != committed.dirname
+            if damaged and self.keep_last is not None:
+                # skipped by load_latest: not one to keep (keep_last=None deletes no checkpoint)
+                leftovers[dirname] = manifest.step
             else:
                 commits.append(manifest.commit(dirname))
         if committed.dirname not in manifests:  # listing lags on some object stores

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import itertools
 import json
@@ -421,7 +422,12 @@ class Tokenizer:
     def fingerprint(self) -> dict[str, Any]:
         """What identifies this tokenizer: a hash of the model file and the special ids."""
         digest = hashlib.sha256(self._model).hexdigest()[:16]
-        return {"hash": digest, "vocab_size": self.vocab_size, "eos_id": self.eos_id}
+        return {
+            "hash": digest,
+            "vocab_size": self.vocab_size,
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+        }
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -597,13 +603,17 @@ def train_tokenizer(
                     bad[0] += len(skipped)
                     yield from texts
                 continue
+            # max_chars characters take 4 bytes each at most: no more is read
+            limit = 4 * max_chars
             try:
                 with fsspec.open(source, "rb", **(storage_options or {})) as f:
-                    data = f.read()
+                    data = f.read(limit)
+                    whole = len(data) < limit or not f.read(1)
             except FileNotFoundError:
                 raise DataError(f"{source}: no such file") from None
             try:
-                yield data.decode("utf-8")
+                # a character cut by the limit is left out, not an error
+                yield codecs.getincrementaldecoder("utf-8")().decode(data, final=whole)
             except UnicodeDecodeError as e:
                 raise DataError(
                     f"{source}: not UTF-8 text ({e.reason} at byte {e.start}); train_tokenizer "
@@ -615,12 +625,12 @@ def train_tokenizer(
         fed = 0
         for document in documents():
             for i in range(0, len(document), 2000):
-                piece = document[i : i + 2000]
+                piece = document[i : i + 2000 if fed + 2000 <= max_chars else i + max_chars - fed]
                 if piece.strip():
                     yield piece
                     fed += len(piece)
-            if fed >= max_chars:
-                return
+                if fed >= max_chars:
+                    return
         if not fed:
             skipped = f", {bad[0]} bad records or null texts skipped" if bad[0] else ""
             hint = (

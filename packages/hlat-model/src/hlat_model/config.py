@@ -127,14 +127,24 @@ class LlamaConfig:
             raise ConfigError(
                 f"attention must be 'auto', 'sdpa', 'flex' or 'blocked', got {self.attention!r}"
             )
+        for name in ("tie_embeddings", "scaled_init", "sequence_first"):
+            if not isinstance(getattr(self, name), bool):
+                # Note: a string "false" is true, and hlat-parallel reads layouts by identity
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
         """A named shape (``hlat-7b``, ``llama2-7b``, ``llama3-8b``, ``llama2-70b``,
-        ``llama3-70b``, ``1b``, ``tiny``), with any field overridden by keyword."""
+        ``llama3-70b``, ``1b``, ``tiny``), with any field overridden by keyword. A
+        multi-head preset stays multi-head when ``n_heads`` alone is overridden; a
+        grouped-query one keeps its ``n_kv_heads``."""
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-        fields = {**PRESETS[name], **overrides}
+        preset = PRESETS[name]
+        fields = {**preset, **overrides}
+        multi_head = preset.get("n_kv_heads", preset.get("n_heads")) == preset.get("n_heads")
+        if "n_heads" in overrides and "n_kv_heads" not in overrides and multi_head:
+            fields["n_kv_heads"] = overrides["n_heads"]
         unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ConfigError(f"unknown LlamaConfig field(s): {', '.join(sorted(unknown))}")

@@ -643,9 +643,18 @@ class AdamW(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """``torch.optim.Optimizer.add_param_group``, refusing a group that holds a parameter
-        of another dtype than float32 or bfloat16 (the group is then not added)."""
+        of another dtype than float32 or bfloat16, or whose ``seed`` is not an integer (the
+        group is then not added)."""
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
+        seed = self.param_groups[gi]["seed"]
+        try:
+            operator.index(seed)  # every step hashes it with integer operations
+        except TypeError:
+            self.param_groups.pop()
+            raise TypeError(
+                f"AdamW: seed of param group {gi} must be an integer, got {seed!r}"
+            ) from None
         for pi, p in enumerate(self.param_groups[gi]["params"]):
             if p.dtype not in _SUPPORTED:
                 self.param_groups.pop()

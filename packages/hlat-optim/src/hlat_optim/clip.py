@@ -57,6 +57,8 @@ def _square(t: torch.Tensor) -> torch.Tensor:
     their sum (three passes); hlat-optim's benchmark ``test_global_norm_against_torch``
     measures both."""
     flat = t.detach().reshape(-1)
+    if flat.dtype == torch.float64:  # summed in its own precision, then as the others
+        return flat.square().sum().float()
     whole = flat.numel() - flat.numel() % _ROW
     # Note: three operators where the tensor is whole rows or shorter than one row (most
     # weights, every norm weight), as many as the three passes it replaced, so launches

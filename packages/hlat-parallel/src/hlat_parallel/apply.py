@@ -36,9 +36,10 @@ def compile_blocks(model: nn.Module, **options: Any) -> int:
     Note: blocks of one model share their code, so the first compiled block's graph serves
     the others; ``options`` go to ``torch.compile`` (e.g. ``backend="neuron"``).
 
-    Note: every module outside the blocks gets a forward hook that turns an
-    ``AsyncCollectiveTensor`` it returns into a plain tensor (a copy, which waits for the
-    collective, recorded by autograd). Tensor parallelism leaves one where a module's output
+    Note: under tensor parallelism (a model with DTensor parameters when this runs), every
+    module outside the blocks gets a forward hook that turns an ``AsyncCollectiveTensor`` it
+    returns into a plain tensor (a copy, which waits for the collective, recorded by
+    autograd); without it no module is hooked. Tensor parallelism leaves one where a module's output
     is reduced asynchronously and handed on as a local tensor (``RowwiseParallel`` on the
     embedding). A compiled block that takes one returns a plain tensor as its gradient where
     the reduction's backward needs a DTensor, and the backward fails with "'Tensor' object
@@ -55,7 +56,12 @@ def compile_blocks(model: nn.Module, **options: Any) -> int:
         setattr(model, "loss_fn", _compiled_loss(loss_fn, **options))  # noqa: B010
     try:
         from torch.distributed._functional_collectives import AsyncCollectiveTensor
+        from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed: no collectives to wait for
+        return len(blocks)
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        # no tensor parallelism, nothing hands on an AsyncCollectiveTensor: no hooks, so an
+        # unhooked head stays one (hlat_model.Llama fuses its head and loss only then)
         return len(blocks)
 
     def wait_async_output(module: nn.Module, args: Any, output: Any) -> Any:

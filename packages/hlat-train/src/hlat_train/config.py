@@ -259,7 +259,10 @@ class CheckpointConfig:
     async_save: bool = True
     """Write in the background after copying the state to host memory."""
     resume: bool = True
-    """Start from the newest complete checkpoint when there is one."""
+    """Start from the newest complete checkpoint when there is one. ``false``: start over;
+    checkpoints already in ``checkpoint.dir`` are not resumed, and each is deleted once this
+    run has saved a step at least as new (their lineage is abandoned, ``hlat_ckpt``), as is
+    their spike-guard file at the start."""
     verify_checksums: bool = True
     """Before resuming, read the checkpoint's files back and compare them with the checksums
     its manifest recorded; a damaged checkpoint is skipped for the one before it."""

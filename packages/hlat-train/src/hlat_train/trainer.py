@@ -34,7 +34,13 @@ from hlat_train.metrics import (
 )
 from hlat_train.neuron import apply_neuron_env, mark_step
 from hlat_train.precision import resolve_precision
-from hlat_train.spike import GUARD_FILE, SpikeGuard, read_guard_file, write_guard_file
+from hlat_train.spike import (
+    GUARD_FILE,
+    SpikeGuard,
+    read_guard_file,
+    remove_guard_file,
+    write_guard_file,
+)
 from hlat_train.validation import validate
 from hlat_train.watchdog import HangWatchdog, process_group_timeout
 from hlat_train.watchdog import describe as describe_watchdog
@@ -50,6 +56,9 @@ NOT_ARCHITECTURE = (
     "init_std",
     "scaled_init",
 )
+# what the optimizer keeps beyond AdamW's moments in each precision mode that keeps more:
+# optimizer state loads into an optimizer of the same kind only (hlat_ckpt refuses others)
+_OPTIMIZER_STATE = {"mixed": "fp32 master weights", "bf16-kahan": "a Kahan compensation"}
 
 
 def _schedule_settings(fn: Any) -> dict[str, Any]:
@@ -683,6 +692,8 @@ class Trainer:
             resumed = self.checkpointer.load_latest(self.checkpoint_state)
             if resumed is not None and resumed != checked:
                 self._check_trained_model(resumed)
+        else:
+            self._start_over()
         if resumed is not None:
             self._log(f"resumed from step {resumed} of {c.checkpoint_dir}")
             self._apply_configured_optimizer(resumed)
@@ -692,7 +703,8 @@ class Trainer:
             # Note: after the checks above, so a refused resume leaves the run's files as
             # they were
             save_run_files(c, c.checkpoint_dir)
-        self._restore_guard_file()
+        if c.checkpoint.resume:
+            self._restore_guard_file()
         start = self.state.step
         previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         # with the bar off, its lines (spikes, validation losses) go to the log
@@ -1417,8 +1429,10 @@ class Trainer:
         Every field of the model but its run-time choices (``max_seq_len``, attention kernel,
         activation checkpointing, layout) and its initialisation counts, so a change that
         keeps every tensor's shape (``n_heads``, ``rope_theta``, ``norm_eps``) is refused too.
-        A change of ``optim.precision`` is logged. Returns the step checked, ``None`` when
-        there is no checkpoint.
+        A change of ``optim.precision`` among those whose optimizer keeps the same kind of
+        state (``bf16-sr``, ``bf16`` and ``fp32``) is logged; one to or from ``mixed`` (fp32
+        master weights) or ``bf16-kahan`` (a compensation) is refused. Returns the step
+        checked, ``None`` when there is no checkpoint.
 
         Note: rank 0 reads the config and every rank gets it, so all ranks decide alike.
         """
@@ -1471,11 +1485,30 @@ class Trainer:
                 )
         precision = data.get("optim", {}).get("precision")
         if precision not in (None, "auto", c.optim.precision):
-            self._log(
-                f"optim.precision {precision} -> {c.optim.precision}: checkpoint step "
-                f"{checked} was trained in {precision}; its weights and optimizer state are "
-                f"converted to {c.optim.precision} as they load"
-            )
+            kinds = [_OPTIMIZER_STATE.get(p, "") for p in (precision, c.optim.precision)]
+            if kinds[0] == kinds[1]:
+                self._log(
+                    f"optim.precision {precision} -> {c.optim.precision}: checkpoint step "
+                    f"{checked} was trained in {precision}; its weights and optimizer state "
+                    f"are converted to {c.optim.precision} as they load"
+                )
+            elif not own:
+                # the root's config, which may not be the checkpoint's (as above); the load
+                # refuses an optimizer state of another kind itself
+                self._log(
+                    f"warning: optim.precision is {c.optim.precision}, but the run's saved "
+                    f"config ({where}) says {precision}; checkpoint step {checked} has no "
+                    "config of its own to tell which it was trained with"
+                )
+            else:
+                what = " and ".join(k or "no state beyond AdamW's moments" for k in kinds)
+                raise ConfigError(
+                    f"optim.precision is {c.optim.precision}, but checkpoint step {checked} "
+                    f"under {c.checkpoint_dir} was trained in {precision}: their optimizer "
+                    f"states differ ({what}), and optimizer state loads into the same kind "
+                    f"only. Set optim.precision={precision} to resume, or start the new "
+                    "precision in another checkpoint.dir"
+                )
         return checked
 
     def _record_configs(self) -> None:
@@ -1499,6 +1532,27 @@ class Trainer:
         except Exception as error:  # an auxiliary file: the run goes on
             self._unrecorded = steps  # tried again at the next call
             self._log(f"could not write the config of checkpoint(s) {steps}: {error}")
+
+    def _start_over(self) -> None:
+        """``checkpoint.resume = false``: this run's checkpoints form a lineage of their own
+        (``hlat_ckpt``'s ``start_new_lineage``), so it saves any step an older run under the
+        same root saved; the older run's checkpoints are abandoned: never resumed once this
+        run has saved, and deleted by retention as this run passes their steps (logged). The
+        older run's spike-guard file goes (rank 0), so a later resume of this run does not
+        skip that run's micro-batches."""
+        self.checkpointer.start_new_lineage()
+        if not self.rank0:
+            return
+        where = self.config.checkpoint_dir
+        steps = [i.step for i in self.checkpointer.list()]
+        if steps:
+            self._log(
+                f"checkpoint.resume is false: the {len(steps)} checkpoint(s) under {where} "
+                f"(newest step {max(steps)}) are not resumed; each is deleted once this run "
+                "has saved a step at least as new"
+            )
+        if remove_guard_file(where):  # the older run's micro-batches to skip are not ours
+            self._log(f"checkpoint.resume is false: removed the older run's {GUARD_FILE}")
 
     def _restore_guard_file(self) -> None:
         """Merge the rollback state persisted since the checkpoint (``spike-guard.json``):

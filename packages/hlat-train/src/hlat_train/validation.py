@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import math
 import os
+import re
 from typing import Any
 
 from hlat_train.config import ConfigError, TrainConfig
@@ -64,6 +65,17 @@ def _check_mixture(data: Any) -> None:
                 raise ConfigError(f"{where} ({source.name}): {key} must be at least 1, got {value}")
 
 
+def _check_checkpoint_dir(url: str) -> None:
+    """Refuse what ``hlat_ckpt``'s storage refuses when the trainer opens it: an object-store
+    root whose name fsspec would read as a pattern."""
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme not in ("file", "local") and re.search(r"[*?[]", rest):
+        raise ConfigError(
+            f"checkpoint.dir {url!r}: an object-store checkpoint root cannot contain '*', '?' "
+            "or '[' (fsspec reads them as patterns); choose another name"
+        )
+
+
 def validate(
     config: TrainConfig,
     world_size: int | None = None,
@@ -110,6 +122,8 @@ def validate(
         ("train.sample_top_k", run.sample_top_k, 0),
         ("train.gc_every", run.gc_every, 0),
     ):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value}")
         if value < low:
             raise ConfigError(f"{key} must be at least {low}, got {value}")
     every = config.checkpoint.every
@@ -117,8 +131,10 @@ def validate(
         raise ConfigError(f"checkpoint.every must be a number of steps or 'auto', got {every!r}")
     if isinstance(every, int) and every < 1:
         raise ConfigError(f"checkpoint.every must be at least 1, got {every}")
-    if not config.checkpoint.mtbf_hours > 0:
-        raise ConfigError(f"checkpoint.mtbf_hours must be > 0, got {config.checkpoint.mtbf_hours}")
+    mtbf = config.checkpoint.mtbf_hours
+    if not (math.isfinite(mtbf) and mtbf > 0):
+        raise ConfigError(f"checkpoint.mtbf_hours must be a finite number > 0, got {mtbf}")
+    _check_checkpoint_dir(config.checkpoint_dir)
     _check_observability(config)
     _check_hang_timeout(run.hang_timeout)
     _check_mixture(data)

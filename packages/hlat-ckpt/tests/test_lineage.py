@@ -216,10 +216,16 @@ def test_keep_last_none_deletes_no_checkpoint_not_even_a_damaged_one(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert resumed.load_latest(make_state(1)) == 1
+    resumed.save(2, a)  # the damaged step again: saved beside it, not in its place
     resumed.save(3, a)
     resumed.close()
-    assert dirs(tmp_path)[:2] == ["step_0000000001", "step_0000000002"]
-    assert len(dirs(tmp_path)) == 3  # the damaged 2 is kept beside the new lineage's 3
+    fork = resumed.lineage
+    assert dirs(tmp_path) == [
+        "step_0000000001",
+        "step_0000000002",
+        f"step_0000000002-{fork}",
+        "step_0000000003",
+    ]
 
 
 def test_a_run_started_over_in_a_used_root_saves_its_own_steps_and_resumes_them(tmp_path):
@@ -254,6 +260,11 @@ def test_a_run_started_over_in_a_used_root_saves_its_own_steps_and_resumes_them(
     c = make_state(2)
     assert Checkpointer(tmp_path, async_save=False).load_latest(c) == 2
     assert torch.equal(weights(c), saved)
+    # an explicit load undoes a start-over: the run forks from the step it loaded
+    again = Checkpointer(tmp_path, keep_last=5, async_save=False)
+    again.start_new_lineage()
+    again.load(4, make_state(4))
+    assert again.load_latest(make_state(5)) == 2  # the newest commit's ancestry, as ever
 
 
 def test_restarts_past_a_damaged_newest_checkpoint_fork_and_save_its_step_again(tmp_path):

@@ -215,7 +215,9 @@ def test_a_run_that_starts_over_in_a_used_checkpoint_dir_saves_its_own_steps(
     assert re.search(
         r"checkpoint.resume is false: the \d+ checkpoint\(s\) under .* \(newest step 4\)", err
     )
+    # not merged in (it would be logged), and removed once the run had a checkpoint
     assert "spike guard:" not in err and not (checkpoints / GUARD_FILE).exists()
+    assert f"removed the older run's {GUARD_FILE}" in err
     steps = sorted(p.name for p in checkpoints.glob("step_*"))
     assert steps and all("-" in name for name in steps), steps  # the new lineage's only
     # the run that started over resumes its own newest checkpoint

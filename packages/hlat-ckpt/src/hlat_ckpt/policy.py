@@ -394,6 +394,7 @@ class CheckpointPolicy(Generic[PendingT]):
         self._read(step, dirname, manifest, resolved, strict)
         if self.rank == 0:
             self._begin_lineage(commits, manifest.commit(dirname))
+            self._foreign = set()  # an explicit load replaces a start_new_lineage
         self._saved_steps.clear()
 
     def list(self) -> builtins.list[CheckpointInfo]:
@@ -426,7 +427,8 @@ class CheckpointPolicy(Generic[PendingT]):
         this run has committed a step at least as new (``keep_last=None``: never). Without
         it, the first save of a checkpointer that loaded nothing continues the newest
         commit's lineage, as if resumed from it. Call it on every rank, before the first
-        save; an explicit :meth:`load` of a step may still fork from any of them."""
+        save. An explicit :meth:`load` of a step undoes it: the run then forks from that
+        step, as without it."""
         self._refuse_closed()
         self.wait()
         if self.rank == 0:
@@ -615,8 +617,9 @@ class CheckpointPolicy(Generic[PendingT]):
             try:
                 # Note: a damaged checkpoint (a file cut short, or one whose checksum no
                 # longer matches) was skipped by load_latest, so the resumed run reaches
-                # this step again: replace it.
-                if name in self._damaged:
+                # this step again: replace it (keep_last=None deletes no checkpoint: it is
+                # then an abandoned lineage's, saved beside)
+                if name in self._damaged and self.keep_last is not None:
                     raise IncompleteCheckpointError(f"{name} failed its checksums")
                 manifest = validate(self._storage, name, step)
             except IncompleteCheckpointError:

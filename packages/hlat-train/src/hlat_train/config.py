@@ -261,8 +261,8 @@ class CheckpointConfig:
     resume: bool = True
     """Start from the newest complete checkpoint when there is one. ``false``: start over;
     checkpoints already in ``checkpoint.dir`` are not resumed, and each is deleted once this
-    run has saved a step at least as new (their lineage is abandoned, ``hlat_ckpt``), as is
-    their spike-guard file at the start."""
+    run has saved a step at least as new (their lineage is abandoned, ``hlat_ckpt``); their
+    spike-guard file is not read, and goes at this run's first checkpoint."""
     verify_checksums: bool = True
     """Before resuming, read the checkpoint's files back and compare them with the checksums
     its manifest recorded; a damaged checkpoint is skipped for the one before it."""

@@ -485,6 +485,7 @@ class Trainer:
             )
         )
         self._unrecorded: list[int] = []  # committed steps whose directory lacks the config
+        self._older_guard = False  # an older run's spike-guard file to remove (resume = false)
         self.checkpoint_state = {
             "model": self.model,
             "optimizer": self.optimizer,
@@ -1362,6 +1363,7 @@ class Trainer:
         self.state.rollbacks = rollbacks
         if self.rank0:
             write_guard_file(c.checkpoint_dir, bad_all, rollbacks, spike_step)
+            self._older_guard = False  # the file is this run's now
         self._log(
             f"loss spike at step {spike_step}: rolled back to step {restored}; skipping "
             f"micro-batches {bad} from now on"
@@ -1522,6 +1524,10 @@ class Trainer:
         steps, self._unrecorded = self._unrecorded, []
         if not steps or not self.rank0:
             return
+        if self._older_guard:  # this run has a checkpoint now: the older run is given up
+            self._older_guard = False
+            remove_guard_file(self.config.checkpoint_dir)
+            self._log(f"checkpoint.resume is false: removed the older run's {GUARD_FILE}")
         from hlat_train.export import save_step_config
 
         try:
@@ -1538,8 +1544,10 @@ class Trainer:
         (``hlat_ckpt``'s ``start_new_lineage``), so it saves any step an older run under the
         same root saved; the older run's checkpoints are abandoned: never resumed once this
         run has saved, and deleted by retention as this run passes their steps (logged). The
-        older run's spike-guard file goes (rank 0), so a later resume of this run does not
-        skip that run's micro-batches."""
+        older run's spike-guard file goes at this run's first commit (rank 0), so a later
+        resume of this run does not skip that run's micro-batches."""
+        from hlat_ckpt.storage import Storage
+
         self.checkpointer.start_new_lineage()
         if not self.rank0:
             return
@@ -1551,8 +1559,10 @@ class Trainer:
                 f"(newest step {max(steps)}) are not resumed; each is deleted once this run "
                 "has saved a step at least as new"
             )
-        if remove_guard_file(where):  # the older run's micro-batches to skip are not ours
-            self._log(f"checkpoint.resume is false: removed the older run's {GUARD_FILE}")
+        # the older run's micro-batches to skip are not this run's: its file is not read,
+        # and goes once this run has a checkpoint (until then, a restart with resume = true
+        # resumes the older run, which needs it)
+        self._older_guard = Storage(where).exists(GUARD_FILE)
 
     def _restore_guard_file(self) -> None:
         """Merge the rollback state persisted since the checkpoint (``spike-guard.json``):

@@ -118,10 +118,18 @@ def test_loader_without_an_eos_token_is_an_error(tmp_path, corpus):
         tokenizers.models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")
     )
     model.save(str(tmp_path / "plain.json"))
-    with pytest.raises(DataError, match=r"add_eos=True but tokenizer plain\.json has no EOS token"):
+    with pytest.raises(
+        DataError, match=r"tokenizer plain\.json has no EOS token; pass eos_token= to Tokenizer"
+    ):
         PackedLoader(
             ArrowSource(corpus), Tokenizer.from_file(tmp_path / "plain.json"), 64, 2, block_size=4
         )
+
+
+def test_special_token_names_for_a_sentencepiece_model_are_refused(tokenizer_path):
+    for named in (dict(eos_token="</s>"), dict(bos_token="<s>")):
+        with pytest.raises(DataError, match=r"a SentencePiece model carries its own ids"):
+            Tokenizer.from_file(tokenizer_path, **named)
 
 
 def test_trained_tokenizer_keeps_code_layout_exactly(tokenizer_path):

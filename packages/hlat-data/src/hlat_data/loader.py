@@ -110,10 +110,12 @@ class PackedLoader:
         if num_epochs is not None and num_epochs < 1:
             raise DataError(f"num_epochs must be at least 1 or None, got {num_epochs}")
         if add_eos and tokenizer.eos_id < 0:
-            raise DataError(
-                f"add_eos=True but tokenizer {tokenizer.name} has no EOS token; train it with "
-                "an EOS id or pass eos_token= to Tokenizer.from_file"
+            how = (
+                "train it with an EOS id"
+                if tokenizer.kind == "sentencepiece"
+                else "pass eos_token= to Tokenizer.from_file"
             )
+            raise DataError(f"add_eos=True but tokenizer {tokenizer.name} has no EOS token; {how}")
         if add_bos and tokenizer.bos_id < 0:
             raise DataError(f"add_bos=True but tokenizer {tokenizer.name} has no BOS token")
         check_seed(seed)

@@ -5,9 +5,10 @@ seed of its own derived from the loader's seed and the source's name), and the p
 are interleaved by a deterministic schedule: row ``n`` of the mixture comes from the source
 ``d`` that is furthest behind its share, ``argmax_d(w_d * (n + 1) - rows_d)`` (ties go to
 the first listed), the rule of Megatron-Core's blended datasets. Every row holds ``seq_len``
-tokens, so the realised *token* shares follow the weights to within one row per source at
-every point of the stream, whatever the documents' lengths; no source's tokenization waits
-on another's.
+tokens, so the realised *token* shares follow the weights to within about one row per
+source at every point of the stream (a little over one for some skewed mixtures of three
+or more sources), whatever the documents' lengths; no source's tokenization waits on
+another's.
 
 A source may be capped with ``epochs`` (passes over it) or ``max_tokens`` (tokens drawn
 from it across all data-parallel ranks); without either it repeats, each epoch in a new

@@ -96,6 +96,12 @@ class Tokenizer:
             raise DataError(f"tokenizer kind must be 'sentencepiece' or 'hf', got {kind!r}")
         if cache_size < 0:
             raise DataError(f"cache_size must be 0 or more, got {cache_size}")
+        if kind == "sentencepiece" and (bos_token is not None or eos_token is not None):
+            raise DataError(
+                f"tokenizer {name or '<bytes>'}: bos_token and eos_token name special tokens "
+                "of a Hugging Face tokenizer.json; a SentencePiece model carries its own ids "
+                "(train it with bos_id and eos_id)"
+            )
         self.kind = kind
         self.name = name
         self._model = model
@@ -127,8 +133,9 @@ class Tokenizer:
         by default they are the ones its post-processor puts around a text
         (:func:`template_specials`), else the first of ``</s>``, ``<|endoftext|>``,
         ``<|end_of_text|>``, ... (EOS) and ``<s>``, ``<|begin_of_text|>``, ... (BOS) it
-        has. A SentencePiece model carries its own ids. Local paths and fsspec URLs are accepted. ``cache_size``
-        bounds the word cache (about 200 bytes a word; 0 turns it off).
+        has. A SentencePiece model carries its own ids (naming tokens for one is refused).
+        Local paths and fsspec URLs are accepted. ``cache_size`` bounds the word cache (about
+        200 bytes a word; 0 turns it off).
         """
         url = os.fspath(path)
         try:

@@ -228,13 +228,19 @@ def test_keep_last_none_deletes_no_checkpoint_not_even_a_damaged_one(tmp_path):
     ]
 
 
+def saved_run(root: Path, steps, **options) -> tuple[Checkpointer, dict]:
+    """A run that trained and saved ``steps`` under ``root`` (synchronous saves), closed."""
+    ck = Checkpointer(root, async_save=False, **options)
+    state = make_state(0)
+    for step in steps:
+        train_step(state)
+        ck.save(step, state)
+    ck.close()
+    return ck, state
+
+
 def test_a_run_started_over_in_a_used_root_saves_its_own_steps_and_resumes_them(tmp_path):
-    old = Checkpointer(tmp_path, keep_last=5, async_save=False)
-    a = make_state(0)
-    for step in (2, 4):
-        train_step(a)
-        old.save(step, a)
-    old.close()
+    old, _ = saved_run(tmp_path, (2, 4), keep_last=5)
     fresh = Checkpointer(tmp_path, keep_last=5, async_save=False)
     fresh.start_new_lineage()
     b = make_state(1)
@@ -361,11 +367,7 @@ def test_retention_keeps_the_current_lineage_on_s3(s3_bucket):
 
 
 def test_checkpoints_without_lineage_resume_and_are_continued(tmp_path):
-    ck = Checkpointer(tmp_path, keep_last=2, async_save=False)
-    a = make_state(0)
-    for step in (1, 2):
-        train_step(a)
-        ck.save(step, a)
+    saved_run(tmp_path, (1, 2), keep_last=2)
     for step in (1, 2):  # as hlat-ckpt 0.4 wrote them
         path = tmp_path / f"step_{step:010d}" / MANIFEST_NAME
         record = json.loads(path.read_text())

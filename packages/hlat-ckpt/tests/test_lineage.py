@@ -206,12 +206,17 @@ def test_keep_every_survives_two_forks_whose_middle_lineage_retention_deleted(tm
     assert [a["step"] for a in record["ancestors"]] == [200]
 
 
-def test_keep_last_none_deletes_no_checkpoint_not_even_a_damaged_one(tmp_path):
+@pytest.mark.parametrize("damage", ["a changed byte", "a file cut short"])
+def test_keep_last_none_deletes_no_checkpoint_not_even_a_damaged_one(tmp_path, damage):
     ck = Checkpointer(tmp_path, keep_last=None, async_save=False)
     a = make_state(0)
     ck.save(1, a)
     ck.save(2, a)
-    flip_a_byte(tmp_path / "step_0000000002" / "__0_0.distcp")
+    shard = tmp_path / "step_0000000002" / "__0_0.distcp"
+    if damage == "a changed byte":
+        flip_a_byte(shard)  # found by its checksum
+    else:
+        shard.write_bytes(shard.read_bytes()[:-10])  # found by its size
     resumed = Checkpointer(tmp_path, keep_last=None, async_save=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -226,6 +231,7 @@ def test_keep_last_none_deletes_no_checkpoint_not_even_a_damaged_one(tmp_path):
         f"step_0000000002-{fork}",
         "step_0000000003",
     ]
+    assert (tmp_path / "step_0000000002" / MANIFEST_NAME).exists()
 
 
 def saved_run(root: Path, steps, **options) -> tuple[Checkpointer, dict]:

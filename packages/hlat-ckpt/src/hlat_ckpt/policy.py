@@ -34,6 +34,7 @@ from .manifest import (
     Manifest,
     checksum_files,
     package_versions,
+    read_manifest,
     scan,
     validate,
     verify_checksums,
@@ -617,18 +618,22 @@ class CheckpointPolicy(Generic[PendingT]):
             try:
                 # Note: a damaged checkpoint (a file cut short, or one whose checksum no
                 # longer matches) was skipped by load_latest, so the resumed run reaches
-                # this step again: replace it (keep_last=None deletes no checkpoint: it is
-                # then an abandoned lineage's, saved beside)
+                # this step again: replace it (keep_last=None deletes no checkpoint: one
+                # with a manifest is then an abandoned lineage's, saved beside)
                 if name in self._damaged and self.keep_last is not None:
                     raise IncompleteCheckpointError(f"{name} failed its checksums")
                 manifest = validate(self._storage, name, step)
             except IncompleteCheckpointError:
-                # Note: the engine's files and markers (NxD's done) would otherwise survive
-                # into the new save, and a stale marker would mark it finished too early.
-                self._storage.remove_dir(name)
-                self._damaged.discard(name)
-                free.append(name)
-                continue
+                kept = self._kept_manifest(name, step)
+                if kept is None:
+                    # Note: the engine's files and markers (NxD's done) would otherwise
+                    # survive into the new save, and a stale marker would mark it finished
+                    # too early.
+                    self._storage.remove_dir(name)
+                    self._damaged.discard(name)
+                    free.append(name)
+                    continue
+                manifest = kept
             if self._in_ancestry(manifest.commit(name)):
                 return "", (
                     f"a checkpoint of step {step} already exists at "
@@ -639,6 +644,19 @@ class CheckpointPolicy(Generic[PendingT]):
         if free:
             return free[0], ""
         return "", f"step {step} has checkpoints of two other lineages; delete one to save it"
+
+    def _kept_manifest(self, name: str, step: int) -> Manifest | None:
+        """Under ``keep_last=None``, which deletes no checkpoint, the manifest of the
+        incomplete or damaged checkpoint ``name`` of ``step`` (committed, then a file cut
+        short or changed); ``None`` otherwise, and for a directory without a manifest of
+        ``step`` (a save that died before its commit)."""
+        if self.keep_last is not None:
+            return None
+        try:
+            manifest = read_manifest(self._storage, name)
+        except IncompleteCheckpointError:
+            return None
+        return manifest if manifest.step == step else None
 
     def _in_ancestry(self, other: Commit) -> bool:
         """Whether ``other`` is one of this run's own commits or ancestors (rank 0)."""

@@ -1524,10 +1524,7 @@ class Trainer:
         steps, self._unrecorded = self._unrecorded, []
         if not steps or not self.rank0:
             return
-        if self._older_guard:  # this run has a checkpoint now: the older run is given up
-            self._older_guard = False
-            remove_guard_file(self.config.checkpoint_dir)
-            self._log(f"checkpoint.resume is false: removed the older run's {GUARD_FILE}")
+        self._drop_older_guard()
         from hlat_train.export import save_step_config
 
         try:
@@ -1563,6 +1560,23 @@ class Trainer:
         # and goes once this run has a checkpoint (until then, a restart with resume = true
         # resumes the older run, which needs it)
         self._older_guard = Storage(where).exists(GUARD_FILE)
+
+    def _drop_older_guard(self) -> None:
+        """Once this run has a checkpoint, remove the spike-guard file of the older run it
+        started over from (rank 0, ``checkpoint.resume = false``); a file left behind is
+        logged and tried again at the next checkpoint or at :meth:`close`."""
+        if not (getattr(self, "_older_guard", False) and self.rank0):
+            return
+        try:
+            remove_guard_file(self.config.checkpoint_dir)
+        except Exception as error:  # an auxiliary file: the run goes on
+            self._log(
+                f"warning: the older run's {GUARD_FILE} could not be removed "
+                f"({type(error).__name__}: {error}); tried again at the next checkpoint"
+            )
+            return
+        self._older_guard = False
+        self._log(f"checkpoint.resume is false: removed the older run's {GUARD_FILE}")
 
     def _restore_guard_file(self) -> None:
         """Merge the rollback state persisted since the checkpoint (``spike-guard.json``):
@@ -1772,6 +1786,8 @@ class Trainer:
     def close(self) -> None:
         """Release the checkpointer and the process group."""
         if hasattr(self, "checkpointer"):
-            self.checkpointer.close()
+            self.checkpointer.close()  # commits a save still being written
+            if getattr(self.checkpointer, "last_save", None) is not None:  # a checkpoint
+                self._drop_older_guard()
         if dist.is_initialized():
             dist.destroy_process_group()

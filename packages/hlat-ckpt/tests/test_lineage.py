@@ -234,6 +234,16 @@ def test_keep_last_none_deletes_no_checkpoint_not_even_a_damaged_one(tmp_path, d
     assert (tmp_path / "step_0000000002" / MANIFEST_NAME).exists()
 
 
+def test_keep_last_none_refuses_to_replace_an_incomplete_step_of_its_own_ancestry(tmp_path):
+    saved_run(tmp_path, (1, 2), keep_last=None)
+    shard = tmp_path / "step_0000000002" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    again = Checkpointer(tmp_path, keep_last=None, async_save=False)  # loads nothing
+    with pytest.raises(CheckpointError, match=r"step_0000000002 but is incomplete \(.*bytes"):
+        again.save(2, make_state(1))
+    assert (tmp_path / "step_0000000002" / MANIFEST_NAME).exists()  # nothing deleted
+
+
 def saved_run(root: Path, steps, **options) -> tuple[Checkpointer, dict]:
     """A run that trained and saved ``steps`` under ``root`` (synchronous saves), closed."""
     ck = Checkpointer(root, async_save=False, **options)

@@ -223,8 +223,8 @@ def test_a_run_that_starts_over_in_a_used_checkpoint_dir_saves_its_own_steps(
     # the run that started over resumes its own newest checkpoint
     _, summary = _fit(tiny_config(corpus, tmp_path, steps=5))
     assert summary["resumed_from"] == 4
-    # a run whose saves are not handed over before it ends (fit raised while a save was
-    # still being written): close, which commits it, removes the file
+    # a run whose committed saves are never handed over to the loop (as when fit raises
+    # before the hand-over; stubbed out here): close removes the file
     write_guard_file(str(checkpoints), [0, 1], 1, 3)
     trainer = Trainer(tiny_config(corpus, tmp_path, "--checkpoint.resume=false", steps=2))
     trainer._record_configs = lambda: None  # no hand-over

@@ -623,8 +623,9 @@ class CheckpointPolicy(Generic[PendingT]):
                 if name in self._damaged and self.keep_last is not None:
                     raise IncompleteCheckpointError(f"{name} failed its checksums")
                 manifest = validate(self._storage, name, step)
-            except IncompleteCheckpointError:
+            except IncompleteCheckpointError as error:
                 kept = self._kept_manifest(name, step)
+                problem = f" but is incomplete ({error})"
                 if kept is None:
                     # Note: the engine's files and markers (NxD's done) would otherwise
                     # survive into the new save, and a stale marker would mark it finished
@@ -634,11 +635,13 @@ class CheckpointPolicy(Generic[PendingT]):
                     free.append(name)
                     continue
                 manifest = kept
+            else:
+                problem = ""
             if self._in_ancestry(manifest.commit(name)):
                 return "", (
                     f"a checkpoint of step {step} already exists at "
-                    f"{self._storage.url_of(name)}; save each step once (delete it to save "
-                    "it again)"
+                    f"{self._storage.url_of(name)}{problem}; save each step once (delete it "
+                    "to save it again)"
                 )
             # otherwise an abandoned lineage's, kept until this lineage gets past it
         if free:

@@ -1561,18 +1561,23 @@ class Trainer:
         # resumes the older run, which needs it)
         self._older_guard = Storage(where).exists(GUARD_FILE)
 
-    def _drop_older_guard(self) -> None:
+    def _drop_older_guard(self, last: bool = False) -> None:
         """Once this run has a checkpoint, remove the spike-guard file of the older run it
         started over from (rank 0, ``checkpoint.resume = false``); a file left behind is
-        logged and tried again at the next checkpoint or at :meth:`close`."""
+        logged and tried again at the next checkpoint or at :meth:`close` (``last``)."""
         if not (getattr(self, "_older_guard", False) and self.rank0):
             return
         try:
             remove_guard_file(self.config.checkpoint_dir)
         except Exception as error:  # an auxiliary file: the run goes on
+            then = (
+                "delete it before resuming this run"
+                if last
+                else "tried again at the next checkpoint"
+            )
             self._log(
                 f"warning: the older run's {GUARD_FILE} could not be removed "
-                f"({type(error).__name__}: {error}); tried again at the next checkpoint"
+                f"({type(error).__name__}: {error}); {then}"
             )
             return
         self._older_guard = False
@@ -1788,6 +1793,6 @@ class Trainer:
         if hasattr(self, "checkpointer"):
             self.checkpointer.close()  # commits a save still being written
             if getattr(self.checkpointer, "last_save", None) is not None:  # a checkpoint
-                self._drop_older_guard()
+                self._drop_older_guard(last=True)
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -38,6 +38,19 @@ def parse_dirname(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def check_object_store_root(url: str, root: str) -> None:
+    """Raise ``ValueError`` where the object-store checkpoint root ``url`` (``root``: its
+    path, without the protocol) holds ``*``, ``?`` or ``[``. Pure: no file system is opened.
+
+    Note: DCP's fsspec writer renames and cleans up through fsspec, which expands these as
+    patterns: a failed write could delete another root's files."""
+    if _GLOB.search(root):
+        raise ValueError(
+            f"{url}: an object-store checkpoint root cannot contain '*', '?' or '[' "
+            "(fsspec reads them as patterns); choose another name"
+        )
+
+
 class Storage:
     """A checkpoint root (a local path or any fsspec URL such as ``s3://bucket/run``).
 
@@ -55,13 +68,8 @@ class Storage:
         self.is_local = isinstance(self.fs, LocalFileSystem)
         if self.is_local:
             self.root = os.path.abspath(self.root)
-        elif _GLOB.search(self.root):
-            # Note: DCP's fsspec writer renames and cleans up through fsspec, which expands
-            # these as patterns: a failed write could delete another root's files
-            raise ValueError(
-                f"{self.url}: an object-store checkpoint root cannot contain '*', '?' or '[' "
-                "(fsspec reads them as patterns); choose another name"
-            )
+        else:
+            check_object_store_root(self.url, self.root)
 
     # --- names -----------------------------------------------------------------------------
 

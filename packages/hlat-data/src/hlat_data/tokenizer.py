@@ -632,7 +632,7 @@ def train_tokenizer(
         fed = 0
         for document in documents():
             for i in range(0, len(document), 2000):
-                piece = document[i : i + 2000 if fed + 2000 <= max_chars else i + max_chars - fed]
+                piece = document[i : i + min(2000, max_chars - fed)]
                 if piece.strip():
                     yield piece
                     fed += len(piece)

@@ -167,13 +167,9 @@ def read_guard_file(checkpoint_dir: str) -> dict[str, Any] | None:
     return {"bad_micro_batches": bad, "rollbacks": rollbacks}
 
 
-def remove_guard_file(checkpoint_dir: str) -> bool:
-    """Delete the rollback state of :func:`write_guard_file` (a run that starts over owes
-    nothing to an older run's); whether there was one."""
+def remove_guard_file(checkpoint_dir: str) -> None:
+    """Delete the rollback state of :func:`write_guard_file`, if any (a run that starts over
+    owes nothing to an older run's)."""
     from hlat_ckpt.storage import Storage
 
-    storage = Storage(checkpoint_dir)
-    if not storage.exists(GUARD_FILE):
-        return False
-    storage.remove_file(GUARD_FILE)
-    return True
+    Storage(checkpoint_dir).remove_file(GUARD_FILE)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import glob
 import math
 import os
-import re
 from typing import Any
 
 from hlat_train.config import ConfigError, TrainConfig
@@ -68,12 +67,14 @@ def _check_mixture(data: Any) -> None:
 def _check_checkpoint_dir(url: str) -> None:
     """Refuse what ``hlat_ckpt``'s storage refuses when the trainer opens it: an object-store
     root whose name fsspec would read as a pattern."""
+    from hlat_ckpt.storage import check_object_store_root
+
     scheme, sep, rest = url.partition("://")
-    if sep and scheme not in ("file", "local") and re.search(r"[*?[]", rest):
-        raise ConfigError(
-            f"checkpoint.dir {url!r}: an object-store checkpoint root cannot contain '*', '?' "
-            "or '[' (fsspec reads them as patterns); choose another name"
-        )
+    if sep and scheme not in ("file", "local"):
+        try:
+            check_object_store_root(url, rest)
+        except ValueError as error:
+            raise ConfigError(f"checkpoint.dir {error}") from None
 
 
 def validate(

@@ -13,9 +13,11 @@ from hlat_data import (
     ArrowSource,
     DataError,
     JsonlSource,
+    PackedLoader,
     Tokenizer,
     convert_to_arrow,
     corpus_stats,
+    open_source,
 )
 from hlat_data.cli import main
 
@@ -41,6 +43,37 @@ def test_convert_reads_jsonl_gzip_parquet_text_and_datasets_dirs_in_order(tmp_pa
     }
     assert ArrowSource(tmp_path / "out.arrow").texts(range(20)) == docs
     assert not (tmp_path / "out.arrow.tmp").exists()
+
+
+def test_a_dataset_dict_directory_is_refused_naming_its_splits(tmp_path, documents):
+    """``DatasetDict.save_to_disk`` writes one directory per split: reading them all would
+    put the held-out split into training, so every reader refuses it and names a split;
+    the split's own directory reads as any ``save_to_disk`` directory."""
+    datasets = pytest.importorskip("datasets")
+    docs = [d for d in documents if d]
+    splits = {"train": docs[:12], "test": docs[12:15]}
+    datasets.DatasetDict(
+        {name: datasets.Dataset.from_dict({"text": texts}) for name, texts in splits.items()}
+    ).save_to_disk(tmp_path / "dd")
+    refusal = r"dd: a DatasetDict saved by save_to_disk \(splits: train, test\); give .*dd/train"
+    for read in (ArrowSource, open_source, lambda p: convert_to_arrow(p, tmp_path / "o.arrow")):
+        with pytest.raises(DataError, match=refusal):
+            read(str(tmp_path / "dd"))
+    assert not (tmp_path / "o.arrow").exists()
+    assert open_source(str(tmp_path / "dd" / "train")).texts(range(12)) == splits["train"]
+
+
+def test_datasets_metadata_files_are_not_read_as_json_lines(tmp_path, documents):
+    """A directory of Parquet files with the ``dataset_info.json`` (or ``dataset_infos.json``)
+    that ``datasets`` exports write beside them opens as its Parquet files."""
+    docs = [d for d in documents if d][:6]
+    pq.write_table(pa.table({"text": docs[:3]}), tmp_path / "part-0.parquet")
+    pq.write_table(pa.table({"text": docs[3:]}), tmp_path / "part-1.parquet")
+    for name in ("dataset_info.json", "dataset_infos.json"):
+        (tmp_path / name).write_text(json.dumps({"features": {"text": {"dtype": "string"}}}))
+    assert open_source(str(tmp_path)).texts(range(6)) == docs
+    counts = convert_to_arrow(str(tmp_path), tmp_path / "out.arrow")
+    assert counts["documents"] == 6
 
 
 def test_convert_reads_every_compressed_json_lines_format_jsonl_source_reads(tmp_path, documents):
@@ -172,6 +205,13 @@ def test_stats_counts_documents_characters_tokens_and_lengths(corpus, documents,
     assert stats["characters"] == sum(map(len, documents))
     assert stats["tokens"] == sum(len(tokenizer.encode(d)) for d in documents if d)
     assert sum(stats["histogram"].values()) == len(documents) - 1
+    # one epoch of the loader (its defaults: an EOS after each document) reads
+    # tokens_with_eos tokens
+    loader = PackedLoader(
+        ArrowSource(corpus), tokenizer, 64, 1, shuffle=False, num_epochs=1, drop_last=False
+    )
+    read = sum(int(batch.doc_lens.sum()) for batch in loader)
+    assert stats["tokens_with_eos"] == read > stats["tokens"]
 
 
 def test_command_line_converts_trains_a_tokenizer_and_reports_stats(tmp_path, documents, capsys):
@@ -216,6 +256,21 @@ def test_a_negative_document_count_is_refused(corpus, capsys):
     assert err[-1] == "hlat-data stats: error: argument --max-documents: must be 0 or more, got -1"
     assert main(["stats", str(corpus), "--max-documents", "0"]) == 0
     assert json.loads(capsys.readouterr().out)["documents_read"] == 0
+
+
+def test_a_record_batch_of_no_rows_and_a_plan_without_a_mixture_are_refused(
+    corpus, tmp_path, capsys
+):
+    for rows in ("0", "-5"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["convert", str(corpus), "-o", str(tmp_path / "o.arrow"), "--batch-rows", rows])
+        assert exit_.value.code == 2
+        assert "argument --batch-rows: must be" in capsys.readouterr().err
+    with pytest.raises(DataError, match=r"batch_rows must be an integer of 1 or more, got 0"):
+        convert_to_arrow(str(corpus), tmp_path / "o.arrow", batch_rows=0)
+    assert not list(tmp_path.iterdir())
+    assert main(["stats", str(corpus), "--planned-tokens", "1000"]) == 2
+    assert "--planned-tokens goes with --mixture" in capsys.readouterr().err
 
 
 def test_command_line_reports_bad_input_in_one_line_with_status_2(tmp_path):

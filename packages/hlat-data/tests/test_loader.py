@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from data_helpers import BATCH, SEQ, assert_same_batches, deadline, make_loader
 
-from hlat_data import IGNORE_INDEX, ArrowSource, DataError, JsonlSource, Tokenizer
+from hlat_data import IGNORE_INDEX, ArrowSource, DataError, JsonlSource, PackedLoader, Tokenizer
 from hlat_data.packer import Chunk, Packer
 
 
@@ -208,6 +208,43 @@ def test_bos_and_eos_surround_each_document(source, tokenizer):
     first_eos = int(np.flatnonzero(ids == tokenizer.eos_id)[0])
     assert ids[first_eos + 1] == tokenizer.bos_id
     assert batch.position_ids.reshape(-1)[first_eos + 1] == 0
+
+
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_a_document_that_encodes_to_no_tokens_is_empty(tmp_path, documents, add_bos):
+    """Whitespace under a normalising model (SentencePiece's default ``nmt_nfkc``) encodes
+    to nothing: the document is skipped and counted, with no EOS (or BOS) of its own."""
+    import pyarrow as pa
+    import sentencepiece
+
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter([d for d in documents if d.strip()]),
+        model_prefix=str(tmp_path / "nfkc"),
+        model_type="bpe",
+        vocab_size=300,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
+    tokenizer = Tokenizer.from_file(tmp_path / "nfkc.model")
+    texts = ["hello world", "   ", "\n\n\t", "", "more text"]
+    assert [len(tokenizer.encode(t)) > 0 for t in texts] == [True, False, False, False, True]
+    path = tmp_path / "ws.arrow"
+    table = pa.table({"text": texts})
+    with pa.ipc.new_file(path, table.schema) as writer:
+        writer.write_table(table)
+    loader = PackedLoader(
+        ArrowSource(path), tokenizer, 64, 1, shuffle=False, block_size=5, num_epochs=1,
+        drop_last=False, add_bos=add_bos,
+    )  # fmt: skip
+    batch = next(iter(loader))
+    extra = [tokenizer.bos_id] if add_bos else []
+    expected = [extra + tokenizer.encode(t) + [tokenizer.eos_id] for t in (texts[0], texts[-1])]
+    assert batch.doc_lens[0][batch.doc_lens[0] > 0].tolist() == [len(e) for e in expected]
+    assert batch.input_ids[0][: len(expected[0]) + len(expected[1])].tolist() == [
+        *expected[0],
+        *expected[1],
+    ]
+    assert loader.empty_documents == 3
 
 
 def test_changed_corpus_is_an_error_naming_what_changed(

@@ -358,10 +358,12 @@ def test_stats_show_the_composition_and_a_plan_after_the_caps(
             )
         )
     )
+    # the tokens the loader reads: each document's and its EOS
     sizes = {
         name: sum(
-            len(t)
+            len(t) + 1
             for t in tokenizer.encode_batch(ArrowSource(path).texts(range(len(ArrowSource(path)))))
+            if t
         )
         for name, path in parts.items()
     }

@@ -25,6 +25,14 @@ def _count(value: str) -> int:
     return number
 
 
+def _positive(value: str) -> int:
+    """An argument that is an integer of 1 or more."""
+    number = _count(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {number}")
+    return number
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``hlat-data`` (help in plain text, defaults shown)."""
     fmt = argparse.ArgumentDefaultsHelpFormatter
@@ -45,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("inputs", nargs="+", help="files, globs or directories")
     convert.add_argument("-o", "--output", required=True, help="the Arrow file to write")
     convert.add_argument("--text-field", default="text", help="field or column with the text")
-    convert.add_argument("--batch-rows", type=int, default=8192, help="rows per record batch")
+    convert.add_argument("--batch-rows", type=_positive, default=8192, help="rows per record batch")
     convert.add_argument(
         "--nulls",
         choices=("error", "skip"),
@@ -155,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             if not args.inputs:
                 raise DataError("stats needs inputs (or --mixture)")
+            if args.planned_tokens is not None:
+                raise DataError("--planned-tokens goes with --mixture")
             source = open_source(args.inputs, args.text_column, on_bad_record=args.on_bad_record)
             counter = Tokenizer.from_file(args.tokenizer) if args.tokenizer else None
             print(

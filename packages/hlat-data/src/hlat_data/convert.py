@@ -75,6 +75,9 @@ def convert_to_arrow(
     """
     if nulls not in ("error", "skip"):
         raise DataError(f"nulls must be 'error' or 'skip', got {nulls!r}")
+    for name, value in (("batch_rows", batch_rows), ("batch_bytes", batch_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise DataError(f"{name} must be an integer of 1 or more, got {value!r}")
     entries = [inputs] if isinstance(inputs, str | os.PathLike) else list(inputs)
     options = storage_options or {}
     files = _expand([os.fspath(e) for e in entries], options)
@@ -128,6 +131,11 @@ def corpus_stats(
     """Documents, empty documents, characters and (with a tokenizer) tokens of a corpus,
     and a histogram of document lengths over power-of-two bins.
 
+    With a tokenizer, ``tokens`` counts the documents' own tokens (``characters_per_token``
+    divides by it) and ``tokens_with_eos`` adds the EOS that a loader with its defaults
+    (``add_eos=True``, ``add_bos=False``) puts after each document that has tokens: what
+    one epoch of the loader reads, and what a mixture's ``max_tokens`` counts.
+
     ``max_documents`` reads only the first that many documents (a quick look at a big
     corpus); the returned ``documents_read`` says how many were read. ``bad_records``
     counts the records a source with ``on_bad_record="skip"`` read as empty (they count in
@@ -138,6 +146,7 @@ def corpus_stats(
     total = len(source) if max_documents is None else min(len(source), max_documents)
     lengths: list[np.ndarray] = []
     tokens = 0
+    documents_with_tokens = 0
     bad = 0
     read = getattr(source, "texts_with_bad", None)
     for start in range(0, total, 1024):
@@ -150,7 +159,9 @@ def corpus_stats(
         lengths.append(np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)))
         if tokenizer is not None:
             pieces = [t for t in texts if t]
-            tokens += sum(map(len, tokenizer.encode_batch(pieces))) if pieces else 0
+            counts = [len(ids) for ids in tokenizer.encode_batch(pieces)] if pieces else []
+            tokens += sum(counts)
+            documents_with_tokens += sum(1 for n in counts if n)
     chars = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
     bins = np.zeros(1, dtype=np.int64)
     nonzero = chars[chars > 0]
@@ -166,6 +177,7 @@ def corpus_stats(
     }
     if tokenizer is not None:
         out["tokens"] = int(tokens)
+        out["tokens_with_eos"] = int(tokens + documents_with_tokens)
         out["characters_per_token"] = round(out["characters"] / max(tokens, 1), 3)
     return out
 

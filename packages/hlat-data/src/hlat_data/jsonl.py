@@ -39,6 +39,8 @@ from hlat_data.source import (
     _OpenFiles,
     _resolve,
     bad_record_policy,
+    check_not_dataset_dict,
+    is_datasets_metadata,
 )
 
 _LINE_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -185,7 +187,8 @@ class JsonlSource(FileSource):
                     line = self._line_number(f, int(local[position]))
                     raise DataError(
                         f"{self._files[f].url} line {line}: {problem}; fix the record, or pass "
-                        "on_bad_record='skip' to read bad records as empty documents"
+                        "on_bad_record='skip' (hlat-data stats: --on-bad-record skip) to read "
+                        "bad records as empty documents"
                     )
                 bad.append(position)
             out.append(text)
@@ -692,10 +695,12 @@ def _kinds(entry: str, options: dict[str, Any]) -> list[tuple[str, str]]:
     if any(c in path for c in "*?["):
         names = sorted(fs.glob(path))
     elif fs.isdir(path) and not fs.exists(f"{path.rstrip('/')}/state.json"):
+        check_not_dataset_dict(entry, fs, path)
         names = [
             p
             for p in sorted(fs.find(path))
-            if is_jsonl(p) or p.lower().endswith(_ARROW_SUFFIXES + _PARQUET_SUFFIXES)
+            if not is_datasets_metadata(p)
+            and (is_jsonl(p) or p.lower().endswith(_ARROW_SUFFIXES + _PARQUET_SUFFIXES))
         ]
     else:
         return [("table", entry)]  # a save_to_disk directory, or for ArrowSource to judge

@@ -467,7 +467,9 @@ class _Encoder:
         documents, bad = read(ids) if read is not None else (self.source.documents(ids), ())
         # a long document comes in pieces; its ids are those of its whole text
         flat, content = self.tokenizer.encode_documents(documents)
-        nonempty = np.flatnonzero([len(d) > 0 for d in documents])
+        # Note: a document is empty when it encodes to no tokens, which a text of whitespace
+        # does under a normalising model: it gets no EOS (or BOS) of its own
+        nonempty = np.flatnonzero(content > 0)
         content_end = np.cumsum(content)
         where: list[np.ndarray] = []
         values: list[np.ndarray] = []

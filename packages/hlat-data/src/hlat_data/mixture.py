@@ -517,8 +517,9 @@ def mixture_stats(
     max_documents: int | None = None,
     planned_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """A mixture's composition, per source (``"sources"``): documents, tokens (counted, or estimated from
-    the first ``max_documents``), weight share, and with ``planned_tokens`` (the run's
+    """A mixture's composition, per source (``"sources"``): documents, tokens (as the loader
+    reads them, an EOS after each document; counted, or estimated from the first
+    ``max_documents``), weight share, and with ``planned_tokens`` (the run's
     training tokens) the tokens it will give and the epochs that takes, capped by its
     ``epochs`` and ``max_tokens``. What ``hlat-data stats --mixture`` prints."""
     from hlat_data.convert import corpus_stats
@@ -533,7 +534,8 @@ def mixture_stats(
     for s in sources:
         stats = corpus_stats(s.source, tokenizer, max_documents=max_documents)
         read = max(1, stats["documents_read"])
-        tokens = stats["tokens"] * stats["documents"] / read
+        # the loader's tokens, EOS included: what max_tokens and the plan count
+        tokens = stats["tokens_with_eos"] * stats["documents"] / read
         out[s.name] = {
             "documents": stats["documents"],
             "tokens": round(tokens),

@@ -31,6 +31,38 @@ _FILE_MAGIC = b"ARROW1"
 _STRING_TYPES = (pa.string(), pa.large_string(), pa.string_view())
 _PARQUET_SUFFIXES = (".parquet", ".pq")
 _ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
+_DATASETS_METADATA = frozenset(
+    ("state.json", "dataset_info.json", "dataset_infos.json", "dataset_dict.json")
+)
+"""Names of the metadata files that ``datasets`` writes beside its data (``save_to_disk``,
+``push_to_hub`` exports): never documents, whatever their suffix."""
+
+
+def is_datasets_metadata(path: str) -> bool:
+    """Whether ``path`` names a metadata file of ``datasets`` (not data)."""
+    return path.rstrip("/").rsplit("/", 1)[-1] in _DATASETS_METADATA
+
+
+def check_not_dataset_dict(entry: str, fs: Any, path: str) -> None:
+    """Refuses a directory that ``DatasetDict.save_to_disk`` wrote: its splits (train, test,
+    ...) are directories of their own, and reading them all would mix held-out documents
+    into training."""
+    listing = f"{path.rstrip('/')}/dataset_dict.json"
+    if not fs.exists(listing):
+        return
+    try:
+        with fs.open(listing, "r") as f:
+            splits = [str(s) for s in json.load(f).get("splits", [])]
+    except (OSError, ValueError, AttributeError):
+        splits = []
+    named = ", ".join(splits) if splits else "its split directories"
+    example = f"{entry.rstrip('/')}/{splits[0] if splits else 'train'}"
+    raise DataError(
+        f"{entry}: a DatasetDict saved by save_to_disk (splits: {named}); give the directory "
+        f"of one split, e.g. {example}"
+    )
+
+
 _CONTINUATION = b"\xff\xff\xff\xff"
 _RECORD_BATCH, _DICTIONARY_BATCH = 3, 2  # Arrow's MessageHeader union tags
 _INDEX_BLOCK = 8 * 1024  # read-ahead while indexing a remote file: one metadata block
@@ -536,10 +568,16 @@ def _resolve(
         if not paths:
             raise DataError(f"{entry}: the pattern matches no files")
     elif fs.isdir(path) and dir_suffixes is not None:
-        paths = sorted(p for p in fs.find(path) if p.lower().endswith(dir_suffixes))
+        check_not_dataset_dict(entry, fs, path)
+        paths = sorted(
+            p
+            for p in fs.find(path)
+            if p.lower().endswith(dir_suffixes) and not is_datasets_metadata(p)
+        )
         if not paths:
             raise DataError(f"{entry}: the directory holds no {dir_kind} files")
     elif fs.isdir(path):
+        check_not_dataset_dict(entry, fs, path)
         state = f"{path.rstrip('/')}/state.json"
         if fs.exists(state):  # written by datasets' save_to_disk, lists its shards in order
             with fs.open(state, "r") as f:

@@ -504,6 +504,26 @@ def test_async_save_over_a_step_on_storage_fails_in_the_background_and_keeps_the
     assert torch.equal(b["model"][0].weight, a["model"][0].weight)
 
 
+def test_a_background_failure_is_raised_by_the_next_save_which_still_saves_its_step(tmp_path):
+    """A loop that catches the previous save's error at the next save and goes on keeps
+    the checkpoint that save was asked for; a NumPy integer step saves as its int."""
+    Checkpointer(tmp_path / "ckpt", async_save=False).save(5, make_state(0))
+    ck = Checkpointer(tmp_path / "ckpt", async_save=True)
+    ck.save(5, make_state(1))  # fails in the background: step 5 is there
+    b = make_state(2)
+    with pytest.raises(
+        CheckpointError,
+        match=r"step 5 already exists.*\(step 6 is being saved in the background after it\)",
+    ):
+        ck.save(np.int64(6), b)
+    ck.wait()
+    assert [info.step for info in ck.list()] == [5, 6]
+    c = make_state(3)
+    assert ck.load_latest(c) == 6
+    assert torch.equal(c["model"][0].weight, b["model"][0].weight)
+    ck.close()
+
+
 class NestedOptimizerCheckpointer(Checkpointer):
     """Writes the optimizer state nested by parameter group, as hlat-ckpt < 0.4 did."""
 
@@ -530,15 +550,22 @@ def test_a_checkpoint_with_the_nested_optimizer_state_of_earlier_versions_loads(
 
 def test_a_tensor_whose_shape_changed_is_refused_naming_it(tmp_path):
     ck = Checkpointer(tmp_path, async_save=False)
-    ck.save(1, {"model": torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))})
+    saved = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(saved.parameters())
+    saved(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    ck.save(1, {"model": saved, "optimizer": optimizer})
     wider = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Linear(16, 2))
+    fresh = torch.optim.AdamW(wider.parameters())
     # DCP raises its CheckpointException, a BaseException whose text is a traceback
     with pytest.raises(
         CheckpointError,
         match=r"reading .*step_0000000001 failed: rank 0: ValueError: Size mismatch between "
         r"saved torch\.Size\(\[8.*\]\) and current.*torch\.Size\(\[16.*\]\) for model/0\.",
     ):
-        ck.load(1, {"model": wider})
+        ck.load(1, {"model": wider, "optimizer": fresh})
+    # the optimizer was given state to read into; the failed read leaves it fresh
+    assert not fresh.state
 
 
 def test_a_checkpoint_of_a_larger_model_is_refused_unless_not_strict(tmp_path):
@@ -558,6 +585,7 @@ def test_a_checkpoint_of_a_larger_model_is_refused_unless_not_strict(tmp_path):
         ):
             ck.load(1, state)
         assert torch.equal(fewer[0].weight, initial)  # refused before anything was loaded
+        assert not optimizer.state  # and the optimizer is as fresh as it was
     whole = make_state(1)["model"]
     last_frozen = torch.optim.AdamW(whole[0].parameters())
     with pytest.raises(

@@ -646,3 +646,18 @@ def test_a_torch_adamw_state_dict_loads_with_the_constructors_seed_and_steps_on(
     _run(torch_opt, theirs, 3, start=3)
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("option", ["maximize", "amsgrad"])
+def test_torch_s_maximize_and_amsgrad_are_refused_not_ignored(option):
+    """A param group or a ``torch.optim.AdamW`` state dict asking for an update this AdamW
+    does not make is refused; nothing is added or loaded."""
+    params = _params(torch.float32)
+    opt = AdamW(params[:1], lr=1e-2)
+    with pytest.raises(ValueError, match=rf"param group 1 sets {option}=True, which this"):
+        opt.add_param_group({"params": params[1:], option: True})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": params[1:], option: False})  # as torch's state dicts hold
+    torch_opt = torch.optim.AdamW(_params(torch.float32), lr=1e-2, **{option: True})
+    with pytest.raises(ValueError, match=rf"group 0 sets {option}=True.*nothing was loaded"):
+        AdamW(_params(torch.float32), lr=1e-2).load_state_dict(torch_opt.state_dict())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import numbers
 import os
 import pickle
 import re
@@ -173,15 +174,36 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         """Checkpoint ``state`` as step ``step`` (collective: every rank calls it).
 
         With ``async_save`` this returns once the state is copied to host memory; the files
-        are written and committed in the background. Waits for the previous save first and
-        raises its error, if it failed.
+        are written and committed in the background. Waits for the previous save first; if
+        that one failed, its error is raised once this step is saved (or, with
+        ``async_save``, staged and handed to the background), so that a loop that catches
+        it and goes on keeps this checkpoint.
         """
         self._refuse_closed()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        step = int(step)
         started = time.perf_counter()
         entries = self._classify(state)
-        self.wait()
+        earlier: CheckpointError | None = None
+        try:
+            self.wait()
+        except CheckpointError as e:
+            earlier = e
+        try:
+            self._save(step, state, entries, started)
+        except BaseException as e:
+            if earlier is not None:
+                e.add_note(f"the save before it had failed too: {earlier}")
+            raise
+        if earlier is not None:
+            done = "is being saved in the background" if self.async_save else "was saved"
+            raise CheckpointError(f"{earlier} (step {step} {done} after it)") from earlier
+
+    def _save(
+        self, step: int, state: Mapping[str, Any], entries: dict[str, Any], started: float
+    ) -> None:
+        """:meth:`save` after its checks and its wait for the previous save."""
         wait_s = time.perf_counter() - started
         name = ""
         if not self.async_save:
@@ -325,6 +347,27 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         entries: dict[str, tuple[str, Any]],
         strict: bool,
     ) -> None:
+        # Note: an optimizer without state is given its state before the read (DCP's names
+        # of what to read come from it); a read that fails or is refused leaves it fresh
+        # again, so that a run that goes on without the checkpoint takes the first step of
+        # a new optimizer, not of one a step old
+        made: builtins.list[tuple[torch.optim.Optimizer, dict[str, Any]]] = []
+        try:
+            self._read_into(dirname, manifest, entries, strict, made)
+        except BaseException:
+            for optimizer, fresh in made:
+                optimizer.state.clear()
+                optimizer.load_state_dict(fresh)
+            raise
+
+    def _read_into(
+        self,
+        dirname: str,
+        manifest: Manifest,
+        entries: dict[str, tuple[str, Any]],
+        strict: bool,
+        made: builtins.list[tuple[torch.optim.Optimizer, dict[str, Any]]],
+    ) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
@@ -382,6 +425,8 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
                     elif saved or nested:
                         # the names of its state: what to read (without state, a checkpoint
                         # without its state leaves it fresh)
+                        if not obj[1].state:
+                            made.append((obj[1], obj[1].state_dict()))
                         _init_state(obj[1])
                     elif not obj[1].state and not isinstance(obj[1].state, MutableMapping):
                         fresh.add(name)  # DCP loads no groups into it without state

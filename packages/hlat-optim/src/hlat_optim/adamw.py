@@ -508,6 +508,23 @@ def _shard_layout(p: torch.Tensor) -> tuple[int, int]:
     return 0, flat + 1
 
 
+_TORCH_ONLY = ("maximize", "amsgrad")
+"""Options of ``torch.optim.AdamW`` that change its update and that this AdamW lacks."""
+
+
+def _refuse_torch_only(group: dict[str, Any], where: str, loading: bool = False) -> None:
+    """Refuse a param group that turns on one of :data:`_TORCH_ONLY`: its updates would be
+    plain AdamW's without a word (``False``, as torch's state dicts hold, is accepted)."""
+    asked = [name for name in _TORCH_ONLY if group.get(name, False)]
+    if asked:
+        done = "; nothing was loaded" if loading else ""
+        raise ValueError(
+            f"hlat_optim.AdamW: {where} sets {', '.join(f'{n}=True' for n in asked)}, which "
+            f"this AdamW does not implement (its updates minimise, without AMSGrad's maximum "
+            f"of the second moments){done}"
+        )
+
+
 class AdamW(torch.optim.Optimizer):
     """AdamW with decoupled weight decay for fp32 and bf16 parameters.
 
@@ -643,8 +660,10 @@ class AdamW(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """``torch.optim.Optimizer.add_param_group``, refusing a group that holds a parameter
-        of another dtype than float32 or bfloat16, or whose ``seed`` is not an integer (the
-        group is then not added)."""
+        of another dtype than float32 or bfloat16, whose ``seed`` is not an integer, or that
+        asks for ``torch.optim.AdamW``'s ``maximize`` or ``amsgrad``, which this AdamW does
+        not have (the group is then not added)."""
+        _refuse_torch_only(param_group, f"param group {len(self.param_groups)}")
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
         seed = self.param_groups[gi]["seed"]
@@ -697,6 +716,8 @@ class AdamW(torch.optim.Optimizer):
         saved anywhere else than in a CPU float32 tensor is brought there, as ``step()``
         reads all counts on the host at once.
         """
+        for gi, group in enumerate(state_dict["param_groups"]):
+            _refuse_torch_only(group, f"the state dict's param group {gi}", loading=True)
         saved = state_dict["state"]
         pairs = _saved_pairs(state_dict["param_groups"], self.param_groups)
         for index, (pid, p) in enumerate(pairs):

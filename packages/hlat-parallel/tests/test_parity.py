@@ -430,3 +430,24 @@ def test_the_readme_example_under_tp2_sp_prints_the_single_process_loss_and_norm
         found = _printed_numbers(tp2 / f"rank{rank}.txt")
         # printed with 3 decimals: equal up to one unit in the last place
         assert found == pytest.approx(expected, abs=1.01e-3), f"rank {rank}: {found} {expected}"
+
+
+# --- a model that is not hlat-model's ---------------------------------------------------------
+
+HF_WORKER = Path(__file__).with_name("hf_worker.py")
+
+
+def test_a_hugging_face_llama_under_tp2_and_sp_matches_one_process(tmp_path):
+    """transformers' ``LlamaForCausalLM`` with a plan for its module names, trained three
+    steps at TP 2 with sequence parallelism (its positions passed, as the README says):
+    the single process's losses and gradient norms."""
+    pytest.importorskip("transformers")
+    run_ranks(HF_WORKER, [str(tmp_path / "one.json"), "1"], 1)
+    run_ranks(HF_WORKER, [str(tmp_path / "tp2.json"), "2"], 2)
+    one = json.loads((tmp_path / "one.json").read_text())
+    tp2 = json.loads((tmp_path / "tp2.json").read_text())
+    assert len(one["losses"]) == 3 and one["losses"][-1] < one["losses"][0]
+    for key in ("losses", "norms"):
+        torch.testing.assert_close(
+            torch.tensor(tp2[key]), torch.tensor(one[key]), rtol=1e-5, atol=0
+        )

@@ -233,7 +233,11 @@ def test_too_few_documents_for_the_data_parallel_ranks_fails_before_any_process_
     corpus, tmp_path
 ):
     config = tiny_config(corpus, tmp_path, "--data.block_size=1024")
-    with pytest.raises(ConfigError, match=r"fewer than dp 2.*data.block_size to at most 28"):
+    with pytest.raises(
+        ConfigError,
+        match=r"fewer than dp 2.*data.block_size to at most 28 for a new run .*resume this one "
+        r"at dp 1 or fewer, or start it over with checkpoint.resume = false",
+    ):
         validate(config, world_size=2)
     assert not dist.is_initialized()
 

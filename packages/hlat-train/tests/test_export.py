@@ -120,6 +120,16 @@ def test_export_of_a_directory_without_a_run_config_is_refused(tmp_path):
         export_hf(str(tmp_path), str(tmp_path / "out"))
 
 
+def test_an_export_to_a_file_or_a_url_is_refused_before_any_work(trained, tmp_path):
+    _, checkpoints = trained
+    (tmp_path / "taken").write_text("a file")
+    with pytest.raises(ConfigError, match=r"taken exists and is not a directory"):
+        export_hf(str(checkpoints), str(tmp_path / "taken"))
+    with pytest.raises(ConfigError, match=r"s3://bucket/hf: the export is written to a local"):
+        export_hf(str(checkpoints), "s3://bucket/hf")
+    assert (tmp_path / "taken").read_text() == "a file"
+
+
 def test_export_hf_command_writes_the_directory(trained, tmp_path):
     _, checkpoints = trained
     result = subprocess.run(

@@ -10,6 +10,7 @@ import struct
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from train_helpers import tiny_config
 
 from hlat_train import ConfigError, Trainer, read_metrics
@@ -103,7 +104,13 @@ def test_wandb_profiler_and_compute_time_on_a_run_that_resumes(corpus, tmp_path,
     assert any("valid/loss" in values for values in history.values())
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert run.run_id == run_id
-    logged = {_item_key(i): json.loads(i.value_json) for i in run.config.update}
+    # the config comes once resolved, after the run started
+    logged = {
+        _item_key(i): json.loads(i.value_json)
+        for r in records
+        if r.WhichOneof("record_type") == "config"
+        for i in r.config.update
+    }
     assert logged["model"] == dataclasses.asdict(config.model)
     assert set(logged) - {"_wandb"} == {f.name for f in dataclasses.fields(config)}
 
@@ -123,6 +130,28 @@ def test_wandb_profiler_and_compute_time_on_a_run_that_resumes(corpus, tmp_path,
     assert (out / "wandb_run_id").read_text().strip() == run_id
     runs = sorted((out / "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(runs) == 2
+
+
+def test_wandb_without_credentials_stops_the_run_before_any_work(corpus, tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc with a key
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    wandb.teardown()  # settings an earlier run of this process keeps (WANDB_MODE=offline)
+    out = tmp_path / "run"
+    config = tiny_config(corpus, out, "--logging.wandb=true", steps=2)
+    trainer = Trainer(config)
+    try:
+        with pytest.raises(ConfigError, match=r"logging.wandb = true, but W&B did not start a "
+                           r"run: .*API key.*WANDB_MODE=offline"):  # fmt: skip
+            trainer.fit()
+        assert not hasattr(trainer, "model")  # before the model is built
+    finally:
+        trainer.close()
+    assert not dist.is_initialized()
+    assert not (out / "wandb_run_id").exists()
 
 
 def test_memory_snapshot_where_the_device_records_allocator_history(corpus, tmp_path, capsys):

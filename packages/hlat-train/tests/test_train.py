@@ -256,6 +256,25 @@ def test_train_records_leave_out_the_time_of_checkpoint_saves_and_validation(
     assert 0 < step_s[3] < 0.5, step_s
 
 
+def test_the_step_a_time_limit_stops_at_is_logged_as_it_is_saved(corpus, tmp_path):
+    # logging.every far past the stop: the stopped step's record comes from the stop alone
+    config = tiny_config(
+        corpus,
+        tmp_path,
+        "--checkpoint.every=1000",
+        "--logging.every=1000",
+        "--model.compile=false",
+        "--train.time_limit=2",
+        steps=5000,
+    )
+    _, summary = _fit(config)
+    assert summary["out_of_time"] and 0 < summary["step"] < 1000
+    records = read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in records if r["kind"] == "train"] == [summary["step"]]
+    steps = [c.step for c in Checkpointer(str(tmp_path / "checkpoints"), async_save=False).list()]
+    assert steps == [summary["step"]]
+
+
 def test_sigterm_saves_a_checkpoint_and_exits_143(corpus, tmp_path):
     # Note: a long horizon that the signal cuts short; model.compile = false keeps "auto" from
     # compiling it on CPUs with native bf16 (these tests are about signals)

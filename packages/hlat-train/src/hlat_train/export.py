@@ -138,6 +138,10 @@ def export_hf(
     dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
     if dtype not in dtypes:
         raise ConfigError(f"dtype must be one of {', '.join(dtypes)}, got {dtype!r}")
+    if "://" in out_dir:
+        raise ConfigError(f"{out_dir}: the export is written to a local directory; give a path")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConfigError(f"{out_dir} exists and is not a directory; give a directory to export to")
     options = storage_options or {}
     fs, path = fsspec.core.url_to_fs(checkpoint, **options)
     path = path.rstrip("/")

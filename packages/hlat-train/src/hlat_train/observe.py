@@ -32,16 +32,21 @@ class WandbLogger:
     W&B keeps the first values of a step and warns about the repeats.
     """
 
-    def __init__(self, out_dir: str, project: str, name: str, config: dict[str, Any]) -> None:
+    def __init__(
+        self, out_dir: str, project: str, name: str, config: dict[str, Any] | None = None
+    ) -> None:
         try:
             import wandb
         except ImportError:
             raise ImportError(
                 "logging.wandb needs the wandb package: pip install 'hlat-train[wandb]'"
             ) from None
+        from hlat_train.config import ConfigError
+
         os.makedirs(out_dir, exist_ok=True)
         id_path = os.path.join(out_dir, WANDB_ID_FILE)
-        if os.path.exists(id_path):
+        made = not os.path.exists(id_path)
+        if not made:
             with open(id_path) as f:
                 run_id = f.read().strip()
         else:
@@ -50,14 +55,27 @@ class WandbLogger:
                 f.write(run_id + "\n")
             os.replace(id_path + ".tmp", id_path)
         self.run_id = run_id
-        self._run = wandb.init(
-            project=project,
-            name=name or None,
-            id=run_id,
-            resume="allow",
-            dir=out_dir,
-            config=config,
-        )
+        try:
+            self._run = wandb.init(
+                project=project,
+                name=name or None,
+                id=run_id,
+                resume="allow",
+                dir=out_dir,
+                config=config,
+            )
+        except Exception as e:  # no credentials, an unknown entity, no network, ...
+            if made:  # a run id that names no run
+                os.remove(id_path)
+            raise ConfigError(
+                f"logging.wandb = true, but W&B did not start a run: {e} (log in with "
+                "`wandb login` or set WANDB_API_KEY; WANDB_MODE=offline logs to out_dir "
+                "without an account)"
+            ) from e
+
+    def update_config(self, config: dict[str, Any]) -> None:
+        """Give the run its config (the run's, once everything ``auto`` is resolved)."""
+        self._run.config.update(config, allow_val_change=True)
 
     def log(self, record: dict[str, Any]) -> None:
         """A metrics record, its numbers named by :func:`~hlat_train.metrics.metric_tags`."""

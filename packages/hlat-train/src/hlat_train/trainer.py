@@ -318,6 +318,15 @@ class Trainer:
             timeout=self._pg_timeout,
         )
         self.rank0 = dims.rank == 0
+        # Note: W&B starts its run here, before the model is built, so that one that cannot
+        # (no credentials) stops the run at once; the run gets its config once resolved
+        self._wandb: Any = None
+        if self.rank0 and c.logging.wandb:
+            from hlat_train.observe import WandbLogger
+
+            self._wandb = WandbLogger(
+                c.train.out_dir, c.logging.wandb_project, c.logging.wandb_name
+            )
         self.device = device = dims.device
         self.dp_shard = resolve_dp_shard(c.parallel.dp_shard, dims.backend)
 
@@ -500,17 +509,9 @@ class Trainer:
             "trainer": self.state,
         }
         sinks: list[Any] = []
-        if self.rank0 and c.logging.wandb:
-            from hlat_train.observe import WandbLogger
-
-            sinks.append(
-                WandbLogger(
-                    c.train.out_dir,
-                    c.logging.wandb_project,
-                    c.logging.wandb_name,
-                    dataclasses.asdict(c),
-                )
-            )
+        if self._wandb is not None:
+            self._wandb.update_config(dataclasses.asdict(c))
+            sinks.append(self._wandb)
         self.writer = (
             MetricsWriter(c.train.out_dir, c.logging.jsonl, c.logging.tensorboard, sinks)
             if self.rank0
@@ -809,7 +810,8 @@ class Trainer:
                 )
                 if stop and self.preempted and not self._preempt_save_fits(step, last_saved):
                     save, skip_final_save = False, True
-                log = step % c.logging.every == 0 or step == c.train.steps or out_of_data
+                # the step a stop (SIGTERM, time limit) ends at is logged as it is saved
+                log = step % c.logging.every == 0 or step == c.train.steps or out_of_data or stop
                 if log or save:
                     watchdog.activity("metrics (device read, all-reduces)")
                     # The device is read here, once. The verdicts since the last read come

@@ -406,7 +406,11 @@ def validate(
                     raise ConfigError(
                         f"{key} hold(s) {documents} documents, {blocks} shuffle block(s) of "
                         f"data.block_size {data.block_size}: fewer than dp {dp}, so some ranks "
-                        f"would get no data; set data.block_size to at most {documents // dp}"
+                        f"would get no data; set data.block_size to at most {documents // dp} "
+                        "for a new run (a run resumes with the block_size it started with, as "
+                        "its data order depends on it: resume this one at dp "
+                        f"{max(blocks, 1)} or fewer, or start it over with "
+                        "checkpoint.resume = false)"
                     )
             # held-out sets are read in order, one document a block, split over dp
             for name, paths in data.held_out_sets():

@@ -194,6 +194,16 @@ def test_garbage_file_is_an_error_naming_the_file(tmp_path):
         ArrowSource(path)
 
 
+def test_json_lines_or_text_given_as_arrow_is_an_error_saying_how_to_read_it(tmp_path):
+    for name, text in (("docs.jsonl", '{"text": "a"}\n'), ("notes.txt", "plain text\n")):
+        path = tmp_path / name
+        path.write_text(text * 20)
+        with pytest.raises(
+            DataError, match=rf"{name}: not Arrow data .*JsonlSource or open_source"
+        ):
+            ArrowSource(path)
+
+
 def test_corrupt_parquet_file_is_an_error_naming_the_file(tmp_path):
     path = tmp_path / "bad.parquet"
     path.write_bytes(b"PAR1 definitely not parquet")

@@ -61,6 +61,10 @@ def test_a_dataset_dict_directory_is_refused_naming_its_splits(tmp_path, documen
             read(str(tmp_path / "dd"))
     assert not (tmp_path / "o.arrow").exists()
     assert open_source(str(tmp_path / "dd" / "train")).texts(range(12)) == splits["train"]
+    # below the directory given, or matched by a glob: refused too
+    for entry in (tmp_path, tmp_path / "dd" / "*"):
+        with pytest.raises(DataError, match=r"holds a DatasetDict saved by save_to_disk"):
+            open_source(str(entry))
 
 
 def test_datasets_metadata_files_are_not_read_as_json_lines(tmp_path, documents):
@@ -72,6 +76,7 @@ def test_datasets_metadata_files_are_not_read_as_json_lines(tmp_path, documents)
     for name in ("dataset_info.json", "dataset_infos.json"):
         (tmp_path / name).write_text(json.dumps({"features": {"text": {"dtype": "string"}}}))
     assert open_source(str(tmp_path)).texts(range(6)) == docs
+    assert open_source(str(tmp_path / "*")).texts(range(6)) == docs  # a glob alike
     counts = convert_to_arrow(str(tmp_path), tmp_path / "out.arrow")
     assert counts["documents"] == 6
 

@@ -245,6 +245,13 @@ def test_a_document_that_encodes_to_no_tokens_is_empty(tmp_path, documents, add_
         *expected[1],
     ]
     assert loader.empty_documents == 3
+    # a state that points inside such a document (versions before 0.8 packed it as BOS EOS)
+    # resumes at the next document
+    from hlat_data.loader import _Encoder
+
+    encoder = _Encoder(ArrowSource(path), tokenizer, add_bos=True, add_eos=True)
+    resumed = encoder((0, 1, np.array([1, 4]), 1))
+    assert resumed.lens.tolist() == [0, len(expected[1]) + (0 if add_bos else 1)]
 
 
 def test_changed_corpus_is_an_error_naming_what_changed(

@@ -648,6 +648,14 @@ def test_a_torch_adamw_state_dict_loads_with_the_constructors_seed_and_steps_on(
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
+def test_a_state_dict_without_state_loads_as_no_state():
+    """As torch's optimizers do: no empty entries, so the optimizer still reads as one
+    without state (a checkpointer gives such an optimizer state to read into)."""
+    opt = AdamW(_params(torch.float32), lr=1e-2)
+    opt.load_state_dict(opt.state_dict())
+    assert not opt.state
+
+
 @pytest.mark.parametrize("option", ["maximize", "amsgrad"])
 def test_torch_s_maximize_and_amsgrad_are_refused_not_ignored(option):
     """A param group or a ``torch.optim.AdamW`` state dict asking for an update this AdamW

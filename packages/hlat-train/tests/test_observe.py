@@ -154,6 +154,27 @@ def test_wandb_without_credentials_stops_the_run_before_any_work(corpus, tmp_pat
     assert not (out / "wandb_run_id").exists()
 
 
+def test_a_set_up_failure_after_wandb_started_finishes_its_run(corpus, tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    wandb.teardown()
+
+    def no_loader(self, dims):
+        raise ConfigError("no loader here")
+
+    monkeypatch.setattr(Trainer, "_train_loader", no_loader)
+    out = tmp_path / "run"
+    trainer = Trainer(tiny_config(corpus, out, "--logging.wandb=true", steps=2))
+    try:
+        with pytest.raises(ConfigError, match="no loader here"):
+            trainer.fit()
+    finally:
+        trainer.close()
+    (run,) = sorted((out / "wandb").glob("offline-run-*"))
+    _finished_run_records(run, timeout=20.0)
+
+
 def test_memory_snapshot_where_the_device_records_allocator_history(corpus, tmp_path, capsys):
     """On CUDA (the tiny config's ``auto`` device where torch sees one) the snapshot after
     the chosen step is a file pytorch.org/memory_viz reads; a CPU has no allocator history:

@@ -174,10 +174,9 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         """Checkpoint ``state`` as step ``step`` (collective: every rank calls it).
 
         With ``async_save`` this returns once the state is copied to host memory; the files
-        are written and committed in the background. Waits for the previous save first; if
-        that one failed, its error is raised once this step is saved (or, with
-        ``async_save``, staged and handed to the background), so that a loop that catches
-        it and goes on keeps this checkpoint.
+        are written and committed in the background. Waits for the previous save first and
+        raises its error, if it failed, saving nothing: the error says that this step was
+        not saved, and a second call saves it.
         """
         self._refuse_closed()
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
@@ -185,25 +184,15 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         step = int(step)
         started = time.perf_counter()
         entries = self._classify(state)
-        earlier: CheckpointError | None = None
+        # Note: not saved after the failure either: a failure that some ranks saw before
+        # the others finished a collective of that save would pair this save's collectives
+        # with theirs and hang every rank, where raising at once ends the job
         try:
             self.wait()
         except CheckpointError as e:
-            earlier = e
-        try:
-            self._save(step, state, entries, started)
-        except BaseException as e:
-            if earlier is not None:
-                e.add_note(f"the save before it had failed too: {earlier}")
-            raise
-        if earlier is not None:
-            done = "is being saved in the background" if self.async_save else "was saved"
-            raise CheckpointError(f"{earlier} (step {step} {done} after it)") from earlier
-
-    def _save(
-        self, step: int, state: Mapping[str, Any], entries: dict[str, Any], started: float
-    ) -> None:
-        """:meth:`save` after its checks and its wait for the previous save."""
+            raise CheckpointError(
+                f"{e}; step {step} was not saved (call save again to save it)"
+            ) from e
         wait_s = time.perf_counter() - started
         name = ""
         if not self.async_save:
@@ -356,8 +345,7 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
             self._read_into(dirname, manifest, entries, strict, made)
         except BaseException:
             for optimizer, fresh in made:
-                optimizer.state.clear()
-                optimizer.load_state_dict(fresh)
+                optimizer.load_state_dict(fresh)  # a state dict without state: none
             raise
 
     def _read_into(

@@ -28,7 +28,7 @@ from hlat_data.jsonl import (
     decompressed,
     is_jsonl,
 )
-from hlat_data.source import ArrowSource, Source, _File, _resolve
+from hlat_data.source import ArrowSource, Source, _File, _resolve, data_files
 from hlat_data.tokenizer import Tokenizer
 
 _TABLE_SUFFIXES = (".arrow", ".parquet", ".pq", ".ipc", ".feather")
@@ -187,7 +187,7 @@ def _expand(entries: list[str], options: dict[str, Any]) -> list[str]:
     for entry in entries:
         fs, path = fsspec.core.url_to_fs(entry, **options)
         if any(c in path for c in "*?["):
-            matches = sorted(fs.glob(path))
+            matches = data_files(entry, sorted(fs.glob(path)))
             if not matches:
                 raise DataError(f"{entry}: the pattern matches no files")
             files += [entry if fs.protocol == "file" else fs.unstrip_protocol(m) for m in matches]

@@ -40,7 +40,7 @@ from hlat_data.source import (
     _resolve,
     bad_record_policy,
     check_not_dataset_dict,
-    is_datasets_metadata,
+    data_files,
 )
 
 _LINE_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -693,14 +693,13 @@ def _kinds(entry: str, options: dict[str, Any]) -> list[tuple[str, str]]:
         return [("table", entry)]
     fs, path = fsspec.core.url_to_fs(entry, **options)
     if any(c in path for c in "*?["):
-        names = sorted(fs.glob(path))
+        names = data_files(entry, sorted(fs.glob(path)))
     elif fs.isdir(path) and not fs.exists(f"{path.rstrip('/')}/state.json"):
         check_not_dataset_dict(entry, fs, path)
         names = [
             p
-            for p in sorted(fs.find(path))
-            if not is_datasets_metadata(p)
-            and (is_jsonl(p) or p.lower().endswith(_ARROW_SUFFIXES + _PARQUET_SUFFIXES))
+            for p in data_files(entry, sorted(fs.find(path)))
+            if is_jsonl(p) or p.lower().endswith(_ARROW_SUFFIXES + _PARQUET_SUFFIXES)
         ]
     else:
         return [("table", entry)]  # a save_to_disk directory, or for ArrowSource to judge

@@ -486,6 +486,10 @@ class _Encoder:
             flat = np.insert(flat, at, np.stack(values, axis=1).reshape(-1))
         lens = content.copy()
         lens[nonempty] += int(self.add_bos) + int(self.add_eos)
+        if skip and len(lens) and lens[0] == 0:
+            # a state saved inside a document that encodes to no tokens, which versions
+            # before 0.8 packed as BOS EOS: it resumes at the next document
+            skip = 0
         if skip:
             if not len(lens) or skip >= lens[0]:
                 raise DataError(

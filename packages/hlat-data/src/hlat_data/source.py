@@ -43,6 +43,22 @@ def is_datasets_metadata(path: str) -> bool:
     return path.rstrip("/").rsplit("/", 1)[-1] in _DATASETS_METADATA
 
 
+def data_files(entry: str, paths: Iterable[str]) -> list[str]:
+    """``paths`` (what a glob or a directory of ``entry`` lists) without the metadata files
+    of ``datasets``; refuses a DatasetDict among them (see :func:`check_not_dataset_dict`)."""
+    kept = []
+    for p in paths:
+        if p.rstrip("/").rsplit("/", 1)[-1] == "dataset_dict.json":
+            where = p.rstrip("/").rsplit("/", 1)[0]
+            raise DataError(
+                f"{entry}: holds a DatasetDict saved by save_to_disk ({where}), whose splits "
+                "would all be read; give the directory of one split"
+            )
+        if not is_datasets_metadata(p):
+            kept.append(p)
+    return kept
+
+
 def check_not_dataset_dict(entry: str, fs: Any, path: str) -> None:
     """Refuses a directory that ``DatasetDict.save_to_disk`` wrote: its splits (train, test,
     ...) are directories of their own, and reading them all would mix held-out documents
@@ -572,16 +588,13 @@ def _resolve(
     fs, path = fsspec.core.url_to_fs(entry, **storage_options)
     local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
     if any(c in path for c in "*?["):
-        paths = sorted(fs.glob(path))
+        paths = data_files(entry, sorted(fs.glob(path)))
         if not paths:
             raise DataError(f"{entry}: the pattern matches no files")
     elif fs.isdir(path) and dir_suffixes is not None:
         check_not_dataset_dict(entry, fs, path)
-        paths = sorted(
-            p
-            for p in fs.find(path)
-            if p.lower().endswith(dir_suffixes) and not is_datasets_metadata(p)
-        )
+        found = data_files(entry, sorted(fs.find(path)))
+        paths = [p for p in found if p.lower().endswith(dir_suffixes)]
         if not paths:
             raise DataError(f"{entry}: the directory holds no {dir_kind} files")
     elif fs.isdir(path):
@@ -592,9 +605,11 @@ def _resolve(
                 names = [d["filename"] for d in json.load(f).get("_data_files", [])]
             paths = [f"{path.rstrip('/')}/{n}" for n in names]
         else:
-            paths = sorted(
-                p for p in fs.find(path) if p.endswith(_ARROW_SUFFIXES + _PARQUET_SUFFIXES)
-            )
+            paths = [
+                p
+                for p in data_files(entry, sorted(fs.find(path)))
+                if p.endswith(_ARROW_SUFFIXES + _PARQUET_SUFFIXES)
+            ]
         if not paths:
             raise DataError(f"{entry}: the directory holds no .arrow or .parquet files")
     elif fs.exists(path):

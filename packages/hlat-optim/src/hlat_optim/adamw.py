@@ -738,6 +738,8 @@ class AdamW(torch.optim.Optimizer):
                 group.setdefault(name, self.defaults[name])
         conversions: dict[str, int] = {}
         for pid, p in pairs:
+            if p not in self.state:  # saved without state (before its first step): none made
+                continue
             for name, value in saved.get(pid, {}).items():
                 if torch.is_tensor(value) and name != "step" and value.dtype != p.dtype:
                     self.state[p][name] = value.detach().to(_local(p).device, copy=True)

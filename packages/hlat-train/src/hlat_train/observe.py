@@ -55,6 +55,7 @@ class WandbLogger:
                 f.write(run_id + "\n")
             os.replace(id_path + ".tmp", id_path)
         self.run_id = run_id
+        self._run: Any = None
         try:
             self._run = wandb.init(
                 project=project,
@@ -81,10 +82,14 @@ class WandbLogger:
         """A metrics record, its numbers named by :func:`~hlat_train.metrics.metric_tags`."""
         from hlat_train.metrics import metric_tags
 
-        self._run.log(metric_tags(record), step=int(record["step"]))
+        if self._run is not None:
+            self._run.log(metric_tags(record), step=int(record["step"]))
 
     def close(self) -> None:
-        self._run.finish()
+        """Finish the run (once; later calls do nothing)."""
+        run, self._run = self._run, None
+        if run is not None:
+            run.finish()
 
 
 class StepProfiler:

@@ -810,8 +810,14 @@ class Trainer:
                 )
                 if stop and self.preempted and not self._preempt_save_fits(step, last_saved):
                     save, skip_final_save = False, True
-                # the step a stop (SIGTERM, time limit) ends at is logged as it is saved
-                log = step % c.logging.every == 0 or step == c.train.steps or out_of_data or stop
+                # the step a stop (SIGTERM, time limit) ends at is logged when it is saved
+                # (without time left for the save, the loop ends without reading the device)
+                log = (
+                    step % c.logging.every == 0
+                    or step == c.train.steps
+                    or out_of_data
+                    or (stop and save)
+                )
                 if log or save:
                     watchdog.activity("metrics (device read, all-reduces)")
                     # The device is read here, once. The verdicts since the last read come
@@ -1791,7 +1797,9 @@ class Trainer:
         return prompt + text
 
     def close(self) -> None:
-        """Release the checkpointer and the process group."""
+        """Release the checkpointer, the W&B run and the process group."""
+        if getattr(self, "_wandb", None) is not None:
+            self._wandb.close()  # finished already where the run's metrics were closed
         if hasattr(self, "checkpointer"):
             self.checkpointer.close()  # commits a save still being written
             if getattr(self.checkpointer, "last_save", None) is not None:  # a checkpoint

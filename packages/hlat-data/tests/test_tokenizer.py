@@ -189,6 +189,25 @@ def test_train_tokenizer_creates_the_output_directory_and_refuses_a_url(tmp_path
         train_tokenizer(str(tmp_path / "train.txt"), tmp_path / "file" / "sp", 400)
 
 
+def test_train_tokenizer_takes_a_glob_of_text_files_as_their_list(tmp_path, documents):
+    from hlat_data import train_tokenizer
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    half = len(documents) // 2
+    (texts / "a.txt").write_text("\n".join(documents[:half]))
+    (texts / "b.txt").write_text("\n".join(documents[half:]))
+    listed = train_tokenizer(
+        [str(texts / "a.txt"), str(texts / "b.txt")], tmp_path / "listed", 400, num_threads=1
+    )
+    globbed = train_tokenizer(str(texts / "*.txt"), tmp_path / "globbed", 400, num_threads=1)
+    a, b = Tokenizer.from_file(listed), Tokenizer.from_file(globbed)
+    assert a.vocab_size == b.vocab_size
+    assert a.encode_batch(documents) == b.encode_batch(documents)
+    with pytest.raises(DataError, match=r"\*\.md: the pattern matches no files"):
+        train_tokenizer(str(texts / "*.md"), tmp_path / "none", 400)
+
+
 # "€abcd" is 7 bytes: 4 x 5000 bytes end on the euro sign's first byte
 @pytest.mark.parametrize("word", ["hello world, this is text. ", "€abcd"])
 def test_max_chars_bounds_what_one_large_text_file_feeds(tmp_path, monkeypatch, word):

@@ -343,6 +343,10 @@ def test_positions_and_document_lengths_of_the_wrong_shape_are_refused_before_ru
         ({"doc_lens": lens[None]}, r"doc_lens .* got torch.int64 of shape \(1, 2, 2\)"),
         ({"doc_lens": lens.float()}, r"doc_lens .* got torch.float32"),
         ({"doc_lens": torch.tensor([[10, 6], [20, -4]])}, r"non-negative .* \[20, -4\] in row 1"),
+        # the lengths of unshifted rows (one token more than the model is given)
+        ({"doc_lens": torch.tensor([[9, 8], [17, 0]])}, r"summing to at most .* 16, got \[9, 8\]"),
+        ({"doc_lens": lens[:, :0]}, r"doc_lens .* got torch.int64 of shape \(2, 0\)"),
+        ({"doc_lens": lens.bool()}, r"doc_lens .* got torch.bool"),
         ({"position_ids": torch.arange(16)}, r"position_ids must be \[batch, seq\] = \[2, 16\]"),
         ({"position_ids": torch.arange(15).expand(2, 15)}, r"got \(2, 15\)"),
     ):
@@ -350,6 +354,14 @@ def test_positions_and_document_lengths_of_the_wrong_shape_are_refused_before_ru
             model(ids, **kwargs)
     with pytest.raises(ValueError, match=r"input_ids must be \[batch, seq\]"):
         model(ids[0])
+    for wrong, needle in (
+        (ids[:, :0], r"at least one position, got torch.int64 of shape \(2, 0\)"),
+        (ids.float(), r"integer token ids .* got torch.float32"),
+        (ids.clone().fill_(config.vocab_size), rf"\[0, vocab_size {config.vocab_size}\), got"),
+        (ids - config.vocab_size, r"got -"),
+    ):
+        with pytest.raises(ValueError, match=needle):
+            model(wrong)
     assert calls == []
     # a position row and document lengths shared by the batch are accepted
     shared = model(ids, position_ids=torch.arange(16)[None])

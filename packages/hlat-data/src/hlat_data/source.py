@@ -437,7 +437,7 @@ class ArrowSource(FileSource):
         is_file_format = head[:6] == _FILE_MAGIC
         # an Arrow stream begins with a continuation marker, or (before Arrow 0.15) the
         # little-endian length of its schema message; text begins with neither
-        if not is_file_format and head[:4] != _CONTINUATION and (not head or head[3] != 0):
+        if head and not is_file_format and head[:4] != _CONTINUATION and head[3:4] != b"\0":
             raise DataError(
                 f"{file.url}: not Arrow data (it starts with {bytes(head[:8])!r}); JSON lines "
                 "read through JsonlSource or open_source, text and other formats through "

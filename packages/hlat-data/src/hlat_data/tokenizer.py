@@ -553,7 +553,7 @@ def train_tokenizer(
     import sentencepiece
 
     from hlat_data.jsonl import JsonlSource, is_jsonl, open_source
-    from hlat_data.source import ArrowSource
+    from hlat_data.source import ArrowSource, data_files
 
     entries = [
         os.fspath(e) for e in ([inputs] if isinstance(inputs, str | os.PathLike) else inputs)
@@ -592,6 +592,12 @@ def train_tokenizer(
                     entry, text_column=text_column, nulls="skip", storage_options=storage_options
                 )
             )
+        elif any(c in path for c in "*?["):  # text files: one document each
+            matches = data_files(entry, sorted(fs.glob(path)))
+            if not matches:
+                raise DataError(f"{entry}: the pattern matches no files")
+            local = "://" not in entry
+            inputs_read += [m if local else fs.unstrip_protocol(m) for m in matches]
         else:
             inputs_read.append(entry)
     try:  # SentencePiece writes the model only after training

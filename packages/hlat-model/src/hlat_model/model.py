@@ -609,6 +609,11 @@ class Llama(nn.Module):
                 f"input_ids must be [batch, seq] token ids, got shape {tuple(input_ids.shape)}"
             )
         batch, seq_len = input_ids.shape
+        if seq_len == 0 or input_ids.is_floating_point() or input_ids.dtype == torch.bool:
+            raise ValueError(
+                f"input_ids must be integer token ids of at least one position, got "
+                f"{input_ids.dtype} of shape {tuple(input_ids.shape)}"
+            )
         # Note: shapes only, checked before any work; values would need a device read
         if position_ids is not None and (
             position_ids.dim() != 2 or position_ids.shape[1] != seq_len
@@ -619,8 +624,8 @@ class Llama(nn.Module):
                 f"got {tuple(position_ids.shape)}"
             )
         if doc_lens is not None and (
-            doc_lens.dim() != 2 or doc_lens.shape[0] not in (1, batch)
-            or doc_lens.is_floating_point()
+            doc_lens.dim() != 2 or doc_lens.shape[0] not in (1, batch) or doc_lens.shape[1] == 0
+            or doc_lens.is_floating_point() or doc_lens.dtype == torch.bool
         ):  # fmt: skip
             raise ValueError(
                 f"doc_lens must be integer document lengths [batch, documents] with batch "
@@ -629,15 +634,16 @@ class Llama(nn.Module):
             )
         # Note: values are checked on CPU tensors only (reading an accelerator's would wait
         # for it), and not while compiling (a graph break)
-        if (
-            doc_lens is not None and doc_lens.device.type == "cpu"
-            and not torch.compiler.is_compiling() and bool((doc_lens < 0).any())
-        ):  # fmt: skip
-            row = int((doc_lens < 0).any(1).nonzero()[0])
-            raise ValueError(
-                f"doc_lens must be non-negative document lengths, got {doc_lens[row].tolist()} "
-                f"in row {row}"
-            )
+        checks_values = not torch.compiler.is_compiling()
+        if doc_lens is not None and doc_lens.device.type == "cpu" and checks_values:
+            wrong = (doc_lens < 0).any(1) | (doc_lens.sum(1) > seq_len)
+            if bool(wrong.any()):
+                row = int(wrong.nonzero()[0])
+                raise ValueError(
+                    f"doc_lens must be non-negative document lengths summing to at most the "
+                    f"sequence length {seq_len}, got {doc_lens[row].tolist()} in row {row}"
+                )
+
         if (
             self.config.attention == "flex" and doc_lens is not None
             and input_ids.device.type == "cpu" and torch.is_grad_enabled()
@@ -670,7 +676,17 @@ class Llama(nn.Module):
                 position_ids = torch.arange(seq_len, device=device).expand(batch, seq_len)
         cos, sin, mask = self.block_inputs(position_ids, doc_lens)
 
-        h = self.embed_tokens(input_ids)
+        try:
+            h = self.embed_tokens(input_ids)
+        except IndexError:
+            # Note: said once the embedding refused it (on CPUs), not checked before: a
+            # check would read the ids on the host at every step
+            low, high = int(input_ids.min()), int(input_ids.max())
+            bad = low if low < 0 else high
+            raise ValueError(
+                f"input_ids must be token ids in [0, vocab_size {self.config.vocab_size}), "
+                f"got {bad}"
+            ) from None
         if self.config.sequence_first:
             h = h.transpose(0, 1).contiguous()
         for block in self.layers:

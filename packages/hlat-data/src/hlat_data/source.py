@@ -38,23 +38,18 @@ _DATASETS_METADATA = frozenset(
 ``push_to_hub`` exports): never documents, whatever their suffix."""
 
 
-def is_datasets_metadata(path: str) -> bool:
-    """Whether ``path`` names a metadata file of ``datasets`` (not data)."""
-    return path.rstrip("/").rsplit("/", 1)[-1] in _DATASETS_METADATA
-
-
 def data_files(entry: str, paths: Iterable[str]) -> list[str]:
     """``paths`` (what a glob or a directory of ``entry`` lists) without the metadata files
     of ``datasets``; refuses a DatasetDict among them (see :func:`check_not_dataset_dict`)."""
     kept = []
     for p in paths:
-        if p.rstrip("/").rsplit("/", 1)[-1] == "dataset_dict.json":
-            where = p.rstrip("/").rsplit("/", 1)[0]
+        folder, _, name = p.rstrip("/").rpartition("/")
+        if name == "dataset_dict.json":
             raise DataError(
-                f"{entry}: holds a DatasetDict saved by save_to_disk ({where}), whose splits "
+                f"{entry}: holds a DatasetDict saved by save_to_disk ({folder}), whose splits "
                 "would all be read; give the directory of one split"
             )
-        if not is_datasets_metadata(p):
+        if name not in _DATASETS_METADATA:
             kept.append(p)
     return kept
 

@@ -634,8 +634,10 @@ class Llama(nn.Module):
             )
         # Note: values are checked on CPU tensors only (reading an accelerator's would wait
         # for it), and not while compiling (a graph break)
-        checks_values = not torch.compiler.is_compiling()
-        if doc_lens is not None and doc_lens.device.type == "cpu" and checks_values:
+        if (
+            doc_lens is not None and doc_lens.device.type == "cpu"
+            and not torch.compiler.is_compiling()
+        ):  # fmt: skip
             wrong = (doc_lens < 0).any(1) | (doc_lens.sum(1) > seq_len)
             if bool(wrong.any()):
                 row = int(wrong.nonzero()[0])

@@ -32,9 +32,7 @@ class WandbLogger:
     W&B keeps the first values of a step and warns about the repeats.
     """
 
-    def __init__(
-        self, out_dir: str, project: str, name: str, config: dict[str, Any] | None = None
-    ) -> None:
+    def __init__(self, out_dir: str, project: str, name: str) -> None:
         try:
             import wandb
         except ImportError:
@@ -63,7 +61,6 @@ class WandbLogger:
                 id=run_id,
                 resume="allow",
                 dir=out_dir,
-                config=config,
             )
         except Exception as e:  # no credentials, an unknown entity, no network, ...
             if made:  # a run id that names no run

@@ -658,7 +658,8 @@ class Trainer:
         """Train up to ``train.steps`` (from the newest checkpoint when there is one).
 
         Returns a summary: ``step`` reached, ``resumed_from``, ``preempted``, ``first_loss``
-        and ``last_loss`` of this process's run, and the output paths.
+        and ``last_loss`` of this process's run (NaN when it trained no step: resumed at
+        ``train.steps``), and the output paths.
 
         Note: a step reads nothing from the device. Loss, gradient norm and the spike
         verdict stay device tensors; the spike guard's verdict reaches the optimizer as a
@@ -698,6 +699,11 @@ class Trainer:
             self._start_over()
         if resumed is not None:
             self._log(f"resumed from step {resumed} of {c.checkpoint_dir}")
+            if resumed >= c.train.steps:
+                self._log(
+                    f"train.steps is {c.train.steps}: nothing left to train (raise train.steps "
+                    "to train on from this checkpoint)"
+                )
             self._apply_configured_optimizer(resumed)
         if self.rank0:
             from hlat_train.export import save_run_files

@@ -22,8 +22,8 @@ marking a checkpoint done, the tags without ``done`` that are older than every c
 one are removed (``num_kept_ckpts=None`` keeps all completed ones); ``load_checkpoint``
 without a tag takes the newest tag with ``done`` by modification time, loads the optimizer,
 then the model, then the scheduler, and returns ``user_content``. As NxD's, it loads an
-optimizer of NxD's own classes (here: of a class from a ``neuronx_distributed`` module,
-:func:`zero1_optimizer_class`) from this rank's ZeRO-1 file, fills a dict given in its place
+optimizer of NxD's ``NeuronZero1Optimizer`` (:func:`zero1_optimizer_class`) from this
+rank's ZeRO-1 file, fills a dict given in its place
 (from this rank's file when the checkpoint has a second DP rank's, else rank 0's), and
 raises on any other optimizer. NxD's ``xm.rendezvous`` points are ``dist.barrier()`` here.
 
@@ -58,9 +58,14 @@ def _optimizer_file(rank: int) -> str:
 
 
 def _nxd_class(obj: Any) -> bool:
-    """Whether ``obj`` is of a class from NxD's package (NxD: ``isinstance(optimizer,
-    NeuronZero1Optimizer)``)."""
-    return any((c.__module__ or "").startswith("neuronx_distributed.") for c in type(obj).__mro__)
+    """NxD's ``isinstance(optimizer, NeuronZero1Optimizer)`` (of the real module and name:
+    :func:`zero1_optimizer_class`); its other optimizer classes are plain torch optimizers
+    to it."""
+    return any(
+        f"{c.__module__}.{c.__qualname__}"
+        == "neuronx_distributed.optimizer.zero_redundancy_optimizer.NeuronZero1Optimizer"
+        for c in type(obj).__mro__
+    )
 
 
 def zero1_optimizer_class(base: type) -> type:

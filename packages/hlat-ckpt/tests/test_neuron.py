@@ -74,6 +74,42 @@ def test_load_gives_nxd_its_own_optimizer_and_any_other_as_a_dict_to_fill():
     assert nxd_optimizer(zero1)
     assert load_checkpoint_kwargs("/ckpt", 20, {**state, "optimizer": zero1})["optimizer"] is zero1
     assert load_checkpoint_kwargs("/ckpt", 20, {"model": state["model"]})["optimizer"] is None
+    # NxD's isinstance test, by the real classes' modules and names: their subclasses are
+    # its own, its other optimizers (AdamW_FP32OptimParams, a plain torch optimizer) are not
+    ep_zero1 = type(
+        "NeuronEPZero1Optimizer", (type(zero1),), {"__module__": type(zero1).__module__}
+    )
+    nxd_config = type(
+        "NxDOptimizer",
+        (torch.optim.AdamW,),
+        {"__module__": "neuronx_distributed.trainer.optimizer"},
+    )
+    assert nxd_optimizer(ep_zero1(state["model"].parameters()))
+    assert nxd_optimizer(nxd_config(state["model"].parameters()))
+    assert not nxd_optimizer(nxd_plain_optimizer(state["model"].parameters()))
+
+
+def nxd_plain_optimizer(params) -> torch.optim.Optimizer:
+    """An optimizer of a class from the ``neuronx_distributed`` package that is not one of
+    the optimizer classes its ``load_checkpoint`` takes (as ``AdamW_FP32OptimParams``)."""
+    cls = type(
+        "AdamW_FP32OptimParams",
+        (torch.optim.AdamW,),
+        {"__module__": "neuronx_distributed.utils.adamw_fp32_optim_params"},
+    )
+    return cls(params, lr=1e-2, weight_decay=0.1)
+
+
+def test_an_optimizer_of_nxd_s_package_that_nxd_does_not_load_round_trips(tmp_path):
+    a = make_state(0)
+    a["optimizer"] = nxd_plain_optimizer(a["model"].parameters())
+    train_step(a)
+    checkpointer(tmp_path).save(1, a)
+    b = make_state(1)
+    b["optimizer"] = nxd_plain_optimizer(b["model"].parameters())
+    assert checkpointer(tmp_path).load_latest(b) == 1
+    for name, tensor in snapshot(b).items():
+        assert torch.equal(tensor, snapshot(a)[name]), name
 
 
 def test_manifest_entries_say_who_saved_what():

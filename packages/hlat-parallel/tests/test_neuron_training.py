@@ -168,17 +168,62 @@ def nxd_stand_in(monkeypatch) -> list:
         layer.weight.tensor_model_parallel = True
         return layer
 
-    def row(input_size, output_size, bias, sequence_parallel_enabled, init_method, **_):
-        layer = built(torch.nn.Linear(input_size, output_size, bias=bias), init_method)
+    # Note: the parameters hlat may pass, by the names, order and defaults of NxD's own
+    # (neuronx_distributed/parallel_layers/layers.py, the commit nxd_standin.py names); no
+    # catch-all, so a misspelt or unknown keyword fails here as on a trn1
+    def row(
+        input_size,
+        output_size,
+        bias=True,
+        input_is_parallel=False,
+        dtype=torch.float32,
+        device=None,
+        stride=1,
+        init_method=None,
+        sequence_parallel_enabled=False,
+        sequence_dimension=None,
+    ):
+        # NxD asserts this: a sequence-parallel row layer takes its input split
+        assert input_is_parallel or not sequence_parallel_enabled
+        linear = torch.nn.Linear(input_size, output_size, bias=bias, device=device, dtype=dtype)
+        layer = built(linear, init_method)
         if bias:
             layer.bias.sequence_parallel_enabled = sequence_parallel_enabled
         return layer
 
-    def column(input_size, output_size, bias, init_method, **_):
-        return built(torch.nn.Linear(input_size, output_size, bias=bias), init_method)
+    def column(
+        input_size,
+        output_size,
+        bias=True,
+        gather_output=True,
+        dtype=torch.float32,
+        device=None,
+        stride=1,
+        init_method=None,
+        sequence_parallel_enabled=False,
+        sequence_dimension=None,
+    ):
+        linear = torch.nn.Linear(input_size, output_size, bias=bias, device=device, dtype=dtype)
+        return built(linear, init_method)
 
-    def embedding(num_embeddings, embedding_dim, init_method, **_):
-        return built(torch.nn.Embedding(num_embeddings, embedding_dim), init_method)
+    def embedding(
+        num_embeddings,
+        embedding_dim,
+        padding_idx=None,
+        max_norm=None,
+        norm_type=2.0,
+        scale_grad_by_freq=False,
+        sparse=False,
+        init_method=torch.nn.init.normal_,
+        device=None,
+        dtype=torch.float32,
+        shard_across_embedding=False,
+        pad=False,
+        sequence_parallel_enabled=False,
+        sequence_dimension=None,
+    ):
+        table = torch.nn.Embedding(num_embeddings, embedding_dim, device=device, dtype=dtype)
+        return built(table, init_method)
 
     states: dict = {}
     tracker = types.SimpleNamespace(get_states=lambda: states, add=states.__setitem__)

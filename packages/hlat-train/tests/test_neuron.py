@@ -198,9 +198,15 @@ def test_a_non_finite_loss_never_reaches_zero1_whatever_the_policy(policy):
     class Zero1Like(torch.optim.AdamW):
         """What the trainer reads of NxD's ZeRO-1 besides ``step``: its ``grad_norm``."""
 
+        steps = 0
+
+        def step(self, closure=None):
+            self.steps += 1
+            return super().step(closure)
+
         @property
-        def grad_norm(self) -> torch.Tensor:
-            return torch.tensor(1.0)
+        def grad_norm(self) -> torch.Tensor:  # the norm computed by the last step()
+            return torch.tensor(float(self.steps))
 
     config = TrainConfig.preset("hlat-7b")
     config.spike.policy = policy
@@ -213,8 +219,10 @@ def test_a_non_finite_loss_never_reaches_zero1_whatever_the_policy(policy):
     trainer.optimizer = Zero1Like([weight], lr=0.1)
     for loss, stepped in ((math.nan, False), (math.inf, False), (2.0, True)):
         weight.grad = torch.full((3,), loss)
-        _, spike, skip = trainer._update(torch.tensor(loss))
+        norm, spike, skip = trainer._update(torch.tensor(loss))
         assert bool(skip) is not stepped and bool(spike) is not stepped
+        # a skipped step logs no norm: not the one ZeRO-1 kept from an earlier step
+        assert math.isnan(norm) if not stepped else float(norm) == trainer.optimizer.steps
         assert torch.equal(weight.detach(), torch.ones(3)) is not stepped, (policy, loss)
 
 

@@ -163,13 +163,23 @@ def save_checkpoint_kwargs(
     }
 
 
+NXD_OPTIMIZERS = frozenset(
+    {
+        "neuronx_distributed.optimizer.zero_redundancy_optimizer.NeuronZero1Optimizer",
+        "neuronx_distributed.trainer.optimizer.NxDOptimizer",
+    }
+)
+"""The optimizer classes NxD's ``load_checkpoint`` accepts as they are (and their
+subclasses, such as ``NeuronEPZero1Optimizer``), by module and name."""
+
+
 def nxd_optimizer(optimizer: Any) -> bool:
-    """Whether ``optimizer`` is of one of NxD's own optimizer classes (or a subclass), which
-    NxD's ``load_checkpoint`` accepts as they are: ``NeuronZero1Optimizer`` and
-    ``NxDOptimizer``, from the ``neuronx_distributed`` package."""
+    """Whether ``optimizer`` is of one of :data:`NXD_OPTIMIZERS` or a subclass: NxD's
+    ``isinstance`` test, without importing NxD. Other optimizers of the ``neuronx_distributed``
+    package (``AdamW_FP32OptimParams``: a plain torch optimizer) are not, and NxD's
+    ``load_checkpoint`` raises on them."""
     return any(
-        (c.__module__ or "").partition(".")[0] == "neuronx_distributed"
-        for c in type(optimizer).__mro__
+        f"{c.__module__}.{c.__qualname__}" in NXD_OPTIMIZERS for c in type(optimizer).__mro__
     )
 
 

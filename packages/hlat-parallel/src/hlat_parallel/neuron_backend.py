@@ -281,7 +281,9 @@ def _import_nxd() -> Any:
 def init_neuron_parallel(
     world_size: int, rank: int, tp: int, sp: bool, timeout: datetime.timedelta | None
 ) -> ParallelDims:
-    """XLA process group + NxD ``initialize_model_parallel`` (TP contiguous, PP 1)."""
+    """XLA process group + NxD ``initialize_model_parallel`` (PP 1). NxD chooses the TP
+    groups (on trn1 not always contiguous ranks: TP 4 takes ranks 8 apart, within a node);
+    every rank and group hlat uses is NxD's."""
     import torch.distributed as dist
 
     nxd = _import_nxd()

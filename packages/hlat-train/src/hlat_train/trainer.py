@@ -1134,7 +1134,9 @@ class Trainer:
         if self.dims.backend == "neuron":
             spike, skip = self._judge(loss, torch.zeros_like(loss))
             skipped = neuron.neuron_step(self.optimizer, skip, self._extracting)
-            norm = neuron.neuron_grad_norm(self.optimizer)
+            # ZeRO-1 computes the norm inside step(): a skipped step has none of its own (the
+            # optimizer still holds the previous step's)
+            norm = None if skipped else neuron.neuron_grad_norm(self.optimizer)
             grad_norm = norm if norm is not None else torch.full_like(loss, math.nan)
             return grad_norm, spike, torch.full_like(spike, skipped)
         for part in self.model_parts:  # zero1 and none: average the gradients over dp

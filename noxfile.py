@@ -21,10 +21,15 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import tomllib
+import sys
 from pathlib import Path
 
 import nox
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # nox itself needs tomli there
+    import tomli as tomllib
 
 ROOT = Path(__file__).parent
 PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists())

@@ -944,3 +944,25 @@ def test_a_failed_save_under_a_root_with_glob_characters_removes_its_own_files_o
             ck.save(step, {"model": model})
         assert sorted(tmp_path.rglob("*")) == [*kept, tmp_path / "run[7b]"]
     assert other.load_latest({"model": torch.nn.Linear(2, 2)}) == 1
+
+
+def test_importing_and_listing_leave_dcp_dtensor_and_the_neuron_module_unimported(tmp_path):
+    """The README's "Imports": the heavy modules load with the first save or load."""
+    heavy = ["torch.distributed.checkpoint", "torch.distributed.tensor", "hlat_ckpt.neuron"]
+    code = f"""
+import sys
+import torch
+from hlat_ckpt import Checkpointer
+ckpt = Checkpointer({str(tmp_path)!r})
+assert ckpt.list() == [] and ckpt.load_latest({{"model": torch.nn.Linear(2, 2)}}) is None
+before = [m for m in {heavy!r} if m in sys.modules]
+ckpt.save(1, {{"model": torch.nn.Linear(2, 2)}})
+ckpt.close()
+after = [m for m in {heavy!r} if m in sys.modules]
+print(before, after)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    # before any checkpoint exists nothing heavy; the first save brings DCP (and DTensor)
+    assert out.split() == ["[]", *str(heavy[:2]).split()], out

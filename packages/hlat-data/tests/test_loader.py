@@ -473,6 +473,25 @@ def test_a_resumed_layout_itself_resumes_exactly(source, tokenizer):
     assert_same_batches(expected, head + list(itertools.islice(last, 18)))
 
 
+def test_a_second_change_of_dp_size_waits_for_the_end_of_the_epoch_of_the_first(source, tokenizer):
+    from hlat_data import merge_states
+
+    states, _ = _consumed(source, tokenizer, 2, steps=20)
+    three = [make_loader(source, tokenizer, dp_rank=r, dp_size=3, block_size=2) for r in range(3)]
+    for loader in three:
+        loader.load_state_dict(merge_states(states))
+        list(itertools.islice(loader, 3))
+    mid_epoch = merge_states([loader.state_dict() for loader in three])
+    four = make_loader(source, tokenizer, dp_rank=0, dp_size=4, block_size=2)
+    with pytest.raises(DataError, match=r"dp_size changed again \(3 -> 4\) before the epoch"):
+        four.load_state_dict(mid_epoch)
+    for loader in three:  # into the next epoch, which is laid out for 3 ranks
+        while loader.state_dict()["epoch"] == 0:
+            next(iter(loader))
+    four.load_state_dict(merge_states([loader.state_dict() for loader in three]))
+    assert four.state_dict()["epoch"] == 1
+
+
 def test_a_merged_state_with_the_same_dp_size_resumes_each_rank_exactly(source, tokenizer):
     from hlat_data import merge_states
 

@@ -69,7 +69,12 @@ def test_unknown_override_field_is_named():
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        (dict(dim=250, n_heads=8), "n_heads 8 does not divide dim 250"),
+        (
+            dict(dim=250, n_heads=8),
+            r"n_heads 8 does not divide dim 250; .*e\.g\. 2 for head_dim 125",
+        ),
+        (dict(dim=100, n_heads=3), r"e\.g\. 1 for head_dim 100\)"),  # not 0 heads
+        (dict(dim=4096, n_heads=24), r"e\.g\. 32 for head_dim 128\)"),
         (dict(n_heads=8, n_kv_heads=3), "n_kv_heads 3 does not divide n_heads 8"),
         (dict(dim=24, n_heads=8), "head_dim dim/n_heads = 3 is odd"),
         (dict(n_layers=0), "n_layers must be a positive integer"),

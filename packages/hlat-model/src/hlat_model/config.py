@@ -101,9 +101,14 @@ class LlamaConfig:
         if not isinstance(kv, int) or isinstance(kv, bool) or kv <= 0:
             raise ConfigError(f"n_kv_heads must be a positive integer, got {self.n_kv_heads!r}")
         if self.dim % self.n_heads:
+            # the divisor of dim nearest a head_dim of 128, Llama's
+            heads = min(
+                (d for d in range(1, self.dim + 1) if self.dim % d == 0),
+                key=lambda d: abs(self.dim / d - 128),
+            )
             raise ConfigError(
-                f"n_heads {self.n_heads} does not divide dim {self.dim}; "
-                f"pick n_heads among the divisors of dim (e.g. {self.dim // 128} for head_dim 128)"
+                f"n_heads {self.n_heads} does not divide dim {self.dim}; pick n_heads among "
+                f"the divisors of dim (e.g. {heads} for head_dim {self.dim // heads})"
             )
         if self.n_heads % self.kv_heads:
             raise ConfigError(

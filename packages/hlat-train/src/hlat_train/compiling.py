@@ -21,7 +21,8 @@ Measured, each block through ``torch.compile`` against the same model eager:
   operators, which inductor fuses), the same benchmark: bf16 0.954x eager, fp32 0.994x; whole
   ``hlat-train`` runs against torchtitan (``benchmarks/test_bench_vs_torchtitan.py``, one
   process, bf16) made 3,386 tokens/s eager and 3,233 compiled in one run, 3,050 and 3,159 in
-  another.
+  another; with hlat-model 0.28.0, bf16 0.926x and fp32 0.996x (0.27.0 had read fp32 1.155x
+  once, which did not repeat).
 
 So ``auto`` compiles runs that compute in bf16 on CPUs without hlat-model's fused CPU
 kernels (no C++ compiler, or ``HLAT_MODEL_NATIVE=0``) and on CUDA GPUs that multiply bf16

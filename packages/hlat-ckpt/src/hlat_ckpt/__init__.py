@@ -35,7 +35,7 @@ __all__ = [
     "SaveStats",
     "consolidate",
 ]
-__version__ = "0.11.0"
+__version__ = "0.11.1"
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,5 @@
-"""Collects every package README's ```python blocks as one test, so the examples keep working."""
+"""Fixtures of every package's tests (their README examples, an S3 endpoint on loopback, the
+reuse scripts) and the order of the collected tests."""
 
 from __future__ import annotations
 
@@ -8,12 +9,6 @@ from pathlib import Path
 import pytest
 
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
-
-
-def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
-    if file_path.name == "README.md" and file_path.parent.parent.name == "packages":
-        return ReadmeFile.from_parent(parent, path=file_path)
-    return None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -34,26 +29,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-class ReadmeFile(pytest.File):
-    def collect(self):
-        code = "\n".join(_BLOCK.findall(self.path.read_text()))
-        if code:
-            yield ReadmeExample.from_parent(self, name="example", code=code)
+@pytest.fixture
+def run_readme(request, tmp_path, monkeypatch):
+    """``run_readme(edit=None)``: runs the ```python blocks of the README of the package whose
+    test asks (``packages/<name>/README.md``), as they are written, in order and in one
+    namespace (a later block uses what an earlier one made), which it returns. They run in
+    ``tmp_path``, the current directory while the test runs. ``edit(block)`` changes each
+    block's code first."""
+    readme = Path(request.path).parents[1] / "README.md"
+    monkeypatch.chdir(tmp_path)
 
+    def run(edit=None) -> dict:
+        blocks = _BLOCK.findall(readme.read_text())
+        assert blocks, f"{readme} has no python example"
+        namespace: dict = {"__name__": "__readme__"}
+        for block in blocks:
+            code = block if edit is None else edit(block)
+            exec(compile(code, str(readme), "exec"), namespace)
+        return namespace
 
-class ReadmeExample(pytest.Item):
-    def __init__(self, *, code: str, **kwargs):
-        super().__init__(**kwargs)
-        self.code = code
-
-    def runtest(self) -> None:
-        tmp = self.config._tmp_path_factory.mktemp("readme")
-        with pytest.MonkeyPatch.context() as mp:
-            mp.chdir(tmp)
-            exec(compile(self.code, str(self.path), "exec"), {"__name__": "__readme__"})
-
-    def reportinfo(self):
-        return self.path, 0, f"{self.path.parent.name} README example"
+    return run
 
 
 # --- an S3 endpoint on loopback, for tests of s3:// paths -------------------------------------

@@ -1,26 +1,14 @@
-"""The README's examples, run as they are written: each ```python block in order, in one
-namespace (a later block uses what an earlier one made), in a fresh directory."""
+"""The README's examples, run as they are written (the ``run_readme`` fixture), and what
+they print."""
 
 from __future__ import annotations
 
 import math
 import re
-from pathlib import Path
-
-README = Path(__file__).parents[1] / "README.md"
 
 
-def run_readme(namespace: dict) -> None:
-    blocks = re.findall(r"^```python\n(.*?)^```", README.read_text(), re.S | re.M)
-    assert blocks, "the README has no python example"
-    for block in blocks:
-        exec(compile(block, str(README), "exec"), namespace)
-
-
-def test_the_readme_examples_run_and_print_what_they_say(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {"__name__": "__readme__"}
-    run_readme(namespace)  # its own assert: the model's fused loss equals the logits' loss
+def test_the_readme_examples_run_and_print_what_they_say(run_readme, capsys):
+    namespace = run_readme()  # its own assert: the model's fused loss equals the logits' loss
     printed = capsys.readouterr().out.splitlines()
     loss, flops = re.fullmatch(r"loss (\S+), (\S+) MFLOP/token", printed[0]).groups()
     # a fresh model (HLAT's small init) predicts about uniformly: a loss near ln(vocab)

@@ -1,30 +1,18 @@
-"""The README's examples, run as they are written: each ```python block in order, in one
-namespace (a later block uses what an earlier one made), in a fresh directory."""
+"""The README's examples, run as they are written (the ``run_readme`` fixture), and what
+they print."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
-README = Path(__file__).parents[1] / "README.md"
 
-
-def run_readme(namespace: dict) -> None:
-    blocks = re.findall(r"^```python\n(.*?)^```", README.read_text(), re.S | re.M)
-    assert blocks, "the README has no python example"
-    for block in blocks:
-        exec(compile(block, str(README), "exec"), namespace)
-
-
-def test_the_readme_examples_run_and_print_what_they_say(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {"__name__": "__readme__"}
+def test_the_readme_examples_run_and_print_what_they_say(run_readme, tmp_path, capsys):
     # the resume's load says, as the README says, that it made the master weights
     with pytest.warns(UserWarning, match="made fp32 master weights from the parameters"):
-        run_readme(namespace)  # its own assert: master weights equal the loaded parameters
+        namespace = run_readme()  # its own assert: master weights equal the loaded parameters
     (line,) = capsys.readouterr().out.splitlines()
     loss, norm, lr = re.fullmatch(r"loss (\S+), grad norm (\S+), lr (\S+)", line).groups()
     assert float(loss) > 0 and 0 < float(norm) <= 1e3

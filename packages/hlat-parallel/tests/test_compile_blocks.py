@@ -50,6 +50,35 @@ def test_blocks_compile_in_place_keep_their_names_and_compute_the_same():
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_a_loss_held_as_a_submodule_is_left_eager_and_the_blocks_compile():
+    """``parallelize(..., compile=True)`` on a model whose ``loss_fn`` is an ``nn.Module``:
+    the blocks compile, the loss module stays where it is, and the model computes as the
+    eager one."""
+    from hlat_parallel import ParallelDims, parallelize
+
+    class WithLossModule(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.loss_fn = nn.CrossEntropyLoss()
+
+    torch.manual_seed(0)
+    eager, compiled = WithLossModule(), WithLossModule()
+    compiled.load_state_dict(eager.state_dict())
+    loss_module = compiled.loss_fn
+    dims = ParallelDims(
+        world_size=1, rank=0, tp=1, dp=1, sp=False, backend="torch",
+        device=torch.device("cpu"), tp_rank=0, dp_rank=0,
+    )  # fmt: skip
+    parallelize(compiled, dims, {}, compile=True)
+    assert compiled.loss_fn is loss_module
+    assert all(b._compiled_call_impl is not None for b in compiled.layers)
+    x, labels = torch.randn(5, 8), torch.randint(0, 4, (5,))
+    eager.loss_fn(eager(x), labels).backward()
+    compiled.loss_fn(compiled(x), labels).backward()
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_the_models_loss_is_compiled_too_and_gives_the_eager_loss_and_gradients():
     """A model with a ``loss_fn`` (hlat-model's Llama) gets it compiled beside its blocks,
     once however often ``compile_blocks`` runs, and trains as the eager model does. The

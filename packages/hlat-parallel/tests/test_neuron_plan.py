@@ -8,8 +8,14 @@ import torch
 
 from hlat_model import Llama, LlamaConfig
 from hlat_parallel import ParallelConfigError, ParallelDims, match_plan, parallelize
-from hlat_parallel.neuron_backend import nxd_layer, scatter_sequence, shard_weight
-from hlat_parallel.plan import computes_sequence_first
+from hlat_parallel.neuron_backend import (
+    NxdUnavailableError,
+    local_padding_idx,
+    nxd_layer,
+    scatter_sequence,
+    shard_weight,
+)
+from hlat_parallel.plan import PlanEntry, computes_sequence_first
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +58,40 @@ def test_embedding_becomes_parallel_embedding_over_the_vocabulary(llama):
     assert spec.cls == "ParallelEmbedding"
     assert (spec.kwargs["num_embeddings"], spec.kwargs["embedding_dim"]) == (8192, 256)
     assert spec.shard_dim == 0
+
+
+def test_embedding_lookup_options_that_differ_from_the_defaults_are_passed_on():
+    table = torch.nn.Embedding(16, 4, padding_idx=-1, max_norm=1.5, norm_type=1.0)
+    spec = nxd_layer(table, PlanEntry("embed", "embedding"), 2, False)
+    assert spec.kwargs == {
+        "num_embeddings": 16, "embedding_dim": 4, "dtype": torch.float32,
+        "sequence_parallel_enabled": False, "padding_idx": 15, "max_norm": 1.5, "norm_type": 1.0,
+    }  # fmt: skip
+    scaled = torch.nn.Embedding(16, 4, scale_grad_by_freq=True)
+    assert nxd_layer(scaled, PlanEntry("embed", "embedding"), 1, False).kwargs["scale_grad_by_freq"]
+
+
+@pytest.mark.parametrize(
+    "options, needle",
+    [(dict(sparse=True), "sparse=True"), (dict(scale_grad_by_freq=True), "scale_grad_by_freq")],
+)
+def test_embedding_options_parallel_embedding_cannot_honour_are_refused(options, needle):
+    table = torch.nn.Embedding(16, 4, **options)
+    with pytest.raises(ParallelConfigError, match=needle):
+        nxd_layer(table, PlanEntry("embed", "embedding"), 2, False)
+
+
+def test_head_norms_have_their_gradients_summed_over_tp_with_or_without_sp():
+    norm = torch.nn.RMSNorm(8)
+    entry = PlanEntry("q_norm", "head_norm")
+    assert nxd_layer(norm, entry, 2, False).kwargs == {"sequence_parallel_enabled": True}
+    assert nxd_layer(norm, entry, 1, False).kwargs == {"sequence_parallel_enabled": False}
+
+
+def test_the_padding_row_is_local_to_the_rank_holding_it():
+    assert [local_padding_idx(0, 16, 2, r) for r in range(2)] == [0, None]
+    assert [local_padding_idx(9, 16, 2, r) for r in range(2)] == [None, 1]
+    assert local_padding_idx(None, 16, 2, 0) is None
 
 
 def test_lm_head_keeps_logits_vocab_parallel_for_parallel_cross_entropy(llama):
@@ -204,6 +244,8 @@ def test_supported_layouts_get_past_the_checks_to_nxd(sequence_first, sp):
     model = Llama(config)
     try:
         parallelize(model, _neuron_dims(sp), model.parallel_plan())
+    except NxdUnavailableError:
+        pass
     except ParallelConfigError as refused:
         pytest.fail(f"a supported layout was refused: {refused}")
     except Exception:

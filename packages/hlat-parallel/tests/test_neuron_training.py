@@ -146,6 +146,20 @@ def test_a_weight_shared_between_swapped_modules_is_refused_without_a_config_fla
     check_untied(untied, match_plan(untied, untied.parallel_plan()))
 
 
+def test_a_swapped_module_tied_to_one_outside_the_plan_is_refused():
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(16, 4)
+            self.head = torch.nn.Linear(4, 16, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = Tied()
+    matched = match_plan(model, {"head": "lm_head"})
+    with pytest.raises(ParallelConfigError, match=r"head\.weight is the same parameter as embed"):
+        check_untied(model, matched)
+
+
 # --- which gradients sequence parallelism sums over TP -----------------------------------------
 
 SUMMED = 7.0  # what the stand-in all-reduce returns, so a summed gradient is recognised
@@ -281,6 +295,15 @@ def test_sequence_parallelism_sums_every_norm_parameter_and_the_row_parallel_bia
         assert model.get_parameter(name).sequence_parallel_enabled is True, name
     model(ids).sum().backward()  # a second forward attaches no second hook
     assert len(nxd_stand_in) == 2 * len(expected)
+
+
+def test_the_embeddings_padding_row_reaches_the_nxd_layer_even_at_index_0(nxd_stand_in):
+    """NxD's ParallelEmbedding drops a padding index of 0 itself; the swapped layer of the
+    rank holding row 0 gets it back."""
+    model = SequenceFirstLM()
+    model.embed = torch.nn.Embedding(16, 8, padding_idx=0)
+    parallelize(model, neuron_dims(), {"embed": "embedding", "up": "colwise", "down": "rowwise"})
+    assert model.embed.padding_idx == 0
 
 
 def test_without_sequence_parallelism_no_gradient_is_summed_over_tp(nxd_stand_in):

@@ -457,3 +457,21 @@ def test_a_hugging_face_llama_under_tp2_and_sp_matches_one_process(tmp_path):
         torch.testing.assert_close(
             torch.tensor(tp2[key]), torch.tensor(one[key]), rtol=1e-5, atol=0
         )
+
+
+QWEN3_WORKER = Path(__file__).with_name("qwen3_worker.py")
+
+
+@pytest.mark.skipif(
+    _torch_version() < (2, 13),
+    reason="transformers' models alias their last hidden state, which torch 2.9's DTensor "
+    "has no sharding rule for (aten.alias.default), as in the Llama test above",
+)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_a_hugging_face_qwen3_with_head_norms_under_tp2_matches_one_process(sp):
+    """transformers' ``Qwen3ForCausalLM`` normalises each query and key head between the
+    colwise and rowwise projections (``q_norm``, ``k_norm``, planned ``head_norm``): at TP 2,
+    with and without sequence parallelism, the loss and every gradient (the head norms',
+    summed over tp, included) are the single process's."""
+    pytest.importorskip("transformers")
+    run_ranks(QWEN3_WORKER, ["1" if sp else "0"], 2)

@@ -146,6 +146,34 @@ def test_neuron_backend_without_neuronx_distributed_says_where_to_get_it(world):
     assert not dist.is_initialized()
 
 
+def test_neuron_backend_without_neuronx_distributed_is_a_configuration_error(world):
+    world(1)
+    with pytest.raises(ParallelConfigError, match=r"needs NeuronX Distributed"):
+        init_parallel(backend="neuron")
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(sp=1), "sp"),
+        (dict(sp="yes"), "sp"),
+        (dict(n_heads=0), "n_heads"),
+        (dict(n_heads=4.0), "n_heads"),
+        (dict(n_kv_heads=-2), "n_kv_heads"),
+        (dict(n_kv_heads=True), "n_kv_heads"),
+        (dict(seq_len=0), "seq_len"),
+        (dict(seq_len="64"), "seq_len"),
+        (dict(world_size=0), "world_size"),
+        (dict(world_size=2.0), "world_size"),
+    ],
+)
+def test_fields_of_the_wrong_type_or_not_positive_are_refused_by_name(kwargs, field):
+    args = {"world_size": 2, "tp": 1, **kwargs}
+    with pytest.raises(ParallelConfigError, match=rf"^{field} must be"):
+        check_parallel_config(args.pop("world_size"), args.pop("tp"), **args)
+
+
 # --- plans -------------------------------------------------------------------------------------
 
 
@@ -157,6 +185,13 @@ def test_unknown_style_is_refused_with_the_valid_ones():
 def test_fused_colwise_needs_segments():
     with pytest.raises(ParallelConfigError, match=r"fused_colwise needs 'segments'"):
         parse_plan({"qkv": {"style": "fused_colwise"}})
+
+
+def test_heads_dim_is_read_for_head_norm_only():
+    assert parse_plan({"q_norm": {"style": "head_norm", "heads_dim": 1}})[0].heads_dim == 1
+    assert parse_plan({"q_norm": "head_norm"})[0].heads_dim == -2
+    with pytest.raises(ParallelConfigError, match=r"'heads_dim' only applies to head_norm"):
+        parse_plan({"norm": {"style": "norm", "heads_dim": 1}})
 
 
 def test_segments_on_a_plain_style_are_refused():
@@ -237,6 +272,53 @@ def test_tied_embeddings_are_refused_under_tensor_parallelism():
     model = small_llama(tie_embeddings=True)
     with pytest.raises(ParallelConfigError, match=r"tied embeddings"):
         parallelize(model, dims_for(2), model.parallel_plan())
+
+
+class TiedLM(nn.Module):
+    """Input and output embeddings sharing one weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+
+@pytest.mark.parametrize(
+    "plan, needle",
+    [
+        ({"head": "lm_head"}, r"head\.weight is the same parameter as embed\.weight"),
+        ({"embed": "embedding"}, r"embed\.weight is the same parameter as head\.weight"),
+    ],
+)
+def test_a_planned_module_tied_to_one_outside_the_plan_is_refused_before_the_model_changes(
+    plan, needle
+):
+    """Splitting one of two tied modules would give it its own (DTensor) weight, untying
+    them silently."""
+    model = TiedLM()
+    with pytest.raises(ParallelConfigError, match=needle + r".*tied weights.*untie"):
+        parallelize(model, dims_for(2), {"up": "colwise", "down": "rowwise", **plan})
+    assert model.head.weight is model.embed.weight
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+
+
+def test_a_0d_parameter_under_fsdp_is_refused_before_the_model_changes():
+    """FSDP2 cannot shard a 0-d parameter; the refusal names it and the layouts that keep
+    parameters whole, before any block is wrapped."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+            self.scale = nn.Parameter(torch.tensor(1.0))
+
+    model = Scaled()
+    dims = dataclasses.replace(dims_for(1), dp=2, world_size=2)
+    with pytest.raises(ParallelConfigError, match=r"scale is a 0-d parameter.*dp_shard='zero1'"):
+        parallelize(model, dims, {})
+    assert all(type(m).__name__ in ("Scaled", "ModuleList", "Linear") for m in model.modules())
 
 
 def test_an_unknown_data_parallel_layout_is_refused_before_the_model_changes():

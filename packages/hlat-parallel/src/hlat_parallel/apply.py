@@ -23,7 +23,8 @@ def compile_blocks(model: nn.Module, **options: Any) -> int:
     The model's ``loss_fn(logits, labels)``, where it has one (``hlat_model.Llama``'s), is
     compiled too, as torchtitan compiles its loss beside its blocks: for plain-tensor
     logits; vocabulary-sharded ones (DTensors, tensor parallelism's loss) keep the eager
-    function.
+    function. A ``loss_fn`` that is an ``nn.Module`` (``nn.CrossEntropyLoss()``) is left as
+    it is.
 
     Note: on a 2-core AVX512-BF16 CPU, bf16, the benchmarks' Llama (width 512, 8 layers, 4 x
     512 tokens), with the blocks compiled, compiling the loss too took the step from 1,187
@@ -52,7 +53,10 @@ def compile_blocks(model: nn.Module, **options: Any) -> int:
                 child.compile(**options)
                 blocks.append(child)
     loss_fn = getattr(model, "loss_fn", None)
-    if callable(loss_fn) and not getattr(loss_fn, "hlat_compiled", False):
+    # a loss held as a submodule (``self.loss_fn = nn.CrossEntropyLoss()``) is registered in
+    # the module tree, where a plain function cannot replace it: it is left eager
+    compilable = callable(loss_fn) and not isinstance(loss_fn, nn.Module)
+    if loss_fn is not None and compilable and not getattr(loss_fn, "hlat_compiled", False):
         setattr(model, "loss_fn", _compiled_loss(loss_fn, **options))  # noqa: B010
     try:
         from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -146,6 +150,11 @@ def parallelize(
     check_shapes(model, matched, dims.tp)
     if dims.sequence_parallel:
         check_sequence_parallel(model, matched)
+    fsdp = dims.backend == "torch" and dims.dp_cp > 1 and dp_shard == "fsdp"
+    if fsdp:
+        from hlat_parallel.zero import check_fsdp_parameters
+
+        check_fsdp_parameters(model)
     if dims.backend == "neuron":
         if compile:
             raise ValueError(
@@ -164,7 +173,7 @@ def parallelize(
         from hlat_parallel.device import compile_backend_for
 
         compile_blocks(model, backend=compile_backend_for(dims.device))
-    if dims.dp_cp > 1 and dp_shard == "fsdp":
+    if fsdp:
         from hlat_parallel.zero import apply_data_parallel
 
         apply_data_parallel(model, dims)

@@ -54,6 +54,10 @@ def check_pipeline_torch() -> None:
         )
 
 
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def check_parallel_config(
     world_size: int,
     tp: int,
@@ -68,11 +72,19 @@ def check_parallel_config(
     """Raise :class:`ParallelConfigError` for the first rule the layout breaks.
 
     Pure arithmetic, so it runs before any process group or tensor is created. Head counts
-    and ``seq_len`` are checked only when given.
+    and ``seq_len`` are checked only when given. Every size must be a positive ``int`` and
+    ``sp`` a ``bool``; the error names the field that is not.
     """
-    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("cp", cp)):
+        if not _positive_int(value):
             raise ParallelConfigError(f"{name} must be a positive integer, got {value!r}")
+    for name, given in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("seq_len", seq_len)):
+        if given is not None and not _positive_int(given):
+            raise ParallelConfigError(
+                f"{name} must be a positive integer when given, got {given!r}"
+            )
+    if not isinstance(sp, bool):
+        raise ParallelConfigError(f"sp must be True or False, got {sp!r}")
     if world_size % tp:
         raise ParallelConfigError(
             f"world size {world_size} is not divisible by tp {tp}: every tensor-parallel group "

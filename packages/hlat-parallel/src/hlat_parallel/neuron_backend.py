@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from hlat_parallel.dims import ParallelConfigError, ParallelDims
-from hlat_parallel.plan import PlanEntry, computes_sequence_first
+from hlat_parallel.plan import PlanEntry, check_shared_parameters, computes_sequence_first
 
 SEQUENCE_DIM = 0
 """The sequence dimension of activations under NxD sequence parallelism (``[S, B, H]``)."""
@@ -71,7 +71,7 @@ def nxd_layer(module: nn.Module, entry: PlanEntry, tp: int, sp: bool) -> NxdLaye
 
     ``norm`` keeps the module and, under sequence parallelism, only marks its parameters
     ``sequence_parallel_enabled`` (their gradients are then summed over TP); ``cls`` is then
-    ``"norm"``.
+    ``"norm"``. ``head_norm`` (a norm of each local head) does the same whenever tp > 1.
 
     Under sequence parallelism (``sp`` and tp > 1) the linear layers get
     ``sequence_parallel_enabled=True`` and ``sequence_dimension=0``: column-parallel ones
@@ -90,6 +90,10 @@ def nxd_layer(module: nn.Module, entry: PlanEntry, tp: int, sp: bool) -> NxdLaye
     sp = sp and tp > 1
     if entry.style == "norm":
         return NxdLayer("norm", {"sequence_parallel_enabled": sp})
+    if entry.style == "head_norm":
+        # each rank normalises its own heads: the weight's gradient is partial whenever
+        # tp > 1, and is summed over TP like a sequence-parallel norm's
+        return NxdLayer("norm", {"sequence_parallel_enabled": tp > 1})
     weight = module.weight
     if entry.style == "embedding":
         assert isinstance(module, nn.Embedding)
@@ -100,6 +104,7 @@ def nxd_layer(module: nn.Module, entry: PlanEntry, tp: int, sp: bool) -> NxdLaye
                 "embedding_dim": module.embedding_dim,
                 "dtype": weight.dtype,
                 "sequence_parallel_enabled": False,
+                **_embedding_options(module, tp),
             },
             shard_dim=0,
             scatter_output_dim=EMBEDDING_SEQUENCE_DIM if sp else None,
@@ -135,6 +140,57 @@ def nxd_layer(module: nn.Module, entry: PlanEntry, tp: int, sp: bool) -> NxdLaye
         },
         shard_dim=0,
     )
+
+
+def _embedding_options(module: nn.Embedding, tp: int) -> dict[str, Any]:
+    """The lookup options of ``module`` that differ from ``nn.Embedding``'s defaults, as
+    ``ParallelEmbedding`` keyword arguments; those it cannot honour are refused.
+
+    Note: ``ParallelEmbedding`` looks up the tokens outside this rank's vocabulary range at
+    its local row 0 and zeroes their output. ``scale_grad_by_freq`` would count them as
+    occurrences of that row and scale its gradient down, so it is refused when tp > 1.
+    ``sparse`` gradients are refused: NxD's ZeRO-1 and XLA work on dense gradients.
+    """
+    name = "the embedding"
+    if module.sparse:
+        raise ParallelConfigError(
+            f"{name} has sparse=True; the neuron backend's ParallelEmbedding trains with dense "
+            "gradients (NxD's ZeRO-1 and XLA take no sparse ones): build it with sparse=False"
+        )
+    if module.scale_grad_by_freq and tp > 1:
+        raise ParallelConfigError(
+            f"{name} has scale_grad_by_freq=True, which NxD's ParallelEmbedding gets wrong at "
+            f"tp {tp}: tokens outside a rank's vocabulary range count as occurrences of its "
+            "first row, whose gradient is then scaled down; build it with "
+            "scale_grad_by_freq=False, or use the torch backend"
+        )
+    options: dict[str, Any] = {}
+    if module.padding_idx is not None:
+        options["padding_idx"] = module.padding_idx
+    if module.max_norm is not None:
+        options["max_norm"] = module.max_norm
+    if module.norm_type != 2.0:
+        options["norm_type"] = module.norm_type
+    if module.scale_grad_by_freq:
+        options["scale_grad_by_freq"] = True
+    return options
+
+
+def local_padding_idx(
+    padding_idx: int | None, num_embeddings: int, tp: int, rank: int
+) -> int | None:
+    """The row of TP rank ``rank``'s vocabulary shard holding ``padding_idx`` (pure), or
+    ``None`` when another rank holds it (contiguous ranges of ``num_embeddings / tp`` rows,
+    as ``ParallelEmbedding`` splits the vocabulary).
+
+    Note: NxD 0.18's ``ParallelEmbedding`` tests ``if padding_idx`` and so drops a padding
+    index of 0; the layer's local index is set from this function after it is built.
+    """
+    if padding_idx is None:
+        return None
+    rows = num_embeddings // tp
+    start = rank * rows
+    return padding_idx - start if start <= padding_idx < start + rows else None
 
 
 def scatter_sequence(
@@ -236,7 +292,8 @@ def shard_init(
 
 def check_untied(model: nn.Module, matched: Mapping[str, PlanEntry]) -> None:
     """Refuse weights shared between modules the neuron backend swaps (tied input and
-    output embeddings): each NxD layer owns its weight, so a tie would silently break.
+    output embeddings), or between a swapped module and one outside it: each NxD layer owns
+    its weight, so a tie would silently break.
 
     Reads ``tie_embeddings`` from the model or its ``config`` (as ``hlat_model.LlamaConfig``
     has) and compares the swapped modules' weights by identity.
@@ -253,7 +310,7 @@ def check_untied(model: nn.Module, matched: Mapping[str, PlanEntry]) -> None:
     owners: dict[int, str] = {}
     for name, entry in matched.items():
         weight = getattr(modules[name], "weight", None)
-        if entry.style == "norm" or not isinstance(weight, torch.Tensor):
+        if entry.style in ("norm", "head_norm") or not isinstance(weight, torch.Tensor):
             continue
         other = owners.setdefault(id(weight), name)
         if other != name:
@@ -263,13 +320,25 @@ def check_untied(model: nn.Module, matched: Mapping[str, PlanEntry]) -> None:
                 "them (for hlat_model: LlamaConfig(tie_embeddings=False)) or use the torch "
                 "backend"
             )
+    swapped = [n for n, entry in matched.items() if entry.style not in ("norm", "head_norm")]
+    check_shared_parameters(
+        model,
+        swapped,
+        "the neuron backend swaps the planned module for an NxD layer that owns its weight, "
+        "which would silently untie them; untie the weights or use the torch backend",
+    )
+
+
+class NxdUnavailableError(ParallelConfigError, RuntimeError):
+    """The neuron backend was asked for where NeuronX Distributed cannot be imported: a
+    :class:`~hlat_parallel.ParallelConfigError`, and a ``RuntimeError`` as it was before."""
 
 
 def _import_nxd() -> Any:
     try:
         import neuronx_distributed
     except Exception as error:  # the placeholder packages raise on import
-        raise RuntimeError(
+        raise NxdUnavailableError(
             "the neuron backend needs NeuronX Distributed from the Neuron repository "
             "(pip install neuronx-distributed torch-neuronx --extra-index-url "
             "https://pip.repos.neuron.amazonaws.com) on a Trainium instance; "
@@ -360,6 +429,10 @@ def apply_neuron_parallel(
             # Note: NxD gives a bias its own uniform init, whatever init_method says
             dim = 0 if spec.shard_dim == 0 else None
             shard_init(bias, dim, dims.tp, dims.tp_rank)(new.bias)
+        if spec.cls == "ParallelEmbedding" and "padding_idx" in spec.kwargs:
+            new.padding_idx = local_padding_idx(
+                spec.kwargs["padding_idx"], spec.kwargs["num_embeddings"], dims.tp, dims.tp_rank
+            )
         new._hlat_nxd_layer = True  # see check_nxd_attributes
         if dims.sequence_parallel and sequence_parallel_params(new):
             new.register_forward_pre_hook(_sum_grad_over_tp)

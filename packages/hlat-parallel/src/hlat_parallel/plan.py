@@ -23,7 +23,7 @@ from torch import nn
 
 from hlat_parallel.dims import ParallelConfigError
 
-STYLES = ("colwise", "rowwise", "fused_colwise", "embedding", "lm_head", "norm")
+STYLES = ("colwise", "rowwise", "fused_colwise", "embedding", "lm_head", "norm", "head_norm")
 
 
 @dataclass(frozen=True)
@@ -32,12 +32,15 @@ class PlanEntry:
 
     For ``fused_colwise`` the output rows are ``groups`` repeats of ``segments`` (e.g. q, k,
     v rows of one KV group); a contiguous row split is correct when tp divides ``groups``.
+    For ``head_norm`` (a norm applied to each head of a colwise layer's local output, such
+    as Qwen3's ``q_norm``), ``heads_dim`` is the heads dimension of its input.
     """
 
     pattern: str
     style: str
     segments: tuple[int, ...] = ()
     groups: int = 1
+    heads_dim: int = -2
 
     def matches(self, name: str) -> bool:
         """True when the dotted module ``name`` fits the pattern (``*`` = one component)."""
@@ -63,10 +66,20 @@ def parse_plan(plan: Mapping[str, Any]) -> list[PlanEntry]:
             )
         segments = tuple(spec.pop("segments", ()))
         groups = spec.pop("groups", 1)
+        heads_dim = spec.pop("heads_dim", -2)
         if spec:
             raise ParallelConfigError(
                 f"plan entry {pattern!r}: unknown key(s) {', '.join(sorted(spec))}; "
-                "a style dict holds 'style' and, for fused_colwise, 'segments' and 'groups'"
+                "a style dict holds 'style' and, for fused_colwise, 'segments' and 'groups', "
+                "for head_norm 'heads_dim'"
+            )
+        if heads_dim != -2 and style != "head_norm":
+            raise ParallelConfigError(
+                f"plan entry {pattern!r}: 'heads_dim' only applies to head_norm"
+            )
+        if not isinstance(heads_dim, int) or isinstance(heads_dim, bool):
+            raise ParallelConfigError(
+                f"plan entry {pattern!r}: 'heads_dim' must be an integer, got {heads_dim!r}"
             )
         if style == "fused_colwise":
             if not segments or any(not isinstance(s, int) or s < 1 for s in segments):
@@ -82,7 +95,7 @@ def parse_plan(plan: Mapping[str, Any]) -> list[PlanEntry]:
             raise ParallelConfigError(
                 f"plan entry {pattern!r}: 'segments' and 'groups' only apply to fused_colwise"
             )
-        entries.append(PlanEntry(pattern, style, segments, groups))
+        entries.append(PlanEntry(pattern, style, segments, groups, heads_dim))
     return entries
 
 
@@ -145,7 +158,7 @@ def check_shapes(model: nn.Module, matched: Mapping[str, PlanEntry], tp: int) ->
                 )
             _divisible(module.num_embeddings, tp, f"{where}: vocabulary size", "pad the vocabulary")
             continue
-        if entry.style == "norm":
+        if entry.style in ("norm", "head_norm"):
             if not isinstance(getattr(module, "weight", None), nn.Parameter):
                 raise ParallelConfigError(f"{where} has no 'weight' parameter to replicate")
             continue
@@ -190,6 +203,30 @@ def check_sequence_parallel(model: nn.Module, matched: Mapping[str, PlanEntry]) 
             "parameters that no plan entry matches: their gradients would not be summed "
             "over tp; add them to the plan (a norm is 'norm'), or set sp=False"
         )
+
+
+def check_shared_parameters(model: nn.Module, names: list[str], why: str) -> None:
+    """Raise :class:`ParallelConfigError` when a parameter of one of the modules ``names``
+    (dotted names in ``model``) is also held by a module outside it (tied weights).
+
+    The parallel backends replace the parameters of the modules they split, so the module
+    outside would keep the old tensor and the tie would break without an error; ``why``
+    ends the message (the backend's reason and fix). Runs before any module is changed.
+    """
+    modules = dict(model.named_modules())
+    holders: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for pname, param in module.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append((f"{name}.{pname}" if name else pname, module))
+    for name in names:
+        inside = {id(m) for m in modules[name].modules()}
+        for pname, param in modules[name].named_parameters(remove_duplicate=False):
+            outside = [held for held, owner in holders[id(param)] if id(owner) not in inside]
+            if outside:
+                raise ParallelConfigError(
+                    f"{name}.{pname} is the same parameter as {', '.join(outside)} (tied "
+                    f"weights), outside the planned module {name}: {why}"
+                )
 
 
 def _divisible(size: int, tp: int, what: str, fix: str) -> None:

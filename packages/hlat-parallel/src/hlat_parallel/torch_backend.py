@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from hlat_parallel.dims import ParallelConfigError, ParallelDims
-from hlat_parallel.plan import PlanEntry, computes_sequence_first
+from hlat_parallel.plan import PlanEntry, check_shared_parameters, computes_sequence_first
 
 
 def torch_styles(
@@ -39,7 +39,9 @@ def torch_styles(
     models computing sequence-first); norms run on sequence shards (``SequenceParallel``).
     The embedding output is ``[B, S, H]`` either way (token ids come batch-first), so it is
     sharded along dimension 1. Without SP norms are left alone: their input is replicated,
-    so is their weight.
+    so is their weight. A ``head_norm`` runs on the local heads between a colwise and a
+    rowwise layer, with or without SP: its weight is replicated and its gradient summed
+    over tp.
 
     Note: ``fused_colwise`` becomes a plain ``ColwiseParallel``: the plan's fused layouts
     are TP-independent, so a contiguous row split gives each rank whole groups (checked
@@ -63,6 +65,12 @@ def torch_styles(
             )
         elif entry.style == "norm" and sp:
             styles[name] = SequenceParallel(sequence_dim=sequence_dim)
+        elif entry.style == "head_norm":
+            # The input is this rank's heads, a colwise layer's local output, with or without
+            # SP: read as sharded over the heads dimension, the replicated weight's gradient
+            # comes out Partial and is summed over tp (align_grad_placements, FSDP or
+            # sync_gradients), as torchtitan's Qwen3 plan does for q_norm and k_norm.
+            styles[name] = SequenceParallel(sequence_dim=entry.heads_dim, use_local_output=True)
     return styles
 
 
@@ -82,6 +90,13 @@ def apply_tensor_parallel(
                 )
     sequence_dim = 0 if computes_sequence_first(model) else 1
     styles = torch_styles(matched, dims.sequence_parallel, sequence_dim)
+    check_shared_parameters(
+        model,
+        list(styles),
+        "tensor parallelism replaces the planned module's parameters with DTensors, which "
+        "would silently untie them; untie the weights (e.g. "
+        "LlamaConfig(tie_embeddings=False)) or leave the module out of the plan",
+    )
     parallelize_module(model, dims.tp_mesh, styles)
     if dims.dp_cp == 1:  # FSDP2 aligns the gradients itself when it is applied on top
         align_grad_placements(model)
@@ -143,8 +158,12 @@ def loss_parallel(dims: ParallelDims) -> Iterator[None]:
 
     Under it ``F.cross_entropy`` on vocabulary-sharded logits computes the softmax with
     two small all-reduces instead of gathering [batch, seq, vocab] logits. ``backward()``
-    must run inside the context too. A no-op when tp is 1 or on the neuron backend (use
-    :func:`hlat_parallel.neuron_backend.parallel_cross_entropy` there).
+    must run inside the context too. A no-op when tp is 1 and on the neuron backend, so that
+    a trainer can enter it on every backend: there NxD's logits at tp > 1 are this rank's
+    vocabulary shard as a plain tensor, which ``F.cross_entropy`` would take for the whole
+    vocabulary, so compute the loss with
+    :func:`hlat_parallel.neuron_backend.parallel_cross_entropy` (``hlat_model.Llama`` swapped
+    by ``parallelize`` does).
     """
     if dims.backend == "torch" and dims.tp > 1:
         from torch.distributed.tensor.parallel import loss_parallel as _loss_parallel

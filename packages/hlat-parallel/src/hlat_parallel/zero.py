@@ -34,8 +34,15 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> None:
     """``fully_shard`` every child of every ``nn.ModuleList`` or ``nn.ModuleDict`` (the
     blocks; a pipeline stage keeps its blocks in a ``ModuleDict``), then the root, over
     :attr:`~hlat_parallel.ParallelDims.dp_cp_mesh` ("dp", or "dp" x "cp" flattened).
-    Children are sharded before their ancestors, so a block holding its own list (MoE
-    experts, sub-layers) is one unit around its sub-units.
+    Children are sharded before their ancestors, so a block holding its own list of
+    sub-layers is one unit around its sub-units.
+
+    Every data-parallel rank must run the forward of every unit, in the same order (FSDP's
+    rule: the ranks' all-gathers are matched by order alone). A module that some ranks may
+    skip, such as an MoE expert that gets no tokens on one rank, must not be a unit of its
+    own: keep a layer's experts in one module (one unit), as torchtitan does, not in a
+    ``ModuleList``. Otherwise ranks pair different experts' all-gathers and compute wrong
+    outputs without an error.
 
     Note: one FSDP unit per block lets the all-gather of block i+1 overlap block i's compute
     and the reduce-scatter of block i overlap block i-1's backward.
@@ -53,6 +60,20 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> None:
     for block in reversed(dict.fromkeys(blocks)):
         fully_shard(block, mesh=mesh, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
+
+
+def check_fsdp_parameters(model: nn.Module) -> None:
+    """Raise :class:`ParallelConfigError` naming the 0-d parameters of ``model``, which
+    FSDP2's ``fully_shard`` cannot shard (it refuses them only once it reaches their
+    module, after other units were wrapped). Runs before any module is changed."""
+    scalars = [name for name, param in model.named_parameters() if param.dim() == 0]
+    if scalars:
+        raise ParallelConfigError(
+            f"FSDP (dp_shard='fsdp') shards every parameter along a dimension, and "
+            f"{', '.join(scalars)} {'is a 0-d parameter' if len(scalars) == 1 else 'are 0-d parameters'}; "
+            "parallelize with dp_shard='zero1' (or 'none'), which keep parameters whole, or "
+            "make each a 1-element parameter (torch.tensor([value]))"
+        )
 
 
 def _dp_sharded(param: torch.Tensor) -> bool:
@@ -85,7 +106,9 @@ def shard_optimizer(
     (``**zero1_precision(mode).zero1_kwargs(), **zero1_clip(max_norm)`` from
     :mod:`hlat_parallel.neuron_backend`; see ``neuron_zero1_optimizer``).
     """
-    params = list(params)
+    # A group's "params" may be a generator (weight-decay groups built from
+    # named_parameters()); the check below would consume it and leave the group empty.
+    params = [_materialised(item) if isinstance(item, dict) else item for item in params]
     if dims.backend == "neuron":
         from hlat_parallel.neuron_backend import neuron_zero1_optimizer
 
@@ -103,6 +126,13 @@ def shard_optimizer(
                         "zero1_optimizer for a model parallelized with dp_shard='zero1'"
                     )
     return optimizer_cls(params, **kwargs)
+
+
+def _materialised(group: dict[str, Any]) -> dict[str, Any]:
+    """A copy of parameter ``group`` whose ``params`` is a list (one tensor becomes a
+    one-element list, as ``torch.optim.Optimizer.add_param_group`` makes it)."""
+    params = group["params"]
+    return {**group, "params": [params] if isinstance(params, torch.Tensor) else list(params)}
 
 
 @contextlib.contextmanager

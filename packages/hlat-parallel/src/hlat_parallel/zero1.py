@@ -88,16 +88,28 @@ def sync_gradients(model: nn.Module, dims: ParallelDims) -> None:
     clipping; a no-op for FSDP's sharded parameters (reduced during backward), for dp x cp
     of 1 and on the neuron backend (NxD's ZeRO-1 reduces inside ``step()``).
 
+    Every parameter that requires grad takes part on every rank, so the ranks reduce
+    buffers of one layout even when a parameter got no gradient on some of them (an expert
+    no token of this rank's batch was routed to). As in DDP, a missing gradient counts as
+    zeros in the sum, which is divided by dp x cp; a parameter that got no gradient on any
+    rank keeps ``grad = None``, so optimizers skip it as they would in one process.
+
+    Note: each parameter adds one element to the reduced buffer, 1 on the ranks that hold
+    its gradient: the sum tells every rank whether any had one, without another collective.
+    A rank reads those sums on the host only for the parameters it has no gradient of (one
+    copy per bucket that holds any), so a step where every rank has every gradient reads
+    nothing from the device.
+
     Note: a DTensor gradient left in another layout than its parameter (a sequence-parallel
     norm weight's ``Partial``) is redistributed to the parameter's first, so the all-reduce
     sums like with like.
     """
     if dims.backend == "neuron" or dims.dp_cp == 1:
         return
-    params = [p for p in model.parameters() if p.grad is not None and not _dp_sharded(p)]
+    params = [p for p in model.parameters() if p.requires_grad and not _dp_sharded(p)]
     if not params:
         return
-    grads = []
+    grads: list[torch.Tensor | None] = []
     for param in params:
         p: Any = param
         grad: Any = p.grad
@@ -105,20 +117,58 @@ def sync_gradients(model: nn.Module, dims: ParallelDims) -> None:
         if mismatched and tuple(grad.placements) != tuple(p.placements):
             grad = grad.redistribute(p.device_mesh, p.placements)
             p.grad = grad
-        grads.append(_local(grad))
+        grads.append(None if grad is None else _local(grad))
+    # the layout of the buffers: the parameters' local shapes and dtypes, the same on
+    # every rank whichever gradients this rank holds
+    sizes = [torch.empty(_local(p).numel() + 1, dtype=p.dtype, device="meta") for p in params]
+
+    def sizes_of(run: list[int]) -> list[int]:
+        return [sizes[i].numel() for i in run]
+
     _, group = _dp_rank_and_group(dims)
     pending = []
-    for run in _buckets(grads, BUCKET_BYTES):
-        flat = torch.cat([grads[i].reshape(-1) for i in run])
+    for run in _buckets(sizes, BUCKET_BYTES):
+        pieces = []
+        for i in run:
+            grad = grads[i]
+            local = _local(params[i])
+            if grad is None:
+                pieces.append(local.new_zeros(local.numel() + 1))
+            else:
+                pieces += [grad.reshape(-1).to(local.dtype), local.new_ones(1)]
+        flat = torch.cat(pieces)
         pending.append((run, flat, dist.all_reduce(flat, group=group, async_op=True)))
     for run, flat, work in pending:
         work.wait()
-        flat.div_(dims.dp_cp)
+        missing = [k for k, i in enumerate(run) if grads[i] is None]
+        counted = [True] * len(run)  # this rank's own gradient is one
+        if missing:
+            ends = torch.tensor(sizes_of(run), device=flat.device).cumsum(0) - 1
+            held = (flat[ends[missing]] > 0).tolist()  # one device-to-host copy
+            for k, any_grad in zip(missing, held, strict=True):
+                counted[k] = any_grad
         offset = 0
-        for i in run:
-            n = grads[i].numel()
-            grads[i].copy_(flat[offset : offset + n].view_as(grads[i]))
-            offset += n
+        for i, any_grad in zip(run, counted, strict=True):
+            target: Any = params[i]
+            local = _local(target)
+            n = local.numel()
+            if any_grad:
+                mean = flat[offset : offset + n].view_as(local).div_(dims.dp_cp)
+                grad = grads[i]
+                if grad is not None:
+                    grad.copy_(mean)
+                elif isinstance(target, DTensor):
+                    target.grad = DTensor.from_local(
+                        mean.clone(),
+                        target.device_mesh,
+                        target.placements,
+                        run_check=False,
+                        shape=target.shape,
+                        stride=target.stride(),
+                    )
+                else:
+                    target.grad = mean.clone()
+            offset += n + 1
 
 
 class _Slot:

@@ -10,6 +10,8 @@ Usage: data_parallel_worker.py MODE, MODE one of
 - ``experts-zero1``, ``experts-none``: a shared layer and three experts; rank 0's batch
   goes to expert 0, rank 1's to expert 1, no batch to expert 2. ``sync_gradients`` and one
   AdamW step (ZeRO-1 or a plain one over whole parameters).
+- ``grad-dtype``: bf16 parameters with fp32 gradients (``grad_dtype``), one gradient held by
+  rank 0 only; ``sync_gradients``.
 
 The single-process reference is the same model trained on both ranks' batches, its loss
 the mean of the two ranks' losses (what data parallelism averages).
@@ -116,12 +118,30 @@ def experts(dims, dp_shard: str) -> None:
         check_close(name, full(param), ref.detach())
 
 
+def grad_dtype(dims) -> None:
+    """bf16 parameters whose gradients are fp32 (``grad_dtype``): summed in fp32, and made
+    in fp32 on the rank that had none."""
+    layer = nn.Linear(4, 4).to(torch.bfloat16)
+    layer.weight.grad_dtype = torch.float32
+    layer.bias.grad_dtype = torch.float32
+    # 1 + 2^-12 is below bf16's resolution at 1: an average taken in bf16 gives 1
+    layer.weight.grad = torch.full((4, 4), 1 + 2**-12 if dims.dp_rank == 0 else 1.0)
+    if dims.dp_rank == 0:
+        layer.bias.grad = torch.full((4,), 1 + 2**-11)
+    sync_gradients(layer, dims)
+    assert layer.weight.grad.dtype == layer.bias.grad.dtype == torch.float32
+    assert torch.equal(layer.weight.grad, torch.full((4, 4), 1 + 2**-13))
+    assert torch.equal(layer.bias.grad, torch.full((4,), (1 + 2**-11) / 2))
+
+
 def main() -> None:
     mode = sys.argv[1]
     dims = init_parallel()
     assert dims.dp == 2
     if mode == "groups":
         groups(dims)
+    elif mode == "grad-dtype":
+        grad_dtype(dims)
     else:
         experts(dims, mode.removeprefix("experts-"))
     dist.destroy_process_group()

@@ -61,19 +61,25 @@ def test_embedding_becomes_parallel_embedding_over_the_vocabulary(llama):
 
 
 def test_embedding_lookup_options_that_differ_from_the_defaults_are_passed_on():
-    table = torch.nn.Embedding(16, 4, padding_idx=-1, max_norm=1.5, norm_type=1.0)
+    table = torch.nn.Embedding(16, 4, padding_idx=-1, norm_type=1.0)
     spec = nxd_layer(table, PlanEntry("embed", "embedding"), 2, False)
     assert spec.kwargs == {
         "num_embeddings": 16, "embedding_dim": 4, "dtype": torch.float32,
-        "sequence_parallel_enabled": False, "padding_idx": 15, "max_norm": 1.5, "norm_type": 1.0,
+        "sequence_parallel_enabled": False, "padding_idx": 15, "norm_type": 1.0,
     }  # fmt: skip
+    normed = torch.nn.Embedding(16, 4, max_norm=1.5)
+    assert nxd_layer(normed, PlanEntry("embed", "embedding"), 1, False).kwargs["max_norm"] == 1.5
     scaled = torch.nn.Embedding(16, 4, scale_grad_by_freq=True)
     assert nxd_layer(scaled, PlanEntry("embed", "embedding"), 1, False).kwargs["scale_grad_by_freq"]
 
 
 @pytest.mark.parametrize(
     "options, needle",
-    [(dict(sparse=True), "sparse=True"), (dict(scale_grad_by_freq=True), "scale_grad_by_freq")],
+    [
+        (dict(sparse=True), "sparse=True"),
+        (dict(scale_grad_by_freq=True), "scale_grad_by_freq"),
+        (dict(max_norm=1.0), "max_norm=1.0"),
+    ],
 )
 def test_embedding_options_parallel_embedding_cannot_honour_are_refused(options, needle):
     table = torch.nn.Embedding(16, 4, **options)

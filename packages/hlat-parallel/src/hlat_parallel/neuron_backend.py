@@ -148,7 +148,9 @@ def _embedding_options(module: nn.Embedding, tp: int) -> dict[str, Any]:
 
     Note: ``ParallelEmbedding`` looks up the tokens outside this rank's vocabulary range at
     its local row 0 and zeroes their output. ``scale_grad_by_freq`` would count them as
-    occurrences of that row and scale its gradient down, so it is refused when tp > 1.
+    occurrences of that row and scale its gradient down, and ``max_norm`` would renormalise
+    that row in place at every lookup, whether or not its own token came: both are refused
+    when tp > 1.
     ``sparse`` gradients are refused: NxD's ZeRO-1 and XLA work on dense gradients.
     """
     name = "the embedding"
@@ -163,6 +165,13 @@ def _embedding_options(module: nn.Embedding, tp: int) -> dict[str, Any]:
             f"tp {tp}: tokens outside a rank's vocabulary range count as occurrences of its "
             "first row, whose gradient is then scaled down; build it with "
             "scale_grad_by_freq=False, or use the torch backend"
+        )
+    if module.max_norm is not None and tp > 1:
+        raise ParallelConfigError(
+            f"{name} has max_norm={module.max_norm}, which NxD's ParallelEmbedding gets wrong "
+            f"at tp {tp}: tokens outside a rank's vocabulary range are looked up at its first "
+            "row, which max_norm then renormalises in place at every step; build it without "
+            "max_norm, or use the torch backend"
         )
     options: dict[str, Any] = {}
     if module.padding_idx is not None:
@@ -183,7 +192,7 @@ def local_padding_idx(
     ``None`` when another rank holds it (contiguous ranges of ``num_embeddings / tp`` rows,
     as ``ParallelEmbedding`` splits the vocabulary).
 
-    Note: NxD 0.18's ``ParallelEmbedding`` tests ``if padding_idx`` and so drops a padding
+    Note: ``ParallelEmbedding`` (neuronx-distributed 0.18, Neuron 2.29) tests ``if padding_idx`` and so drops a padding
     index of 0; the layer's local index is set from this function after it is built.
     """
     if padding_idx is None:

@@ -94,8 +94,9 @@ def sync_gradients(model: nn.Module, dims: ParallelDims) -> None:
     zeros in the sum, which is divided by dp x cp; a parameter that got no gradient on any
     rank keeps ``grad = None``, so optimizers skip it as they would in one process.
 
-    Note: each parameter adds one element to the reduced buffer, 1 on the ranks that hold
-    its gradient: the sum tells every rank whether any had one, without another collective.
+    Note: each parameter adds one element to the reduced buffer (the bucket's markers, at
+    its end), 1 on the ranks that hold its gradient: the sum tells every rank whether any
+    had one, without another collective. Gradients are summed in their own dtype.
     A rank reads those sums on the host only for the parameters it has no gradient of (one
     copy per bucket that holds any), so a step where every rank has every gradient reads
     nothing from the device.
@@ -118,34 +119,42 @@ def sync_gradients(model: nn.Module, dims: ParallelDims) -> None:
             grad = grad.redistribute(p.device_mesh, p.placements)
             p.grad = grad
         grads.append(None if grad is None else _local(grad))
-    # the layout of the buffers: the parameters' local shapes and dtypes, the same on
-    # every rank whichever gradients this rank holds
-    sizes = [torch.empty(_local(p).numel() + 1, dtype=p.dtype, device="meta") for p in params]
-
-    def sizes_of(run: list[int]) -> list[int]:
-        return [sizes[i].numel() for i in run]
-
+    # the layout of the buffers, the same on every rank whichever gradients this rank holds:
+    # the parameters' local sizes, in the dtype each gradient has (its parameter's
+    # grad_dtype), then one marker per parameter
+    dtypes = [_grad_dtype(p) for p in params]
+    sizes = [
+        torch.empty(_local(p).numel() + 1, dtype=d, device="meta")
+        for p, d in zip(params, dtypes, strict=True)
+    ]
     _, group = _dp_rank_and_group(dims)
     pending = []
     for run in _buckets(sizes, BUCKET_BYTES):
+        dtype, device = dtypes[run[0]], _local(params[run[0]]).device
         pieces = []
         for i in run:
-            grad = grads[i]
-            local = _local(params[i])
+            grad, local = grads[i], _local(params[i])
             if grad is None:
-                pieces.append(local.new_zeros(local.numel() + 1))
+                pieces.append(torch.zeros(local.numel(), dtype=dtype, device=device))
             else:
-                pieces += [grad.reshape(-1).to(local.dtype), local.new_ones(1)]
+                pieces.append(grad.reshape(-1).to(dtype))
+        held = [grads[i] is not None for i in run]
+        # 1 where this rank holds the gradient: one fill, or one small copy from the host
+        # where some is missing (host to device: nothing waits for the device)
+        if all(held):
+            pieces.append(torch.ones(len(run), dtype=dtype, device=device))
+        else:
+            pieces.append(torch.tensor(held, dtype=dtype).to(device))
         flat = torch.cat(pieces)
         pending.append((run, flat, dist.all_reduce(flat, group=group, async_op=True)))
     for run, flat, work in pending:
         work.wait()
+        markers = flat[flat.numel() - len(run) :]
         missing = [k for k, i in enumerate(run) if grads[i] is None]
         counted = [True] * len(run)  # this rank's own gradient is one
         if missing:
-            ends = torch.tensor(sizes_of(run), device=flat.device).cumsum(0) - 1
-            held = (flat[ends[missing]] > 0).tolist()  # one device-to-host copy
-            for k, any_grad in zip(missing, held, strict=True):
+            found = (markers[missing] > 0).tolist()  # one device-to-host copy
+            for k, any_grad in zip(missing, found, strict=True):
                 counted[k] = any_grad
         offset = 0
         for i, any_grad in zip(run, counted, strict=True):
@@ -168,7 +177,17 @@ def sync_gradients(model: nn.Module, dims: ParallelDims) -> None:
                     )
                 else:
                     target.grad = mean.clone()
-            offset += n + 1
+            offset += n
+
+
+def _grad_dtype(param: torch.Tensor) -> torch.dtype:
+    """The dtype of ``param``'s gradient, the same on every rank whether or not this one has
+    it: the parameter's ``grad_dtype`` (its own dtype unless set otherwise); where that is
+    ``None`` (any dtype taken), fp32 or wider."""
+    declared = getattr(param, "grad_dtype", param.dtype)
+    if declared is None:
+        return torch.promote_types(param.dtype, torch.float32)
+    return declared
 
 
 class _Slot:

@@ -14,27 +14,17 @@ import sys
 
 import torch
 import torch.distributed as dist
+from hf_worker import PLAN as LLAMA_PLAN
 from spawn import end_worker
 from torch.distributed.tensor import DTensor
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from hlat_parallel import init_parallel, loss_parallel, parallelize
 
-PLAN = {
-    "model.embed_tokens": "embedding",
-    "model.layers.*.input_layernorm": "norm",
-    "model.layers.*.post_attention_layernorm": "norm",
-    "model.layers.*.self_attn.q_proj": "colwise",
-    "model.layers.*.self_attn.k_proj": "colwise",
-    "model.layers.*.self_attn.v_proj": "colwise",
+PLAN = {  # the Llama plan, and Qwen3's norm of each query and key head
+    **LLAMA_PLAN,
     "model.layers.*.self_attn.q_norm": "head_norm",
     "model.layers.*.self_attn.k_norm": "head_norm",
-    "model.layers.*.self_attn.o_proj": "rowwise",
-    "model.layers.*.mlp.gate_proj": "colwise",
-    "model.layers.*.mlp.up_proj": "colwise",
-    "model.layers.*.mlp.down_proj": "rowwise",
-    "model.norm": "norm",
-    "lm_head": "lm_head",
 }
 
 

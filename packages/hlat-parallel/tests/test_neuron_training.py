@@ -130,14 +130,17 @@ def test_tied_embeddings_are_refused_before_nxd_is_needed():
         parallelize(model, neuron_dims(), model.parallel_plan())
 
 
-def test_a_weight_shared_between_swapped_modules_is_refused_without_a_config_flag():
-    class Tied(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = torch.nn.Embedding(16, 4)
-            self.head = torch.nn.Linear(4, 16, bias=False)
-            self.head.weight = self.embed.weight
+class Tied(torch.nn.Module):
+    """An embedding and a head sharing one weight, with no config flag saying so."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 4)
+        self.head = torch.nn.Linear(4, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_a_weight_shared_between_swapped_modules_is_refused_without_a_config_flag():
     model = Tied()
     matched = match_plan(model, {"embed": "embedding", "head": "lm_head"})
     with pytest.raises(ParallelConfigError, match="embed and head share one weight"):
@@ -147,13 +150,6 @@ def test_a_weight_shared_between_swapped_modules_is_refused_without_a_config_fla
 
 
 def test_a_swapped_module_tied_to_one_outside_the_plan_is_refused():
-    class Tied(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed = torch.nn.Embedding(16, 4)
-            self.head = torch.nn.Linear(4, 16, bias=False)
-            self.head.weight = self.embed.weight
-
     model = Tied()
     matched = match_plan(model, {"head": "lm_head"})
     with pytest.raises(ParallelConfigError, match=r"head\.weight is the same parameter as embed"):

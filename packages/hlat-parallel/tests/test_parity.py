@@ -464,8 +464,9 @@ QWEN3_WORKER = Path(__file__).with_name("qwen3_worker.py")
 
 @pytest.mark.skipif(
     _torch_version() < (2, 13),
-    reason="transformers' models alias their last hidden state, which torch 2.9's DTensor "
-    "has no sharding rule for (aten.alias.default), as in the Llama test above",
+    reason="transformers' Qwen3 slices its last hidden state through the same "
+    "slice_logits_to_keep as its Llama (the test above): an alias torch 2.9's DTensor has "
+    "no sharding rule for (aten.alias.default)",
 )
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
 def test_a_hugging_face_qwen3_with_head_norms_under_tp2_matches_one_process(sp):

@@ -2,7 +2,8 @@
 torchrun's environment; each mode checks its results against one process on this rank and
 exits non-zero when they differ.
 
-Usage: data_parallel_worker.py MODE, MODE one of
+Usage: data_parallel_worker.py MODE..., each MODE one of (run in the order given, in one
+process group)
 
 - ``groups``: FSDP (``dp_shard="fsdp"``), ``shard_optimizer`` given weight-decay and
   no-decay parameter groups whose ``params`` are generators, as they are usually built from
@@ -135,15 +136,15 @@ def grad_dtype(dims) -> None:
 
 
 def main() -> None:
-    mode = sys.argv[1]
     dims = init_parallel()
     assert dims.dp == 2
-    if mode == "groups":
-        groups(dims)
-    elif mode == "grad-dtype":
-        grad_dtype(dims)
-    else:
-        experts(dims, mode.removeprefix("experts-"))
+    for mode in sys.argv[1:]:
+        if mode == "groups":
+            groups(dims)
+        elif mode == "grad-dtype":
+            grad_dtype(dims)
+        else:
+            experts(dims, mode.removeprefix("experts-"))
     dist.destroy_process_group()
 
 

@@ -1,7 +1,8 @@
 """One rank of a Hugging Face ``Qwen3ForCausalLM`` under tensor parallelism, launched by
 tests/test_parity.py with torchrun's environment.
 
-Usage: qwen3_worker.py SP (0 or 1). Qwen3 normalises each query and key head (``q_norm``,
+Usage: qwen3_worker.py. It runs TP 2 without, then with, sequence parallelism (a process
+group for each). Qwen3 normalises each query and key head (``q_norm``,
 ``k_norm``) between the colwise projections and the rowwise ``o_proj``; the plan marks them
 ``head_norm``. Every rank compares the loss and every gradient (gathered over tp) with the
 same model in this process, unsplit, and exits non-zero when they differ.
@@ -10,7 +11,6 @@ same model in this process, unsplit, and exits non-zero when they differ.
 from __future__ import annotations
 
 import copy
-import sys
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,6 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
-    sp = sys.argv[1] == "1"
     config = Qwen3Config(
         vocab_size=64,
         hidden_size=32,
@@ -47,7 +46,13 @@ def main() -> None:
         use_cache=False,
         attn_implementation="sdpa",
     )
-    dims = init_parallel(tp=2, sp=sp)
+    for sp in (False, True):  # one process group after the other
+        check(config, init_parallel(tp=2, sp=sp))
+        dist.destroy_process_group()
+
+
+def check(config: Qwen3Config, dims) -> None:
+    """The model at ``dims`` against one process: the loss and every gradient."""
     torch.manual_seed(0)
     reference = Qwen3ForCausalLM(config)
     with torch.no_grad():  # norm weights away from 1, so that their gradients matter
@@ -75,7 +80,6 @@ def main() -> None:
         torch.testing.assert_close(
             full(param.grad), ref.grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
         )
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

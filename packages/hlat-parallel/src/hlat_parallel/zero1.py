@@ -96,10 +96,10 @@ def sync_gradients(model: nn.Module, dims: ParallelDims) -> None:
 
     Note: each parameter adds one element to the reduced buffer (the bucket's markers, at
     its end), 1 on the ranks that hold its gradient: the sum tells every rank whether any
-    had one, without another collective. Gradients are summed in their own dtype.
-    A rank reads those sums on the host only for the parameters it has no gradient of (one
-    copy per bucket that holds any), so a step where every rank has every gradient reads
-    nothing from the device.
+    had one, without another collective. A rank reads those sums on the host only for the
+    parameters it has no gradient of (one copy per bucket that holds any), so a step where
+    every rank has every gradient reads nothing from the device. Gradients are summed in
+    their own dtype.
 
     Note: a DTensor gradient left in another layout than its parameter (a sequence-parallel
     norm weight's ``Partial``) is redistributed to the parameter's first, so the all-reduce
@@ -146,13 +146,13 @@ def sync_gradients(model: nn.Module, dims: ParallelDims) -> None:
         else:
             pieces.append(torch.tensor(held, dtype=dtype).to(device))
         flat = torch.cat(pieces)
-        pending.append((run, flat, dist.all_reduce(flat, group=group, async_op=True)))
-    for run, flat, work in pending:
+        pending.append((run, held, flat, dist.all_reduce(flat, group=group, async_op=True)))
+    for run, held, flat, work in pending:
         work.wait()
-        markers = flat[flat.numel() - len(run) :]
-        missing = [k for k, i in enumerate(run) if grads[i] is None]
-        counted = [True] * len(run)  # this rank's own gradient is one
+        counted = list(held)  # this rank's own gradient is one
+        missing = [k for k, has in enumerate(held) if not has]
         if missing:
+            markers = flat[flat.numel() - len(run) :]
             found = (markers[missing] > 0).tolist()  # one device-to-host copy
             for k, any_grad in zip(missing, found, strict=True):
                 counted[k] = any_grad

@@ -1,8 +1,8 @@
 """One rank of a Hugging Face ``Qwen3ForCausalLM`` under tensor parallelism, launched by
 tests/test_parity.py with torchrun's environment.
 
-Usage: qwen3_worker.py. It runs TP 2 without, then with, sequence parallelism (a process
-group for each). Qwen3 normalises each query and key head (``q_norm``,
+Usage: qwen3_worker.py. It runs TP 2 without, then with, sequence parallelism, both on one
+process group (the second ``init_parallel`` reuses it). Qwen3 normalises each query and key head (``q_norm``,
 ``k_norm``) between the colwise projections and the rowwise ``o_proj``; the plan marks them
 ``head_norm``. Every rank compares the loss and every gradient (gathered over tp) with the
 same model in this process, unsplit, and exits non-zero when they differ.
@@ -46,9 +46,9 @@ def main() -> None:
         use_cache=False,
         attn_implementation="sdpa",
     )
-    for sp in (False, True):  # one process group after the other
+    for sp in (False, True):  # one rendezvous: init_parallel reuses the group it finds
         check(config, init_parallel(tp=2, sp=sp))
-        dist.destroy_process_group()
+    dist.destroy_process_group()
 
 
 def check(config: Qwen3Config, dims) -> None:

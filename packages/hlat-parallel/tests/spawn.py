@@ -48,7 +48,11 @@ def run_ranks(worker: Path, args: list[str], world: int, timeout: float = 300) -
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
-            raise
+            tails = [
+                f"rank {r} after {timeout:.0f} s:\n{p.communicate()[0].decode()[-3000:]}"
+                for r, p in enumerate(procs)
+            ]
+            raise AssertionError("a rank did not end in time\n" + "\n".join(tails)) from None
         if proc.returncode:
             failures.append(f"rank {rank} exited {proc.returncode}:\n{output.decode()[-3000:]}")
     assert not failures, "\n".join(failures)

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import subprocess
 import sys
 
@@ -43,6 +44,17 @@ def test_convert_reads_jsonl_gzip_parquet_text_and_datasets_dirs_in_order(tmp_pa
     }
     assert ArrowSource(tmp_path / "out.arrow").texts(range(20)) == docs
     assert not (tmp_path / "out.arrow.tmp").exists()
+
+
+def test_the_progress_bar_ends_at_the_documents_written(tmp_path, capsys):
+    """The last, partial record batch counts too: 7 documents in batches of 3 end at 7."""
+    pytest.importorskip("tqdm")
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(7)))
+    counts = convert_to_arrow(str(path), tmp_path / "out.arrow", batch_rows=3, progress=True)
+    assert counts["documents"] == 7
+    last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert re.match(r"convert: 7(\.0+)? documents ", last), last
 
 
 def test_a_dataset_dict_directory_is_refused_naming_its_splits(tmp_path, documents):

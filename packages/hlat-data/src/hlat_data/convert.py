@@ -111,6 +111,8 @@ def convert_to_arrow(
                         pending, size = [], 0
             if pending:
                 writer.write_batch(pa.record_batch([pa.array(pending, pa.string())], schema=schema))
+                if bar is not None:
+                    bar.update(len(pending))
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             fs.rm(path + ".tmp")

@@ -2,10 +2,10 @@
 tests/test_parity.py with torchrun's environment.
 
 Usage: qwen3_worker.py. It runs TP 2 without, then with, sequence parallelism, both on one
-process group (the second ``init_parallel`` reuses it). Qwen3 normalises each query and key head (``q_norm``,
-``k_norm``) between the colwise projections and the rowwise ``o_proj``; the plan marks them
-``head_norm``. Every rank compares the loss and every gradient (gathered over tp) with the
-same model in this process, unsplit, and exits non-zero when they differ.
+process group (the second ``init_parallel`` reuses it). Qwen3 normalises each query and key
+head (``q_norm``, ``k_norm``) between the colwise projections and the rowwise ``o_proj``; the
+plan marks them ``head_norm``. Every rank compares the loss and every gradient (gathered over
+tp) with the same model in this process, unsplit, and exits non-zero when they differ.
 """
 
 from __future__ import annotations

@@ -1101,3 +1101,50 @@ def test_elementwise_kernels_warm_and_flushed(benchmark):
     benchmark.pedantic(calls["swiglu_forward"], rounds=3 * ROUNDS, iterations=1)
     benchmark.extra_info.update(threads=threads, **figures)
     print(f"\n[bf16 kernels, warm and flushed] {benchmark.extra_info}")
+
+
+def test_residual_add_and_norm(benchmark):
+    """A block's residual add and the MLP's norm, forward and backward (the residual
+    stream's gradient and the norm's summed), bf16 at the model's shape, each call after a
+    pass over :data:`FLUSH_BYTES` (as in the step): :meth:`RMSNorm.add_forward` fused (the
+    benchmark's figure) against the add and the module called after it (the composition, the
+    fused norm kernel included), alternating in the same rounds."""
+    from hlat_model import _native
+    from hlat_model.model import RMSNorm
+
+    if _native.load() is None:
+        pytest.skip(f"no fused CPU kernels: {_native.unavailable_reason()}")
+    torch.manual_seed(0)
+    bf16 = torch.bfloat16
+    norm = RMSNorm(CONFIG["dim"]).to(bf16)
+    norm.reset_parameters()
+    x = torch.randn(BATCH, SEQ, CONFIG["dim"], dtype=bf16, requires_grad=True)
+    delta = torch.randn_like(x, requires_grad=True)
+    grads = [torch.randn_like(x), torch.randn_like(x)]
+    flush = torch.zeros(FLUSH_BYTES // 4)
+
+    def fused() -> None:
+        torch.autograd.backward(list(norm.add_forward(x, delta)), grads)
+        x.grad = delta.grad = norm.weight.grad = None
+
+    def composed() -> None:
+        total = x + delta
+        torch.autograd.backward([total, norm(total)], grads)
+        x.grad = delta.grad = norm.weight.grad = None
+
+    composed_times: list[float] = []
+
+    def setup() -> None:
+        flush.add_(1.0)
+        composed_times.append(_timed(composed))
+        flush.add_(1.0)
+
+    fused(), composed()
+    benchmark.pedantic(fused, setup=setup, rounds=10 * ROUNDS, iterations=1)
+    fused_median = benchmark.stats.stats.median
+    benchmark.extra_info.update(
+        fused_median_ms=round(fused_median * 1e3, 3),
+        composed_median_ms=round(statistics.median(composed_times) * 1e3, 3),
+        speedup=round(statistics.median(composed_times) / fused_median, 3),
+    )
+    print(f"\n[bf16 residual add and norm] {benchmark.extra_info}")

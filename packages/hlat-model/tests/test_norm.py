@@ -70,10 +70,13 @@ def test_as_accurate_as_the_composition(kernels, dtype, dim):
         torch.testing.assert_close(a.double(), e, rtol=4 * unit, atol=4 * unit * e.abs().max())
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_and_norm"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_kernel_gives_the_same_numbers_for_any_thread_count(dtype):
+def test_the_kernel_gives_the_same_numbers_for_any_thread_count(dtype, residual):
+    """The norm alone, and with ``residual`` the fused add and norm (``add_forward``)."""
     assert _native.load() is not None, _native.unavailable_reason()
     x, w, grad = _inputs(dtype, rows=(7, 33))
+    delta = torch.randn_like(x.float()).to(dtype)
     norm = RMSNorm(96).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(w)
@@ -83,9 +86,9 @@ def test_the_kernel_gives_the_same_numbers_for_any_thread_count(dtype):
             torch.set_num_threads(count)
             norm.weight.grad = None
             xs = x.clone().requires_grad_()
-            out = norm(xs)
-            out.backward(grad)
-            results.append((out, xs.grad, norm.weight.grad))
+            outs = norm.add_forward(xs, delta) if residual else (norm(xs),)
+            torch.autograd.backward(list(outs), [grad] * len(outs))
+            results.append((*outs, xs.grad, norm.weight.grad))
     finally:
         torch.set_num_threads(threads)
     for other in results[1:]:
@@ -146,3 +149,123 @@ def test_what_backward_keeps(kernels, dtype):
         return
     assert keeps_input == (dtype == torch.bfloat16)
     assert len(saved) == (4 if dtype == torch.bfloat16 else 3)
+
+
+def _exact_add_norm(x, delta, weight, grad_total, grad_out, eps):
+    """``(x + delta, norm(x + delta))`` in float64 after the sum's rounding to x's dtype,
+    and the exact gradients of x (delta's is the same) and of the weight."""
+    total = (x.double() + delta.double()).to(x.dtype)
+    t64 = total.double().requires_grad_()
+    w64 = weight.double().requires_grad_()
+    normed = F.rms_norm(t64, (x.shape[-1],), eps=eps)
+    rounding = normed.detach().to(x.dtype).double() - normed.detach()
+    out = (normed + rounding) * w64
+    torch.autograd.backward([t64, out], [grad_total.double(), grad_out.double()])
+    return t64.grad, w64.grad
+
+
+@pytest.mark.parametrize("dim", [96, 100])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_residual_add_and_norm(kernels, dtype, dim):
+    """``add_forward``: the sum and its norm are the add's and the module's numbers exactly;
+    the inputs' gradient (one tensor for both, as an add gives) and the weight's are as
+    close to float64 as the composition's within one rounding of the dtype (the fused
+    backward rounds the norm's gradient plus the residual's once, the composition twice)."""
+    x, w, grad_out = _inputs(dtype, dim=dim)
+    delta, grad_total = (torch.randn_like(x.float()) * 2).to(dtype), torch.randn_like(grad_out)
+    norm = RMSNorm(dim, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(w)
+    xs, ds = x.clone().requires_grad_(), delta.clone().requires_grad_()
+    total, normed = norm.add_forward(xs, ds)
+    fused = type(normed.grad_fn).__name__ == "_AddRMSNormFunctionBackward"
+    assert fused == (kernels == "native") and total.grad_fn is not None
+    torch.autograd.backward([total, normed], [grad_total, grad_out])
+    ours_w = norm.weight.grad
+    norm.weight.grad = None
+    xt, dt = x.clone().requires_grad_(), delta.clone().requires_grad_()
+    their_total = xt + dt
+    theirs = norm(their_total)
+    assert torch.equal(total, their_total) and torch.equal(normed, theirs)
+    torch.autograd.backward([their_total, theirs], [grad_total, grad_out])
+    assert torch.equal(xs.grad, ds.grad)
+    exact_x, exact_w = _exact_add_norm(x, delta, w, grad_total, grad_out, 1e-5)
+    unit = 2**-8 if dtype == torch.bfloat16 else 2**-23
+    for what, a, b, e in (
+        ("inputs' gradient", xs.grad, xt.grad, exact_x),
+        ("weight's gradient", ours_w, norm.weight.grad, exact_w),
+    ):
+        assert a.dtype == dtype, what
+        assert _error(a, e) <= _error(b, e) + unit, what
+        torch.testing.assert_close(a.double(), e, rtol=4 * unit, atol=4 * unit * e.abs().max())
+
+
+@pytest.mark.parametrize("used", ["sum", "norm"])
+def test_the_residual_add_and_norm_with_one_output_used(kernels, used):
+    norm = RMSNorm(32).to(torch.bfloat16)
+    norm.reset_parameters()
+    x = torch.randn(4, 32).to(torch.bfloat16).requires_grad_()
+    delta = torch.randn(4, 32).to(torch.bfloat16).requires_grad_()
+    total, normed = norm.add_forward(x, delta)
+    (total if used == "sum" else normed).float().square().sum().backward()
+    reference = x.detach().clone().requires_grad_()
+    out = reference + delta.detach()
+    (out if used == "sum" else norm(out)).float().square().sum().backward()
+    torch.testing.assert_close(x.grad, reference.grad, rtol=2**-7, atol=2**-7)
+    torch.testing.assert_close(delta.grad, reference.grad, rtol=2**-7, atol=2**-7)
+
+
+def test_the_residual_add_and_norm_runs_the_modules_hooks(kernels):
+    """A hook on the norm (a tensor-parallel plan's, FSDP's) must run: with one, the add
+    and a call of the module, whose hook here adds 1 to the input (a norm does not see a
+    scaling)."""
+    norm = RMSNorm(16)
+    norm.reset_parameters()
+    norm.register_forward_pre_hook(lambda module, args: (args[0] + 1,))
+    x, delta = torch.randn(3, 16), torch.randn(3, 16)
+    total, normed = norm.add_forward(x, delta)
+    torch.testing.assert_close(total, x + delta)
+    torch.testing.assert_close(normed, _composed(x + delta + 1, norm.weight, norm.eps))
+
+
+def _small_llama(dtype):
+    from hlat_model import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, ffn_dim=96, max_seq_len=32)
+    return Llama(config).to(dtype), torch.randint(0, 64, (2, 33))
+
+
+def test_the_blocks_fuse_the_residual_add_into_the_mlps_norm(kernels, monkeypatch):
+    """The model's loss is the same with the fused add and norm as with the add and the
+    module (bit for bit: forward's numbers are the same), its gradients within bf16's
+    rounding; with the kernels off, the blocks take the composition."""
+    model, tokens = _small_llama(torch.bfloat16)
+    calls, kernel = [], _native.add_rms_norm_forward
+    monkeypatch.setattr(_native, "add_rms_norm_forward", lambda *a: calls.append(1) or kernel(*a))
+    loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+    assert len(calls) == (2 if kernels == "native" else 0)  # one per block
+    loss.backward()
+    ours = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    def composed(self, x, delta):
+        total = x + delta
+        return total, self(total)
+
+    monkeypatch.setattr(RMSNorm, "add_forward", composed)
+    theirs = model(tokens[:, :-1], labels=tokens[:, 1:])
+    assert torch.equal(loss, theirs)
+    theirs.backward()
+    for name, p in model.named_parameters():
+        scale = p.grad.float().abs().max().item()
+        torch.testing.assert_close(ours[name].float(), p.grad.float(), rtol=0.05, atol=0.02 * scale)
+
+
+def test_a_block_takes_a_norm_module_put_in_the_mlps_norms_place():
+    model, tokens = _small_llama(torch.float32)
+    for block in model.layers:
+        block.mlp_norm = torch.nn.RMSNorm(64, eps=1e-5)
+    loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+    loss.backward()
+    assert loss.isfinite() and model.layers[0].mlp_norm.weight.grad is not None

@@ -112,23 +112,44 @@ float sum_of_squares(const T* __restrict x, int64_t dim) {
 }
 
 template <typename T>
+float rms_norm_row(const T* __restrict xr, const T* __restrict w, T* __restrict o, int64_t dim,
+                   float eps) {
+  const float rs = 1.f / std::sqrt(sum_of_squares(xr, dim) / float(dim) + eps);
+  for (int64_t j = 0; j < dim; ++j) store(o, j, rounded(o, load(xr, j) * rs) * load(w, j));
+  return rs;
+}
+
+template <typename T>
 void rms_norm_forward(const T* x, const T* w, T* out, float* rstd, int64_t rows, int64_t dim,
                       float eps, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t r = 0; r < rows; ++r) {
-    const T* __restrict xr = x + r * dim;
-    T* __restrict o = out + r * dim;
-    const float rs = 1.f / std::sqrt(sum_of_squares(xr, dim) / float(dim) + eps);
-    rstd[r] = rs;
-    for (int64_t j = 0; j < dim; ++j) store(o, j, rounded(o, load(xr, j) * rs) * load(w, j));
+    rstd[r] = rms_norm_row(x + r * dim, w, out + r * dim, dim, eps);
   }
 }
 
-// grad_x = rstd * (d - n * mean(d * n)), d = g * w, n = x * rstd (unrounded), in fp32;
-// part[p] holds the sum of g * round(n) over the rows of part p (the weight's gradient).
+// The residual add before a norm: sum = round(x + d), then sum's RMSNorm, row by row, so
+// the norm reads each row of the sum while it is in cache.
 template <typename T>
-void rms_norm_backward(const T* g, const T* x, const T* w, const float* rstd, T* gx,
-                       float* part, int64_t rows, int64_t dim, int parts, int threads) {
+void add_rms_norm_forward(const T* x, const T* d, const T* w, T* sum, T* out, float* rstd,
+                          int64_t rows, int64_t dim, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* __restrict xr = x + r * dim;
+    const T* __restrict dr = d + r * dim;
+    T* __restrict sr = sum + r * dim;
+    for (int64_t j = 0; j < dim; ++j) store(sr, j, load(xr, j) + load(dr, j));
+    rstd[r] = rms_norm_row(static_cast<const T*>(sr), w, out + r * dim, dim, eps);
+  }
+}
+
+// grad_x = rstd * (d - n * mean(d * n)) [+ res], d = g * w, n = x * rstd (unrounded), in
+// fp32, rounded once; `res` (null for none) is the gradient x gets besides the norm's (the
+// residual stream's, when x is a residual add's sum). part[p] holds the sum of g * round(n)
+// over the rows of part p (the weight's gradient).
+template <typename T>
+void rms_norm_backward(const T* g, const T* x, const T* w, const float* rstd, const T* res,
+                       T* gx, float* part, int64_t rows, int64_t dim, int parts, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1)
   for (int p = 0; p < parts; ++p) {
     float* __restrict acc = part + int64_t(p) * dim;
@@ -156,9 +177,17 @@ void rms_norm_backward(const T* g, const T* x, const T* w, const float* rstd, T*
         acc[j] += gv * rounded(o, n);
       }
       dot /= float(dim);
-      for (j = 0; j < dim; ++j) {
-        const float n = load(xr, j) * rs;
-        store(o, j, (load(gr, j) * load(w, j) - n * dot) * rs);
+      if (res != nullptr) {
+        const T* __restrict rr = res + r * dim;
+        for (j = 0; j < dim; ++j) {
+          const float n = load(xr, j) * rs;
+          store(o, j, (load(gr, j) * load(w, j) - n * dot) * rs + load(rr, j));
+        }
+      } else {
+        for (j = 0; j < dim; ++j) {
+          const float n = load(xr, j) * rs;
+          store(o, j, (load(gr, j) * load(w, j) - n * dot) * rs);
+        }
       }
     }
   }
@@ -1642,7 +1671,7 @@ void f32_attention_backward(const float* q, const float* k, const float* v, cons
 extern "C" {
 
 // Version of the entry points' signatures; the loader checks it.
-int hlat_model_abi(void) { return 13; }
+int hlat_model_abi(void) { return 14; }
 
 // `bf16`: 1 when every tensor argument is bf16 (held as uint16), 0 when fp32; rstd and part
 // are fp32. Rows are contiguous, `dim` (or 2 * `width`) elements each.
@@ -1657,19 +1686,35 @@ void hlat_rms_norm_forward(int bf16, const void* x, const void* w, void* out, fl
   }
 }
 
+// `sum` = x + d (rounded), `out` its RMSNorm.
+void hlat_add_rms_norm_forward(int bf16, const void* x, const void* d, const void* w, void* sum,
+                               void* out, float* rstd, int64_t rows, int64_t dim, float eps,
+                               int threads) {
+  if (bf16) {
+    add_rms_norm_forward(static_cast<const u16*>(x), static_cast<const u16*>(d),
+                         static_cast<const u16*>(w), static_cast<u16*>(sum),
+                         static_cast<u16*>(out), rstd, rows, dim, eps, threads);
+  } else {
+    add_rms_norm_forward(static_cast<const float*>(x), static_cast<const float*>(d),
+                         static_cast<const float*>(w), static_cast<float*>(sum),
+                         static_cast<float*>(out), rstd, rows, dim, eps, threads);
+  }
+}
+
 // `part`: parts x dim fp32 scratch; the weight's gradient `gw` is the sum of the parts.
+// `res`: null, or a gradient added to the input's (x's dtype, contiguous rows).
 void hlat_rms_norm_backward(int bf16, const void* g, const void* x, const void* w,
-                            const float* rstd, void* gx, void* gw, float* part, int64_t rows,
-                            int64_t dim, int parts, int threads) {
+                            const float* rstd, const void* res, void* gx, void* gw,
+                            float* part, int64_t rows, int64_t dim, int parts, int threads) {
   if (bf16) {
     rms_norm_backward(static_cast<const u16*>(g), static_cast<const u16*>(x),
-                      static_cast<const u16*>(w), rstd, static_cast<u16*>(gx), part, rows,
-                      dim, parts, threads);
+                      static_cast<const u16*>(w), rstd, static_cast<const u16*>(res),
+                      static_cast<u16*>(gx), part, rows, dim, parts, threads);
     sum_parts(part, static_cast<u16*>(gw), dim, parts);
   } else {
     rms_norm_backward(static_cast<const float*>(g), static_cast<const float*>(x),
-                      static_cast<const float*>(w), rstd, static_cast<float*>(gx), part, rows,
-                      dim, parts, threads);
+                      static_cast<const float*>(w), rstd, static_cast<const float*>(res),
+                      static_cast<float*>(gx), part, rows, dim, parts, threads);
     sum_parts(part, static_cast<float*>(gw), dim, parts);
   }
 }

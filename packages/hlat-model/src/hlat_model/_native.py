@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 _SOURCE = Path(__file__).with_name("_fused_cpu.cpp")
-_ABI = 13
+_ABI = 14
 # -fno-trapping-math lets the compiler vectorise floor(); no -ffast-math: NaN and inf keep
 # their meaning.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
@@ -42,7 +42,8 @@ _VARIANTS: tuple[list[str], ...] = (["-fopenmp"], [])
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "hlat_rms_norm_forward": [_INT, _P, _P, _P, _P, _I64, _I64, ctypes.c_float, _INT],
-    "hlat_rms_norm_backward": [_INT, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT, _INT],
+    "hlat_add_rms_norm_forward": [_INT, _P, _P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float, _INT],
+    "hlat_rms_norm_backward": [_INT, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _INT, _INT],
     "hlat_swiglu_forward": [_INT, _P, _P, _I64, _I64, _INT, _INT],
     "hlat_swiglu_backward": [_INT, _P, _P, _P, _I64, _I64, _INT, _INT],
     "hlat_rope_heads": [_INT, _P, _P, _P, _P, _P, _P, _P, _INT, _INT],
@@ -259,11 +260,38 @@ def rms_norm_forward(
     return out, rstd
 
 
+def add_rms_norm_forward(
+    lib: ctypes.CDLL, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(``total = round(x + delta)``, :func:`rms_norm_forward` of ``total``), in one pass
+    over the rows: ``(total, normed, rstd)``."""
+    dim = x.shape[-1]
+    rows = x.numel() // dim if dim else 0
+    total, out = torch.empty_like(x), torch.empty_like(x)
+    rstd = torch.empty(rows, dtype=torch.float32)
+    lib.hlat_add_rms_norm_forward(
+        _bf16(x), x.data_ptr(), delta.data_ptr(), weight.data_ptr(), total.data_ptr(),
+        out.data_ptr(), rstd.data_ptr(), rows, dim, eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return total, out, rstd
+
+
 def rms_norm_backward(
-    lib: ctypes.CDLL, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+    lib: ctypes.CDLL,
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradients of :func:`rms_norm_forward`'s output for ``x`` and ``weight``."""
+    """The gradients of :func:`rms_norm_forward`'s output for ``x`` and ``weight``; with
+    ``residual`` (a gradient of ``x``'s shape from elsewhere, as a residual stream's), the
+    sum of it and the norm's gradient for ``x``, rounded once."""
     grad = _plain(grad).contiguous()
+    res_ptr = None
+    if residual is not None:
+        residual = _plain(residual).to(x.dtype).contiguous()
+        res_ptr = residual.data_ptr()
     dim = x.shape[-1]
     rows = rstd.numel()
     threads = torch.get_num_threads()
@@ -271,7 +299,7 @@ def rms_norm_backward(
     grad_x, grad_w = torch.empty_like(x), torch.empty_like(weight)
     scratch = torch.empty(parts, dim, dtype=torch.float32)
     lib.hlat_rms_norm_backward(
-        _bf16(x), grad.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr(),
+        _bf16(x), grad.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), res_ptr,
         grad_x.data_ptr(), grad_w.data_ptr(), scratch.data_ptr(), rows, dim, parts, threads,
     )  # fmt: skip
     return grad_x, grad_w

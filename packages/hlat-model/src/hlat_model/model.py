@@ -66,8 +66,80 @@ class RMSNorm(nn.Module):
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
+    def add_forward(
+        self, x: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(total, self(total))`` with ``total = x + delta``: a residual add and the
+        pre-norm that reads its sum. Where the fused CPU kernel takes all three tensors
+        (plain contiguous CPU tensors of one dtype, op by op, the module without hooks) the
+        two are one pass over the rows forward (:class:`_AddRMSNormFunction`), and backward
+        adds the residual stream's gradient into the norm's in the same pass; elsewhere the
+        add and a call of the module (hooks included: a tensor-parallel plan's, FSDP's)."""
+        if (
+            eager_plain(x)
+            and type(delta) is torch.Tensor
+            and type(self.weight) in (nn.Parameter, torch.Tensor)
+            and not _hooked(self)
+            and x.shape == delta.shape
+            and _native.usable(x, delta, self.weight) is not None
+        ):
+            total, normed = _AddRMSNormFunction.apply(x, delta, self.weight, self.eps)
+            return total, normed
+        total = x + delta
+        return total, self(total)
+
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling ``module`` would run hooks (its own or global ones), which a path
+    around its ``forward`` would skip."""
+    hooks = nn.modules.module
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or hooks._global_forward_hooks
+        or hooks._global_forward_pre_hooks
+        or hooks._global_backward_hooks
+        or hooks._global_backward_pre_hooks
+    )
+
+
+class _AddRMSNormFunction(torch.autograd.Function):
+    """``(total, rms_norm(total))``, ``total = x + delta``, by the fused CPU kernel
+    (``hlat_model._native``): forward writes ``total`` and the normalised rows in one pass,
+    with the numbers of the add followed by :class:`_RMSNormFunction`'s kernel; it keeps
+    ``total``, the weight and one fp32 scale per row (what the norm alone keeps). Backward
+    is the norm's one pass, which also adds ``total``'s gradient from the residual stream
+    and rounds the sum once (the composition rounds the norm's gradient, then the sum);
+    ``x`` and ``delta`` get that same tensor, as an add's backward gives them."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        lib = _native.usable(x, delta, weight)
+        assert lib is not None
+        ctx.native = lib
+        ctx.set_materialize_grads(False)
+        total, out, rstd = _native.add_rms_norm_forward(lib, x, delta, weight, eps)
+        ctx.save_for_backward(total, weight, rstd)
+        return total, out
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_total: torch.Tensor | None, grad_out: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+        if grad_out is None:
+            return grad_total, grad_total, None, None
+        total, weight, rstd = ctx.saved_tensors
+        grad_x, grad_weight = _native.rms_norm_backward(
+            ctx.native, grad_out, total, weight, rstd, residual=grad_total
+        )
+        return grad_x, grad_x, grad_weight, None
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -461,7 +533,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: ``h + attn(norm(h))``, then ``h + mlp(norm(h))``."""
+    """Pre-norm transformer block: ``h + attn(norm(h))``, then ``h + mlp(norm(h))``; the
+    first sum and the MLP's norm go through :meth:`RMSNorm.add_forward` (one fused pass on
+    CPUs with hlat-model's kernels)."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -473,8 +547,13 @@ class Block(nn.Module):
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask
     ) -> torch.Tensor:
-        h = h + self.attention(self.attention_norm(h), cos, sin, mask)
-        return h + self.mlp(self.mlp_norm(h))
+        delta = self.attention(self.attention_norm(h), cos, sin, mask)
+        if isinstance(self.mlp_norm, RMSNorm):
+            h, normed = self.mlp_norm.add_forward(h, delta)
+        else:  # a norm module put in its place
+            h = h + delta
+            normed = self.mlp_norm(h)
+        return h + self.mlp(normed)
 
 
 def block_inputs(

@@ -152,8 +152,9 @@ def test_what_backward_keeps(kernels, dtype):
 
 
 def _exact_add_norm(x, delta, weight, grad_total, grad_out, eps):
-    """``(x + delta, norm(x + delta))`` in float64 after the sum's rounding to x's dtype,
-    and the exact gradients of x (delta's is the same) and of the weight."""
+    """The exact gradients of x (delta's is the same) and of the weight for
+    ``(x + delta, norm(x + delta))``, computed in float64 after the sum's rounding to x's
+    dtype."""
     total = (x.double() + delta.double()).to(x.dtype)
     t64 = total.double().requires_grad_()
     w64 = weight.double().requires_grad_()

@@ -75,16 +75,12 @@ class RMSNorm(nn.Module):
         two are one pass over the rows forward (:class:`_AddRMSNormFunction`), and backward
         adds the residual stream's gradient into the norm's in the same pass; elsewhere the
         add and a call of the module (hooks included: a tensor-parallel plan's, FSDP's)."""
-        if (
-            eager_plain(x)
-            and type(delta) is torch.Tensor
-            and type(self.weight) in (nn.Parameter, torch.Tensor)
-            and not _hooked(self)
-            and x.shape == delta.shape
-            and _native.usable(x, delta, self.weight) is not None
-        ):
-            total, normed = _AddRMSNormFunction.apply(x, delta, self.weight, self.eps)
-            return total, normed
+        # Note: ``usable`` checks the three tensors' devices, dtypes, layouts and types
+        lib = None
+        if eager_plain(x) and type(delta) is torch.Tensor and x.shape == delta.shape:
+            lib = None if _hooked(self) else _native.usable(x, delta, self.weight)
+        if lib is not None:
+            return _AddRMSNormFunction.apply(x, delta, self.weight, self.eps, lib)
         total = x + delta
         return total, self(total)
 
@@ -109,20 +105,24 @@ def _hooked(module: nn.Module) -> bool:
 
 
 class _AddRMSNormFunction(torch.autograd.Function):
-    """``(total, rms_norm(total))``, ``total = x + delta``, by the fused CPU kernel
-    (``hlat_model._native``): forward writes ``total`` and the normalised rows in one pass,
-    with the numbers of the add followed by :class:`_RMSNormFunction`'s kernel; it keeps
-    ``total``, the weight and one fp32 scale per row (what the norm alone keeps). Backward
-    is the norm's one pass, which also adds ``total``'s gradient from the residual stream
-    and rounds the sum once (the composition rounds the norm's gradient, then the sum);
-    ``x`` and ``delta`` get that same tensor, as an add's backward gives them."""
+    """``(total, rms_norm(total))``, ``total = x + delta``, by the fused CPU kernel (``lib``,
+    the library :func:`hlat_model._native.usable` gave for the three tensors): forward
+    writes ``total`` and the normalised rows in one pass, with the numbers of the add
+    followed by :class:`_RMSNormFunction`'s kernel; it keeps ``total``, the weight and
+    one fp32 scale per row (what the norm alone keeps). Backward is the norm's one pass,
+    which also adds ``total``'s gradient from the residual stream and rounds the sum
+    once (the composition rounds the norm's gradient, then the sum); ``x`` and ``delta``
+    get that same tensor, as an add's backward gives them."""
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+        ctx: Any,
+        x: torch.Tensor,
+        delta: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        lib: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        lib = _native.usable(x, delta, weight)
-        assert lib is not None
         ctx.native = lib
         ctx.set_materialize_grads(False)
         total, out, rstd = _native.add_rms_norm_forward(lib, x, delta, weight, eps)
@@ -132,14 +132,14 @@ class _AddRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(
         ctx: Any, grad_total: torch.Tensor | None, grad_out: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]:
         if grad_out is None:
-            return grad_total, grad_total, None, None
+            return grad_total, grad_total, None, None, None
         total, weight, rstd = ctx.saved_tensors
         grad_x, grad_weight = _native.rms_norm_backward(
             ctx.native, grad_out, total, weight, rstd, residual=grad_total
         )
-        return grad_x, grad_x, grad_weight, None
+        return grad_x, grad_x, grad_weight, None, None
 
 
 class _RMSNormFunction(torch.autograd.Function):

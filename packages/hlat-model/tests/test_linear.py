@@ -71,6 +71,8 @@ def test_on_x86_only_bf16_instructions_count(avx512_bf16, amx, native, monkeypat
         ("ONEDNN_MAX_CPU_ISA", "avx512_core", False),
         ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI", False),
         ("DNNL_MAX_CPU_ISA", "AVX2_VNNI_2", False),
+        ("ONEDNN_MAX_CPU_ISA", "SSE41", False),
+        ("DNNL_MAX_CPU_ISA", "avx", False),
         ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16", True),
         ("ONEDNN_MAX_CPU_ISA", "AVX10_1_512_AMX", True),
         ("ONEDNN_MAX_CPU_ISA", "ALL", True),
@@ -87,17 +89,17 @@ def test_onednn_held_below_bf16_makes_bf16_emulated(variable, value, native, mon
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     assert (cpu_bf16_reason() is not None) == native
-    # the fp32 rule leaves oneDNN only below AVX-512
+    # the fp32 rule leaves oneDNN only below AVX2
     fp32 = linear_module.fp32_onednn_rule(
         "x86_64", "AuthenticAMD", "AVX512", True, linear_module.onednn_max_isa()
     )
-    assert (fp32 is None) == value.upper().startswith(("AVX2", "SSE"))
+    assert (fp32 is None) == (value.upper() in ("SSE41", "AVX"))
 
 
 def test_a_process_with_onednn_held_to_avx2_takes_the_fp32_accumulating_path():
     """A fresh interpreter with ``ONEDNN_MAX_CPU_ISA=AVX2``: the rule asked at import says
     emulated, ``Linear`` in bf16 accumulates in fp32, and its result is the fp32 product
-    rounded once, on any CPU."""
+    (oneDNN's where the fp32 rule sends products there) rounded once, on any CPU."""
     script = (
         "import torch, torch.nn.functional as F\n"
         "import hlat_model.linear as m\n"
@@ -107,7 +109,8 @@ def test_a_process_with_onednn_held_to_avx2_takes_the_fp32_accumulating_path():
         "out = layer(x)\n"
         "name = type(out.grad_fn).__name__\n"
         "assert name.startswith('_Fp32AccumulateLinear'), name\n"
-        "ref = F.linear(x.detach().float(), layer.weight.detach().float()).to(torch.bfloat16)\n"
+        "product = m._onednn_linear if m.cpu_fp32_onednn_reason() else F.linear\n"
+        "ref = product(x.detach().float(), layer.weight.detach().float()).to(torch.bfloat16)\n"
         "assert torch.equal(out, ref)\n"
         "print('emulated')\n"
     )
@@ -137,16 +140,26 @@ def test_linear_takes_the_path_of_the_rule(native, monkeypatch):
     assert not type(Linear(4, 3)(torch.randn(2, 4)).grad_fn).__name__.startswith("_Fp32")
 
 
-def test_the_fp32_accumulating_path_rounds_once_from_fp32_products(monkeypatch):
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "torch"])
+def test_the_fp32_accumulating_path_rounds_once_from_fp32_products(onednn, monkeypatch):
+    """The fp32 products of fp32 copies, rounded once: forward and the input's gradient by
+    oneDNN's product where the fp32 rule says so (forced here either way), else torch's."""
     monkeypatch.setattr(linear_module, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(
+        linear_module, "_CPU_FP32_ONEDNN", "forced in this test" if onednn else None
+    )
     layer, x = _linear_case(1)
     out = layer(x)
     grad = torch.randn_like(out)
     out.backward(grad)
     w32, x32, g32 = layer.weight.float(), x.detach().float(), grad.float()
+    forward = linear_module._onednn_linear(x32, w32) if onednn else F.linear(x32, w32)
+    backward = linear_module._onednn_linear(g32, w32.t()) if onednn else g32 @ w32
     assert out.dtype == torch.bfloat16
-    assert torch.equal(out, F.linear(x32, w32).to(torch.bfloat16))
-    assert torch.equal(x.grad, (g32 @ w32).to(torch.bfloat16))
+    assert torch.equal(out, forward.to(torch.bfloat16))
+    assert torch.equal(x.grad, backward.to(torch.bfloat16))
+    # either product is the fp32 product: within one bf16 rounding of torch's
+    torch.testing.assert_close(out, F.linear(x32, w32).to(torch.bfloat16), atol=0, rtol=2**-7)
     flat_g, flat_x = g32.reshape(-1, g32.shape[-1]), x32.reshape(-1, x32.shape[-1])
     assert torch.equal(layer.weight.grad, (flat_g.t() @ flat_x).to(torch.bfloat16))
 
@@ -173,7 +186,8 @@ def test_attention_in_bf16_agrees_on_both_paths(native, monkeypatch):
 )
 def test_the_fp32_rule_on_this_cpu_follows_the_vendor_and_flags_the_kernel_reports():
     vendor = _cpuinfo("vendor_id")
-    expected = vendor != "GenuineIntel" and "avx512f" in _cpu_flags()
+    flags = _cpu_flags()
+    expected = vendor != "GenuineIntel" and ("avx512f" in flags or "avx2" in flags)
     assert (linear_module.cpu_fp32_onednn_reason() is not None) == expected
     if expected:
         assert vendor in linear_module.cpu_fp32_onednn_reason()
@@ -184,14 +198,25 @@ def test_the_fp32_rule_on_this_cpu_follows_the_vendor_and_flags_the_kernel_repor
     [
         ("x86_64", "AuthenticAMD", "AVX512", True, True),
         ("x86_64", "GenuineIntel", "AVX512", True, False),
-        ("x86_64", "AuthenticAMD", "AVX2", True, False),
+        ("x86_64", "AuthenticAMD", "AVX2", True, True),
+        ("x86_64", "GenuineIntel", "AVX2", True, False),
+        ("x86_64", "AuthenticAMD", "DEFAULT", True, False),
         ("x86_64", "", "AVX512", True, False),
         ("x86_64", "AuthenticAMD", "AVX512", False, False),
         ("aarch64", "", "SVE256", True, False),
     ],
-    ids=["amd-avx512", "intel-avx512", "amd-avx2", "unknown-vendor", "no-onednn", "arm"],
+    ids=[
+        "amd-avx512",
+        "intel-avx512",
+        "amd-avx2",
+        "intel-avx2",
+        "amd-below-avx2",
+        "unknown-vendor",
+        "no-onednn",
+        "arm",
+    ],
 )
-def test_fp32_products_go_through_onednn_only_on_non_intel_avx512_x86(
+def test_fp32_products_go_through_onednn_only_on_non_intel_x86_with_avx2_or_avx512(
     machine, vendor, capability, available, onednn
 ):
     reason = linear_module.fp32_onednn_rule(machine, vendor, capability, available)

@@ -16,7 +16,8 @@ Precision, per setting:
 - ``bf16``: bf16 weights. hlat-train ``optim.precision = "bf16-sr"`` (bf16 weights and
   moments, stochastic rounding); torchtitan ``training.dtype = "bfloat16"`` (the model and
   torch's fused AdamW in bf16, round-to-nearest).
-- ``fp32``: fp32 throughout in both.
+- ``fp32``: fp32 throughout in both (one process, and two: the precision that ``auto`` picks
+  on CPUs without native bf16 products).
 - ``mixed`` (two processes): fp32 weights, bf16 compute through FSDP2's mixed-precision
   policy, fp32 gradient reduction, in both.
 
@@ -66,6 +67,7 @@ SETTINGS = [  # (processes, precision, compiled, full activation checkpointing)
     (1, "fp32", False, False),
     (2, "mixed", False, False),
     (2, "bf16", False, False),
+    (2, "fp32", False, False),
     (1, "bf16", True, False),
     (1, "bf16", False, True),
 ]

@@ -17,7 +17,7 @@ from train_helpers import tiny_config, torchrun, wait_for_step, write_config
 from hlat_ckpt import consolidate
 from hlat_train import Trainer, read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.parity]
 
 HORIZON = "--optim.decay_steps=30"  # one LR schedule for runs of any length
 PREEMPT = Path(__file__).with_name("preempt_worker.py")

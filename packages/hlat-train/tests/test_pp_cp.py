@@ -25,7 +25,7 @@ from hlat_parallel.dims import PIPELINE_MIN_TORCH, _torch_version
 from hlat_train import ConfigError, Trainer, read_metrics
 from hlat_train.validation import validate
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.parity]
 needs_pipeline_torch = pytest.mark.skipif(
     _torch_version() < PIPELINE_MIN_TORCH,
     reason="pipeline parallelism needs torch>={}.{}".format(*PIPELINE_MIN_TORCH),

@@ -112,6 +112,7 @@ def typecheck(session: nox.Session) -> None:
 OWN_SESSIONS = {
     "compile": "torch.compile's inductor on kernels, across processes or in whole training runs, minutes on a cold compile cache",
     "faults": "processes killed, stopped or restarted, and tools/fault_campaign.py run for real",
+    "parity": "spawned multi-process runs of the parallel layouts and the device-parity harness against one process",
 }
 
 
@@ -137,17 +138,19 @@ def _all_tests(session: nox.Session, marks: str) -> None:
 @nox.session(python=PYTHON, tags=["ci"])
 def tests(session: nox.Session) -> None:
     """All packages installed editable in one environment; every test suite and README example
-    but the tests of ``tests-compile`` and ``tests-faults`` (markers ``compile`` and
-    ``faults``). Tests marked ``upstream`` (a limitation of torch itself, up to minutes of
+    but the tests of ``tests-compile``, ``tests-faults`` and ``tests-parity`` (markers
+    ``compile``, ``faults`` and ``parity``). Tests marked ``upstream`` (a limitation of torch itself, up to minutes of
     retries) run in the per-package sessions (``tests-<package>``) only."""
     _all_tests(session, " and ".join(f"not {m}" for m in ("upstream", *OWN_SESSIONS)))
 
 
-for _marker, _what in OWN_SESSIONS.items():
+for _index, (_marker, _what) in enumerate(OWN_SESSIONS.items()):
+    # a test with two of these markers runs in the session of the first one only
+    _marks = " and ".join([_marker, *(f"not {m}" for m in list(OWN_SESSIONS)[:_index])])
 
     @nox.session(name=f"tests-{_marker}", python=PYTHON, tags=["ci"])
-    def _tests_marked(session: nox.Session, marker: str = _marker) -> None:
-        _all_tests(session, marker)
+    def _tests_marked(session: nox.Session, marks: str = _marks) -> None:
+        _all_tests(session, marks)
 
     _tests_marked.__doc__ = (
         f"The tests marked ``{_marker}``, in the environment of ``tests``: {_what}."

@@ -26,6 +26,8 @@ from spawn import run_ranks
 from hlat_model import Llama, LlamaConfig, cross_entropy_loss
 from hlat_parallel.dims import _torch_version
 
+pytestmark = pytest.mark.parity
+
 WORKER = Path(__file__).with_name("parity_worker.py")
 # Note: lr 1e-4 keeps Adam's amplification of fp32 noise in near-zero gradient elements
 # (the update is about lr * sign(g) there) below the tolerance; every parameter still moves

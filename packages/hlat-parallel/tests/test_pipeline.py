@@ -36,6 +36,8 @@ from hlat_parallel import (
 )
 from hlat_parallel.dims import PIPELINE_MIN_TORCH, _torch_version
 
+pytestmark = pytest.mark.parity
+
 WORKER = Path(__file__).with_name("pipeline_worker.py")
 OLD_TORCH = _torch_version() < PIPELINE_MIN_TORCH
 needs_pipeline_torch = pytest.mark.skipif(

@@ -19,6 +19,8 @@ import torch
 from spawn import run_ranks
 from zero1_worker import LR, PRECISIONS
 
+pytestmark = pytest.mark.parity
+
 WORKER = Path(__file__).with_name("zero1_worker.py")
 # name: (world size, tp)
 LAYOUTS = {"one-process": (1, 1), "dp2": (2, 1), "tp2-dp2": (4, 2)}

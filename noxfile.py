@@ -190,9 +190,11 @@ def _torch_floors() -> dict[str, list[str]]:
 @nox.session(name="tests-oldest", python=PYTHON, tags=["ci"])
 def tests_oldest(session: nox.Session) -> None:
     """Every package's tests on the oldest torch it declares (the newest patch release of
-    that X.Y), but those marked ``faults``: processes killed and restarted test hlat's own
-    recovery, which ``tests-faults`` runs once, on the pinned torch (``-- -m ""`` runs them
-    too). On x86-64 Linux, PyPI's torch below the pinned CPU wheel is a CUDA build (about
+    that X.Y), but those of ``tests-faults``, ``tests-compile`` and ``tests-parity`` (markers
+    ``faults``, ``compile`` and ``parity``; those marked ``oldtorch`` run whatever their other
+    markers): processes killed and restarted test hlat's own recovery, and inductor's
+    compiles and the spawned multi-process layouts take minutes each, so they run once, on the
+    pinned torch, keeping CI within its time (``-- -m ""`` runs them all). On x86-64 Linux, PyPI's torch below the pinned CPU wheel is a CUDA build (about
     4 GB); it runs on the CPU. ``HLAT_TORCH_OLDEST`` replaces the torch requirement (e.g.
     with ``--index-url https://download.pytorch.org/whl/cpu``)."""
     for floor, packages in sorted(_torch_floors().items()):
@@ -211,7 +213,7 @@ def tests_oldest(session: nox.Session) -> None:
             *WORKERS,
             *(f"packages/{p}" for p in packages),
             "-m",
-            "not faults",
+            "not faults and (oldtorch or not (compile or parity))",
             *session.posargs,
             env=WORKER_ENV,
         )

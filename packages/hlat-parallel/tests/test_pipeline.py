@@ -525,6 +525,7 @@ def test_stages_run_on_the_device_of_the_pipeline_mesh_unless_told(tmp_path):
     }
 
 
+@pytest.mark.oldtorch
 @pytest.mark.skipif(not OLD_TORCH, reason="runs on a torch older than the pipeline needs")
 def test_an_older_torch_is_refused_before_any_communication(tmp_path):
     # refused before the process group is needed: none is initialised here

@@ -19,7 +19,7 @@ import torch
 from spawn import run_ranks
 from zero1_worker import LR, PRECISIONS
 
-pytestmark = pytest.mark.parity
+pytestmark = [pytest.mark.slow, pytest.mark.parity]
 
 WORKER = Path(__file__).with_name("zero1_worker.py")
 # name: (world size, tp)

@@ -208,6 +208,7 @@ def test_bad_pipeline_settings_are_refused_by_validation(corpus, tmp_path, overr
         validate(config, world)
 
 
+@pytest.mark.oldtorch
 @pytest.mark.skipif(
     _torch_version() >= PIPELINE_MIN_TORCH, reason="runs on a torch older than the pipeline needs"
 )

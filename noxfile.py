@@ -163,7 +163,8 @@ for _package in PACKAGES:
     def _tests_one(session: nox.Session, package: str = _package) -> None:
         """One package in a fresh environment with only its own dependencies and test tools:
         its README example and every test but those marked ``slow`` (spawned multi-process
-        runs and training loops, which ``tests`` runs on the same code and torch); those
+        runs and training loops, which ``tests`` or ``tests-parity`` runs on the same code and
+        torch); those
         marked ``upstream`` run here only. ``nox -s tests-<package> -- -m ""`` runs all."""
         _install(session, [*_local_requirements(package, "test"), package], "test", editable=False)
         # a "-m" among the posargs comes later and wins

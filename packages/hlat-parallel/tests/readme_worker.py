@@ -1,4 +1,4 @@
-"""One rank of the README's quick-start, launched by tests/test_parity.py with torchrun's
+"""One rank of the README's quick-start, launched by tests/test_readme.py with torchrun's
 environment.
 
 Usage: readme_worker.py WORKDIR [TP]. Runs the README's ```python block, with

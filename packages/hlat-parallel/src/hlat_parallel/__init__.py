@@ -50,7 +50,7 @@ from hlat_parallel.torch_backend import loss_parallel
 from hlat_parallel.zero import no_grad_sync, shard_optimizer
 from hlat_parallel.zero1 import Zero1Optimizer, sync_gradients, zero1_optimizer
 
-__version__ = "0.9.2"
+__version__ = "0.9.3"
 
 __all__ = [
     "DP_SHARD",

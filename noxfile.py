@@ -139,8 +139,9 @@ def _all_tests(session: nox.Session, marks: str) -> None:
 def tests(session: nox.Session) -> None:
     """All packages installed editable in one environment; every test suite and README example
     but the tests of ``tests-compile``, ``tests-faults`` and ``tests-parity`` (markers
-    ``compile``, ``faults`` and ``parity``). Tests marked ``upstream`` (a limitation of torch itself, up to minutes of
-    retries) run in the per-package sessions (``tests-<package>``) only."""
+    ``compile``, ``faults`` and ``parity``). Tests marked ``upstream`` (a limitation of torch
+    itself, up to minutes of retries) run in the per-package sessions (``tests-<package>``)
+    only."""
     _all_tests(session, " and ".join(f"not {m}" for m in ("upstream", *OWN_SESSIONS)))
 
 
@@ -164,8 +165,8 @@ for _package in PACKAGES:
         """One package in a fresh environment with only its own dependencies and test tools:
         its README example and every test but those marked ``slow`` (spawned multi-process
         runs and training loops, which ``tests`` or ``tests-parity`` runs on the same code and
-        torch); those
-        marked ``upstream`` run here only. ``nox -s tests-<package> -- -m ""`` runs all."""
+        torch); those marked ``upstream`` run here only. ``nox -s tests-<package> -- -m ""``
+        runs all."""
         _install(session, [*_local_requirements(package, "test"), package], "test", editable=False)
         # a "-m" among the posargs comes later and wins
         session.run("pytest", f"packages/{package}", "-m", "not slow or upstream", *session.posargs)
@@ -195,8 +196,8 @@ def tests_oldest(session: nox.Session) -> None:
     ``faults``, ``compile`` and ``parity``; those marked ``oldtorch`` run whatever their other
     markers): processes killed and restarted test hlat's own recovery, and inductor's
     compiles and the spawned multi-process layouts take minutes each, so they run once, on the
-    pinned torch, keeping CI within its time (``-- -m ""`` runs them all). On x86-64 Linux, PyPI's torch below the pinned CPU wheel is a CUDA build (about
-    4 GB); it runs on the CPU. ``HLAT_TORCH_OLDEST`` replaces the torch requirement (e.g.
+    pinned torch, keeping CI within its time (``-- -m ""`` runs them all). On x86-64 Linux,
+    PyPI's torch below the pinned CPU wheel is a CUDA build (about 4 GB); it runs on the CPU. ``HLAT_TORCH_OLDEST`` replaces the torch requirement (e.g.
     with ``--index-url https://download.pytorch.org/whl/cpu``)."""
     for floor, packages in sorted(_torch_floors().items()):
         torch = shlex.split(os.environ.get("HLAT_TORCH_OLDEST", f"torch~={floor}.0"))

@@ -127,11 +127,10 @@ def fp32_onednn_rule(
         return None
     if vendor == "GenuineIntel" or not vendor:
         return None
-    if not capability.upper().startswith(("AVX512", "AVX2")):
+    capability = capability.upper()
+    if not capability.startswith(("AVX512", "AVX2")) or onednn_isa.upper() in _ONEDNN_BELOW_AVX2:
         return None
-    if onednn_isa.upper() in _ONEDNN_BELOW_AVX2:
-        return None
-    vector = "AVX-512" if capability.upper().startswith("AVX512") else "AVX2"
+    vector = "AVX-512" if capability.startswith("AVX512") else "AVX2"
     return f"this {vendor} CPU has {vector} and runs oneDNN's fp32 products faster than MKL's"
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -57,6 +58,8 @@ WORKERS = ["-n", os.environ.get("HLAT_TEST_WORKERS", "2"), "--dist", "loadfile"]
 # Passive threads sleep instead; what runs is the same. An OMP_WAIT_POLICY already set wins.
 WORKER_ENV = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 XDIST = "pytest-xdist>=3.6"
+# the slowest tests of each run, in its log: where CI's time goes
+DURATIONS = "--durations=20"
 
 
 def _project(package: str) -> dict:
@@ -80,20 +83,78 @@ def _local_requirements(package: str, extra: str, seen: set[str] | None = None) 
     return sorted(seen)
 
 
+def _find_uv() -> str | None:
+    """uv's binary, where the interpreter running nox has it (``pip install uv``), unless
+    ``HLAT_NO_UV`` is set."""
+    if os.environ.get("HLAT_NO_UV"):
+        return None
+    found = shutil.which("uv")
+    if found:
+        return found
+    try:
+        import uv  # the PyPI package that carries the binary
+    except ImportError:
+        return None
+    try:
+        return str(uv.find_uv_bin())
+    except FileNotFoundError:
+        return None
+
+
+# Note: pip took about 110 s to resolve and install the test environment's dependencies
+# (every package editable with its test extra, a warm cache, torch already in place), uv 8 s
+# with an empty cache; CI creates a dozen such environments. torch itself still comes through
+# pip: pip's own configuration may name a local wheel, and HLAT_TORCH carries pip's options.
+UV = _find_uv()
+
+
+def _torch_pin(session: nox.Session) -> Path:
+    return Path(session.create_tmp()) / "torch-constraint.txt"
+
+
+def _install_torch(session: nox.Session, torch: list[str]) -> None:
+    """``torch`` (a requirement and pip options) through pip, then pinned to the release it
+    installed for every later install of the session: nothing those bring may replace it."""
+    session.install(*torch, NO_COMPILE)
+    version = session.run_install(
+        "python",
+        "-c",
+        "from importlib.metadata import version; print(version('torch'))",
+        silent=True,
+        stderr=None,
+    )
+    if isinstance(version, str):  # None where --no-install skipped the run
+        _torch_pin(session).write_text(f"torch=={version.strip()}\n")
+
+
+def _add(session: nox.Session, *args: str) -> None:
+    """pip-style requirements into the session's environment: through uv where nox's Python
+    has it, else pip; the torch installed first stays."""
+    pin = _torch_pin(session)
+    constraints = ["-c", str(pin)] if pin.exists() else []
+    if UV is None:
+        session.install(*args, *constraints, NO_COMPILE)
+        return
+    python = Path(session.bin) / ("python.exe" if sys.platform == "win32" else "python")
+    session.run_install(
+        UV, "pip", "install", "--python", str(python), *args, *constraints, external=True
+    )
+
+
 def _install(session: nox.Session, packages: list[str], extra: str, editable: bool) -> None:
-    session.install(*TORCH, NO_COMPILE)
+    _install_torch(session, TORCH)
     args: list[str] = []
     for package in packages:
         extras = _project(package).get("optional-dependencies", {})
         spec = f"packages/{package}[{extra}]" if extra in extras else f"packages/{package}"
         args += ["-e", spec] if editable else [spec]
-    session.install(*args, NO_COMPILE)
+    _add(session, *args)
 
 
 @nox.session(python=PYTHON, tags=["ci"])
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree."""
-    session.install("ruff>=0.8")
+    _add(session, "ruff>=0.8")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
@@ -102,7 +163,7 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """mypy over every package's sources."""
     _install(session, PACKAGES, "test", editable=True)
-    session.install("mypy>=1.10")
+    _add(session, "mypy>=1.10")
     session.run("mypy", *(f"packages/{p}/src" for p in PACKAGES))
 
 
@@ -120,11 +181,12 @@ def _all_tests(session: nox.Session, marks: str) -> None:
     """pytest over every package and the repository's tests (tools/, docs/) in one environment
     with every package installed editable, on the xdist workers, selecting ``marks``."""
     _install(session, PACKAGES, "test", editable=True)
-    session.install(XDIST, NO_COMPILE)
+    _add(session, XDIST)
     repo_tests = ["tests"] if (ROOT / "tests").is_dir() else []
     # a "-m" among the posargs comes later and wins
     session.run(
         "pytest",
+        DURATIONS,
         *WORKERS,
         *(f"packages/{p}" for p in PACKAGES),
         *repo_tests,
@@ -169,7 +231,14 @@ for _package in PACKAGES:
         runs all."""
         _install(session, [*_local_requirements(package, "test"), package], "test", editable=False)
         # a "-m" among the posargs comes later and wins
-        session.run("pytest", f"packages/{package}", "-m", "not slow or upstream", *session.posargs)
+        session.run(
+            "pytest",
+            DURATIONS,
+            f"packages/{package}",
+            "-m",
+            "not slow or upstream",
+            *session.posargs,
+        )
 
 
 def _torch_floors() -> dict[str, list[str]]:
@@ -201,17 +270,17 @@ def tests_oldest(session: nox.Session) -> None:
     with ``--index-url https://download.pytorch.org/whl/cpu``)."""
     for floor, packages in sorted(_torch_floors().items()):
         torch = shlex.split(os.environ.get("HLAT_TORCH_OLDEST", f"torch~={floor}.0"))
-        session.install(*torch, NO_COMPILE)
+        _install_torch(session, torch)
         args: list[str] = []
         for package in packages:
             extras = _project(package).get("optional-dependencies", {})
             args.append(f"packages/{package}[test]" if "test" in extras else f"packages/{package}")
-        # torch repeated: nothing may lift it to a newer release
-        session.install(*args, *torch, XDIST, NO_COMPILE)
+        _add(session, *args, XDIST)
         session.run("python", "-c", "import torch; print('torch', torch.__version__)")
         # a "-m" among the posargs comes later and wins
         session.run(
             "pytest",
+            DURATIONS,
             *WORKERS,
             *(f"packages/{p}" for p in packages),
             "-m",
@@ -234,13 +303,7 @@ if "hlat-train" in PACKAGES:
 
     def _install_eval(session: nox.Session, *extra: str) -> None:
         _install(session, PACKAGES, "hf", editable=True)
-        # the torch just installed stays: lm_eval's dependencies may not replace it
-        torch_version = session.run_install(
-            "python", "-c", "import torch; print(torch.__version__)", silent=True
-        )
-        constraints = Path(session.create_tmp()) / "torch-constraint.txt"
-        constraints.write_text(f"torch=={str(torch_version).strip()}\n")
-        session.install(*LM_EVAL, *extra, "-c", str(constraints), NO_COMPILE)
+        _add(session, *LM_EVAL, *extra)  # the torch just installed stays
 
     @nox.session(name="eval", python=PYTHON)
     def eval_(session: nox.Session) -> None:
@@ -270,9 +333,9 @@ def reuse_torchtitan(session: nox.Session) -> None:
     (``docs/reuse/torchtitan_hlat_optim_data.py``), in an environment of its own: torchtitan
     0.3 pins ``datasets<4.8``, below the test environment's, and imports triton, which CPU
     wheels of torch do not bring."""
-    session.install(*TORCH, NO_COMPILE)
-    session.install(
-        NO_COMPILE,
+    _install_torch(session, TORCH)
+    _add(
+        session,
         "torchtitan>=0.3,<0.4",
         "triton",
         "pytest>=8",
@@ -280,7 +343,6 @@ def reuse_torchtitan(session: nox.Session) -> None:
         "packages/hlat-optim",
         "-e",
         "packages/hlat-data[torch]",
-        *TORCH,  # repeated: nothing may lift torch to another release
     )
     session.run("pytest", "packages/hlat-optim/tests/test_reuse_torchtitan.py", *session.posargs)
 
@@ -300,13 +362,7 @@ def bench_torchtitan(session: nox.Session) -> None:
     (``packages/hlat-train/benchmarks/test_bench_vs_torchtitan.py``), in an environment of its
     own for the reason ``reuse-torchtitan`` gives."""
     _install(session, PACKAGES, "torch", editable=True)  # hlat-data[torch], the rest plain
-    session.install(
-        "torchtitan>=0.3,<0.4",
-        "triton",
-        "pytest>=8",
-        "pytest-benchmark>=4",
-        *TORCH,  # repeated: nothing may lift torch to another release
-    )
+    _add(session, "torchtitan>=0.3,<0.4", "triton", "pytest>=8", "pytest-benchmark>=4")
     targets = _bench_targets(
         session, ["packages/hlat-train/benchmarks/test_bench_vs_torchtitan.py"]
     )
@@ -335,6 +391,6 @@ def bench(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def build(session: nox.Session) -> None:
     """A wheel and an sdist of every package into dist/."""
-    session.install("build>=1.2")
+    _add(session, "build>=1.2")
     for package in PACKAGES:
         session.run("python", "-m", "build", "--outdir", "dist", f"packages/{package}")

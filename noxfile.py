@@ -124,6 +124,7 @@ def _install_torch(session: nox.Session, torch: list[str]) -> None:
         stderr=None,
     )
     if isinstance(version, str):  # None where --no-install skipped the run
+        session.log(f"torch {version.strip()}")
         _torch_pin(session).write_text(f"torch=={version.strip()}\n")
 
 
@@ -266,8 +267,9 @@ def tests_oldest(session: nox.Session) -> None:
     markers): processes killed and restarted test hlat's own recovery, and inductor's
     compiles and the spawned multi-process layouts take minutes each, so they run once, on the
     pinned torch, keeping CI within its time (``-- -m ""`` runs them all). On x86-64 Linux,
-    PyPI's torch below the pinned CPU wheel is a CUDA build (about 4 GB); it runs on the CPU. ``HLAT_TORCH_OLDEST`` replaces the torch requirement (e.g.
-    with ``--index-url https://download.pytorch.org/whl/cpu``)."""
+    PyPI's torch below the pinned CPU wheel is a CUDA build (about 4 GB); it runs on the CPU.
+    ``HLAT_TORCH_OLDEST`` replaces the torch requirement (e.g. with ``--index-url
+    https://download.pytorch.org/whl/cpu``)."""
     for floor, packages in sorted(_torch_floors().items()):
         torch = shlex.split(os.environ.get("HLAT_TORCH_OLDEST", f"torch~={floor}.0"))
         _install_torch(session, torch)
@@ -276,7 +278,6 @@ def tests_oldest(session: nox.Session) -> None:
             extras = _project(package).get("optional-dependencies", {})
             args.append(f"packages/{package}[test]" if "test" in extras else f"packages/{package}")
         _add(session, *args, XDIST)
-        session.run("python", "-c", "import torch; print('torch', torch.__version__)")
         # a "-m" among the posargs comes later and wins
         session.run(
             "pytest",

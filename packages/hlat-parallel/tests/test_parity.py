@@ -409,8 +409,6 @@ def test_collective_log_counts_the_bytes_of_fsdp_and_torch_distributed_collectiv
         assert out["direct_calls"] == expected_direct, rank
 
 
-# --- the README's quick-start, as it says to run it under torchrun ----------------------------
-
 # --- a model that is not hlat-model's ---------------------------------------------------------
 
 HF_WORKER = Path(__file__).with_name("hf_worker.py")

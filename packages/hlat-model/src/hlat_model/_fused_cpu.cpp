@@ -1478,12 +1478,12 @@ inline void fma_block(const float* a, int64_t am, int64_t ak, const float* b, in
 // C [m][n] (rows ldc apart) = (C if add, else 0) + A B, A(r, k) = a[r * am + k * ak]
 // (kn columns), B rows ldb apart; m a multiple of 8, n of 32. AVX-512: 64 columns at a
 // time by 4 rows, the rest 32 at a time by 8 rows; AVX2 (16 registers): 16 columns by 6
-// rows (12 accumulators, enough products in flight to fill both FMA units), the rest by 4
-// and 2.
+// rows (12 accumulators), the rest by 4 and 2.
 //
-// Note: on a 2-core AVX2-only AMD EPYC (Zen 3), 6 rows made the fp32 flash attention's
-// forward + backward 1.36-1.48x faster than 4 rows (8 accumulators, as many as two FMA units
-// of latency 4 keep busy, with no slack) at the shapes of test_attention_kernels.
+// Note: 4 rows (8 accumulators) are just as many products as two FMA units of latency 4
+// keep in flight, with no slack; on a 2-core AVX2-only AMD EPYC (Zen 3), 6 rows made the
+// fp32 flash attention's forward + backward 1.36-1.48x faster at the shapes of
+// test_attention_kernels.
 inline void fma_product(const float* a, int64_t am, int64_t ak, const float* b, int64_t ldb,
                         int64_t kn, float* c, int64_t ldc, int64_t m, int64_t n, bool add) {
   int64_t c0 = 0;

@@ -290,8 +290,7 @@ class PackedLoader:
         finally:
             starter.join()
             _shut_down(starter.started(), inbox, results, stop, drain=not interrupted)
-            setup.cancel_join_thread()
-            setup.close()
+            _close_queues(inbox, results, setup)
 
     # --- state -----------------------------------------------------------------------------
 
@@ -700,9 +699,34 @@ def _shut_down(
         if worker.is_alive():
             worker.terminate()  # stuck: nothing more is read from its pipe after this
         worker.join()
-    for q in (inbox, results):
+
+
+def _close_queues(*queues: Any, timeout: float = 1.0) -> None:
+    """Closes ``queues`` and waits up to ``timeout`` seconds in all for their feeder threads
+    to end.
+
+    Note:
+        A queue's feeder thread (started by its first ``put`` in this process) holds the
+        queue's write lock and slot semaphore. When it holds the last references, they are
+        released in that thread, and releasing one removes its named semaphore and then
+        tells multiprocessing's resource tracker, in a pipe write that lets other threads
+        run. A thread caught between the two when the interpreter exits (a daemon thread
+        is stopped there, as after a Ctrl-C that ends the program) leaves the name on the
+        tracker's list, which warns of a leaked semaphore at the end. Waiting for the
+        feeders here, while this thread still holds the queues, releases every semaphore in
+        this thread instead. A feeder blocked on a full pipe (a worker that died before it
+        read its setup) is not waited for beyond ``timeout``; ``cancel_join_thread`` keeps
+        the exit from waiting for it. The feeder is CPython's ``Queue._thread``; where a
+        queue has no such attribute, nothing is waited for.
+    """
+    for q in queues:
         q.cancel_join_thread()
         q.close()
+    deadline = time.monotonic() + timeout
+    for q in queues:
+        feeder = getattr(q, "_thread", None)
+        if isinstance(feeder, threading.Thread):
+            feeder.join(max(0.0, deadline - time.monotonic()))
 
 
 def _poll(q: Any, timeout: float) -> Any:

@@ -4,6 +4,7 @@ accumulation, one rounding to bf16)."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -184,13 +185,129 @@ def test_attention_in_bf16_agrees_on_both_paths(native, monkeypatch):
     platform.machine() != "x86_64" or not _cpuinfo("vendor_id"),
     reason="reads the x86 vendor from /proc",
 )
-def test_the_fp32_rule_on_this_cpu_follows_the_vendor_and_flags_the_kernel_reports():
+def test_the_fp32_rule_on_this_cpu_follows_the_vendor_and_flags_the_kernel_reports(
+    monkeypatch, tmp_path
+):
+    """The rule allows oneDNN on non-Intel x86 CPUs with AVX2 or AVX-512; ``auto`` takes it
+    there where this machine's measurement (timed here, into an empty cache) says it ran at
+    least :data:`ONEDNN_MARGIN` times as fast as MKL's, and says so."""
     vendor = _cpuinfo("vendor_id")
     flags = _cpu_flags()
-    expected = vendor != "GenuineIntel" and ("avx512f" in flags or "avx2" in flags)
-    assert (linear_module.cpu_fp32_onednn_reason() is not None) == expected
-    if expected:
-        assert vendor in linear_module.cpu_fp32_onednn_reason()
+    allowed = vendor != "GenuineIntel" and ("avx512f" in flags or "avx2" in flags)
+    candidate = linear_module._cpu_fp32_onednn()
+    assert (candidate is not None) == allowed
+    monkeypatch.delenv(linear_module.FP32_PRODUCTS_VARIABLE, raising=False)
+    monkeypatch.setenv("HLAT_MODEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(linear_module, "_CPU_FP32_ONEDNN", linear_module._UNRESOLVED)
+    reason = linear_module.cpu_fp32_onednn_reason()
+    if not allowed:
+        assert reason is None
+        assert not list(tmp_path.iterdir())  # nothing timed where the rule says MKL
+        return
+    speedup = linear_module.measured_fp32_products()
+    assert (reason is not None) == (speedup >= linear_module.ONEDNN_MARGIN), (reason, speedup)
+    if reason is not None:
+        assert vendor in reason and f"{speedup:.2f}x" in reason
+
+
+def _unresolved(monkeypatch, choice: str | None) -> None:
+    """The next ``cpu_fp32_onednn_reason`` decides afresh, under this variable's value."""
+    if choice is None:
+        monkeypatch.delenv(linear_module.FP32_PRODUCTS_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(linear_module.FP32_PRODUCTS_VARIABLE, choice)
+    monkeypatch.setattr(linear_module, "_CPU_FP32_ONEDNN", linear_module._UNRESOLVED)
+
+
+@pytest.mark.parametrize(
+    ("choice", "allowed", "speedup", "onednn"),
+    [
+        ("auto", True, 1.2, True),
+        (None, True, 1.2, True),
+        ("auto", True, 1.01, False),  # within the margin: MKL, torch's default, stays
+        ("auto", True, 0.9, False),
+        ("auto", False, 1.5, False),
+        ("torch", True, 1.5, False),
+        ("onednn", False, 0.5, True),
+        (" OneDNN ", True, 0.5, True),
+    ],
+)
+def test_fp32_products_follow_the_variable_the_rule_and_the_measurement(
+    choice, allowed, speedup, onednn, monkeypatch
+):
+    timed: list[bool] = []
+
+    def measured() -> float:
+        timed.append(True)
+        return speedup
+
+    _unresolved(monkeypatch, choice)
+    monkeypatch.setattr(linear_module, "_cpu_fp32_onednn", lambda: "rule" if allowed else None)
+    monkeypatch.setattr(linear_module, "measured_fp32_products", measured)
+    reason = linear_module.cpu_fp32_onednn_reason()
+    assert (reason is not None) == (onednn and torch.backends.mkldnn.is_available())
+    # timed only where auto has the rule's leave
+    assert bool(timed) == ((choice or "auto") == "auto" and allowed)
+    assert linear_module.cpu_fp32_onednn_reason() == reason  # decided once
+    assert len(timed) <= 1
+    layer, x = Linear(16, 8), torch.randn(4, 16)
+    name = type(layer(x).grad_fn).__name__
+    assert name.startswith("_OneDnnLinear") == (reason is not None), name
+
+
+def test_a_wrong_fp32_products_value_is_refused_by_name(monkeypatch):
+    _unresolved(monkeypatch, "mkl")
+    with pytest.raises(ValueError, match=r"HLAT_MODEL_FP32_PRODUCTS='mkl'.*auto, onednn, torch"):
+        linear_module.cpu_fp32_onednn_reason()
+    done = subprocess.run(
+        [sys.executable, "-c", "import hlat_model"],
+        env={**os.environ, linear_module.FP32_PRODUCTS_VARIABLE: "fast"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode != 0 and "HLAT_MODEL_FP32_PRODUCTS='fast'" in done.stderr
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+def test_the_measurement_is_timed_once_per_machine_and_kept(monkeypatch, tmp_path):
+    """Real products, timed into an empty cache folder; a later call reads the file instead
+    of timing again; a value already there (another process's) wins over a new timing; a
+    folder that cannot be made still gives this process's own timing."""
+    monkeypatch.setenv("HLAT_MODEL_CACHE_DIR", str(tmp_path / "cache"))
+    first = linear_module.measured_fp32_products()
+    assert 0.05 < first < 20
+    (kept,) = (tmp_path / "cache").glob("fp32_products_*.json")
+    assert json.loads(kept.read_text())["onednn_vs_torch"] == first
+
+    def timing() -> float:
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(linear_module, "_probe_fp32_products", timing)
+    assert linear_module.measured_fp32_products() == first
+    kept.write_text(json.dumps({"onednn_vs_torch": 4.5}))
+    assert linear_module.measured_fp32_products() == 4.5
+    monkeypatch.setattr(linear_module, "_probe_fp32_products", lambda: 0.75)
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("HLAT_MODEL_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
+    assert linear_module.measured_fp32_products() == 0.75
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+def test_processes_started_together_take_the_same_fp32_products(tmp_path):
+    """Two processes timing into one empty cache folder at once (as the ranks of a job
+    starting on one machine) read the same answer: the first one written."""
+    script = "import hlat_model.linear as m; print(repr(m.measured_fp32_products()))"
+    env = {**os.environ, "HLAT_MODEL_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [proc.communicate(timeout=300)[0].strip() for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs)
+    assert outputs[0] == outputs[1], outputs
+    (kept,) = tmp_path.glob("fp32_products_*.json")
+    assert repr(json.loads(kept.read_text())["onednn_vs_torch"]) == outputs[0]
 
 
 @pytest.mark.parametrize(

@@ -1313,11 +1313,12 @@ void bf16_attention_backward(Rows<const u16> q, Rows<const u16> k, Rows<const u1
 #ifdef HLAT_F32_FLASH
 // ---------------------------------------------------------------------------------------
 // Causal attention in fp32 (AVX-512F, or AVX2 with FMA), forward and backward, flash style as
-// the AMX kernel above: each (batch, head) on one thread, blocks of 32 queries against 32
-// keys, an online softmax forward, probabilities recomputed from each query's log-sum-exp
-// backward. All in fp32. The products are register blocks of fused multiply-adds whose first
-// operand is read by broadcasts at any strides, so the transposed products of backward need
-// no transposed copies; only the keys and values are transposed once per head (the second
+// the AMX kernel above: each (batch, head) on one thread, blocks of 32 queries against up to
+// kKeys keys at a time, an online softmax forward; blocks of 32 keys against up to kQueries
+// queries at a time, probabilities recomputed from each query's log-sum-exp, backward. All
+// in fp32. The products are register blocks of fused multiply-adds whose first operand is
+// read by broadcasts at any strides, so the transposed products of backward need no
+// transposed copies; only the keys and values are transposed once per head (the second
 // operand of the products against them). Written once over `Lanes`, the fp32 vector of the
 // target: 16 lanes of AVX-512, or 8 of AVX2.
 
@@ -1520,13 +1521,23 @@ inline void load_scores(const float* row, LaneV vscale, const LaneV* shift, bool
   }
 }
 
+// Keys per step of the fp32 forward: a query block's scores against up to this many keys
+// at once (a multiple of kBlock), so that each query row's maximum, sum and rescaled output
+// are updated once per kKeys keys instead of once per kBlock.
+constexpr int64_t kKeys = 256;
+// Queries per step of the fp32 backward: a key block's probabilities and their gradients for
+// up to this many queries at once (a multiple of kBlock), so that its dk and dv rows are
+// loaded and stored once per kQueries queries.
+constexpr int64_t kQueries = 128;
+
 // q: [batch * groups.count()][seq][dim] fp32, k and v [batch * groups.groups][seq][dim]
 // (query head h = g * per + j reads key and value head g; groups.qstep unused: q's heads are
 // seq * dim apart); out row (b, h, s) at out + b * ob + h * oh + s * os; lse
 // [batch * heads][seq]. seq and dim multiples of 32. With `fk.first`, each query sees the
 // keys of its own document only, and the key blocks before its query block's first are
 // skipped. Each (batch, group) runs on one thread: its keys are transposed once for all its
-// query heads.
+// query heads. Each block of kBlock queries takes its keys kKeys at a time (the last step
+// ends at the block's diagonal).
 void f32_attention_forward(const float* q, const float* k, const float* v, float* out,
                            int64_t ob, int64_t oh, int64_t os, float* lse, int64_t batch,
                            HeadGroups groups, int64_t seq, int64_t dim, float scale,
@@ -1536,9 +1547,10 @@ void f32_attention_forward(const float* q, const float* k, const float* v, float
   {
     const int64_t kld = padded_u32(seq);
     std::vector<float> kt(static_cast<size_t>(kld * dim)), acc(static_cast<size_t>(kBlock * dim));
-    alignas(64) float scores[kBlock * kBlock];
+    alignas(64) float scores[kBlock * kKeys];
     float m[kBlock], l[kBlock];
     const LaneV vscale = Lanes::set1(scale);
+    const LaneV hidden_score = Lanes::set1(-INFINITY);
 #pragma omp for schedule(dynamic)
     for (int64_t bg = 0; bg < batch * groups.groups; ++bg) {
       const int64_t b = bg / groups.groups, g = bg % groups.groups;
@@ -1551,39 +1563,53 @@ void f32_attention_forward(const float* q, const float* k, const float* v, float
         for (int64_t q0 = 0; q0 < seq; q0 += kBlock) {
           std::fill(m, m + kBlock, -INFINITY);
           std::fill(l, l + kBlock, 0.f);
-          const int64_t from = fk.block(b, q0);
-          for (int64_t k0 = from; k0 <= q0; k0 += kBlock) {
-            fma_product(qh + q0 * dim, dim, 1, kt.data() + k0, kld, dim, scores, kBlock, kBlock,
-                        kBlock, false);
+          const int64_t from = fk.block(b, q0), end = q0 + kBlock;
+          for (int64_t k0 = from; k0 < end; k0 += kKeys) {
+            const int64_t width = std::min(kKeys, end - k0);
+            const int vecs = static_cast<int>(width / kW);
+            fma_product(qh + q0 * dim, dim, 1, kt.data() + k0, kld, dim, scores, kKeys, kBlock,
+                        width, false);
             for (int r = 0; r < kBlock; ++r) {
-              float* row = scores + r * kBlock;
-              LaneV x[kRowVecs];
-              load_scores(row, vscale, nullptr, k0 == q0, r, fk.hidden(b, q0 + r, k0), x);
-              LaneV top = x[0];
-              for (int c = 1; c < kRowVecs; ++c) top = Lanes::max(top, x[c]);
+              float* row = scores + r * kKeys;
+              // keys of the step that query q0 + r sees: from `hidden` (its document's first)
+              // to `seen` (itself)
+              const int seen = static_cast<int>(std::min<int64_t>(q0 + r + 1 - k0, width));
+              const int hidden =
+                  fk.first ? static_cast<int>(std::clamp<int64_t>(fk.at(b, q0 + r) - k0, 0, width))
+                           : 0;
+              // pass 1: the scaled scores (hidden ones -inf) written back, and their maximum
+              LaneV top = hidden_score;
+              for (int c = 0; c < vecs; ++c) {
+                LaneV x = Lanes::mul(Lanes::load(row + kW * c), vscale);
+                if (seen < kW * (c + 1)) x = Lanes::hide_from(x, std::max(seen - kW * c, 0));
+                if (hidden > kW * c) x = Lanes::hide_before(x, std::min(hidden - kW * c, kW));
+                Lanes::store(row + kW * c, x);
+                top = Lanes::max(top, x);
+              }
               const float mx = std::max(m[r], Lanes::max_of(top));
               if (mx == -INFINITY) {  // no key of the row seen yet: nothing to add
-                std::fill(row, row + kBlock, 0.f);
+                std::fill(row, row + width, 0.f);
                 continue;
               }
+              // pass 2: the probabilities against the new maximum, and their sum
               const float alpha = exp_fast(m[r] - mx);
               const LaneV shift = Lanes::set1(mx);
               LaneV total = Lanes::zero();
-              for (int c = 0; c < kRowVecs; ++c) {
-                const LaneV pc = Lanes::exp(Lanes::sub(x[c], shift));
+              for (int c = 0; c < vecs; ++c) {
+                const LaneV pc = Lanes::exp(Lanes::sub(Lanes::load(row + kW * c), shift));
                 Lanes::store(row + kW * c, pc);
-                total = c == 0 ? pc : Lanes::add(total, pc);
+                total = Lanes::add(total, pc);
               }
               l[r] = l[r] * alpha + Lanes::sum_of(total);
               m[r] = mx;
-              if (k0 == from) continue;  // no output before the first block
+              if (k0 == from) continue;  // no output before the first step
               // the output so far, rescaled to the new maximum
               float* o = acc.data() + r * dim;
               const LaneV a = Lanes::set1(alpha);
               for (int64_t d = 0; d < dim; d += kW)
                 Lanes::store(o + d, Lanes::mul(Lanes::load(o + d), a));
             }
-            fma_product(scores, kBlock, 1, vh + k0 * dim, dim, kBlock, acc.data(), dim, kBlock,
+            fma_product(scores, kKeys, 1, vh + k0 * dim, dim, width, acc.data(), dim, kBlock,
                         dim, k0 > from);
           }
           for (int r = 0; r < kBlock; ++r) {
@@ -1614,8 +1640,8 @@ void f32_attention_backward(const float* q, const float* k, const float* v, cons
     const int64_t kld = padded_u32(seq);
     std::vector<float> kt(static_cast<size_t>(kld * dim)), vt(kt.size());
     std::vector<float> delta(static_cast<size_t>(seq));
-    alignas(64) float probs[kBlock * kBlock];
-    alignas(64) float dscores[kBlock * kBlock];
+    alignas(64) float probs[kQueries * kBlock];
+    alignas(64) float dscores[kQueries * kBlock];
     const LaneV vscale = Lanes::set1(scale);
 #pragma omp for schedule(dynamic)
     for (int64_t bg = 0; bg < batch * groups.groups; ++bg) {
@@ -1640,18 +1666,21 @@ void f32_attention_backward(const float* q, const float* k, const float* v, cons
         std::fill(dqh, dqh + seq * dim, 0.f);
         for (int64_t k0 = 0; k0 < seq; k0 += kBlock) {
           const int64_t queries_end = fk.queries_end(b, k0);
-          for (int64_t q0 = k0; q0 < queries_end; q0 += kBlock) {
-            fma_product(qh + q0 * dim, dim, 1, kt.data() + k0, kld, dim, probs, kBlock, kBlock,
+          for (int64_t q0 = k0; q0 < queries_end; q0 += kQueries) {
+            const int64_t rows = std::min(kQueries, queries_end - q0);
+            fma_product(qh + q0 * dim, dim, 1, kt.data() + k0, kld, dim, probs, kBlock, rows,
                         kBlock, false);
-            fma_product(gr + q0 * gs, gs, 1, vt.data() + k0, kld, dim, dscores, kBlock, kBlock,
+            fma_product(gr + q0 * gs, gs, 1, vt.data() + k0, kld, dim, dscores, kBlock, rows,
                         kBlock, false);
-            for (int r = 0; r < kBlock; ++r) {
+            for (int r = 0; r < rows; ++r) {
               float* p = probs + r * kBlock;
               float* ds = dscores + r * kBlock;
               const LaneV shift = Lanes::set1(lse[bh * seq + q0 + r]);
               const LaneV dl = Lanes::set1(delta[q0 + r]);
               LaneV x[kRowVecs];
-              load_scores(p, vscale, &shift, k0 == q0, r, fk.hidden(b, q0 + r, k0), x);
+              const int64_t after = q0 + r - k0;  // the query's place after the block's first key
+              load_scores(p, vscale, &shift, after < kBlock, static_cast<int>(after),
+                          fk.hidden(b, q0 + r, k0), x);
               for (int c = 0; c < kRowVecs; ++c) {
                 const LaneV pc = Lanes::exp(x[c]);
                 Lanes::store(p + kW * c, pc);
@@ -1663,12 +1692,12 @@ void f32_attention_backward(const float* q, const float* k, const float* v, cons
             // the first write of a key block's dk and dv rows: its diagonal block, first head
             const bool first = q0 == k0 && j == 0;
             // dv += probs^T grad, dk += dscores^T q, dq += dscores k
-            fma_product(probs, 1, kBlock, gr + q0 * gs, gs, kBlock, dvh + k0 * dim, dim, kBlock,
+            fma_product(probs, 1, kBlock, gr + q0 * gs, gs, rows, dvh + k0 * dim, dim, kBlock,
                         dim, !first);
-            fma_product(dscores, 1, kBlock, qh + q0 * dim, dim, kBlock, dkh + k0 * dim, dim,
+            fma_product(dscores, 1, kBlock, qh + q0 * dim, dim, rows, dkh + k0 * dim, dim,
                         kBlock, dim, !first);
             fma_product(dscores, kBlock, 1, kh + k0 * dim, dim, kBlock, dqh + q0 * dim, dim,
-                        kBlock, dim, true);
+                        rows, dim, true);
           }
         }
       }

@@ -6,8 +6,10 @@
   round the result to bf16: the same numbers a native bf16 GEMM produces (bf16 inputs, fp32
   accumulation, bf16 output), at fp32 speed, with only bf16 tensors saved for backward.
 - fp32: torch multiplies fp32 matrices with MKL, tuned for Intel CPUs. On other x86 CPUs
-  with AVX-512 (AMD Zen 4 and later), oneDNN's fp32 product runs faster, so there the
-  forward product and the input's gradient go through oneDNN (:func:`cpu_fp32_onednn_reason`):
+  with AVX-512 or AVX2 (AMD's), oneDNN's fp32 product can run faster, and on some machines
+  of one CPU model it does while on others it does not, so there both are timed once per
+  machine and thread count, and where oneDNN's is faster the forward product and the input's
+  gradient go through it (:func:`cpu_fp32_onednn_reason`, ``HLAT_MODEL_FP32_PRODUCTS``):
   fp32 operands, fp32 accumulation, fp32 results, as MKL's.
 
 Everywhere else (GPU, Neuron, DTensor shards, code being compiled, other CPUs and dtypes)
@@ -16,13 +18,21 @@ it is exactly ``nn.Linear``.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 import platform
+import tempfile
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 def cpu_bf16_reason() -> str | None:
@@ -121,7 +131,9 @@ def fp32_onednn_rule(
     2-core AMD EPYC with AVX2 only (Zen 3), the whole fp32 step of that model ran 1.10x
     faster with oneDNN's products than with MKL's (505 against 458 tokens/s). MKL is Intel's
     own, tuned for Intel CPUs, which keep it; so do CPUs of unknown vendor, x86 CPUs below
-    AVX2 and oneDNN held below AVX2 (none measured).
+    AVX2 and oneDNN held below AVX2 (none measured). On another Zen 3 EPYC of the same model
+    MKL's ran faster (oneDNN's 0.93x in the whole step), so this rule only allows oneDNN:
+    :func:`cpu_fp32_onednn_reason` takes it where it also ran faster on this machine.
     """
     if not available or machine.lower() not in ("x86_64", "amd64"):
         return None
@@ -131,25 +143,154 @@ def fp32_onednn_rule(
     if not capability.startswith(("AVX512", "AVX2")) or onednn_isa.upper() in _ONEDNN_BELOW_AVX2:
         return None
     vector = "AVX-512" if capability.startswith("AVX512") else "AVX2"
-    return f"this {vendor} CPU has {vector} and runs oneDNN's fp32 products faster than MKL's"
+    return f"this {vendor} CPU has {vector}, where oneDNN's fp32 products can beat MKL's"
+
+
+FP32_PRODUCTS_VARIABLE = "HLAT_MODEL_FP32_PRODUCTS"
+"""``auto`` (the default): oneDNN's fp32 products where :func:`fp32_onednn_rule` allows them
+and they ran faster than MKL's on this machine (:func:`measured_fp32_products`); ``onednn``:
+oneDNN's wherever its linear operator exists; ``torch``: torch's (MKL) everywhere."""
+FP32_PRODUCTS_CHOICES = ("auto", "onednn", "torch")
+ONEDNN_MARGIN = 1.03
+"""How much faster than MKL's oneDNN's products must run for ``auto`` to take them."""
+
+_UNRESOLVED: Any = object()
+_CPU_FP32_ONEDNN: Any = _UNRESOLVED  # str | None once resolved (at the first fp32 product)
+
+
+def fp32_products_choice() -> str:
+    """``HLAT_MODEL_FP32_PRODUCTS``, checked: one of :data:`FP32_PRODUCTS_CHOICES`."""
+    value = os.environ.get(FP32_PRODUCTS_VARIABLE, "auto").strip().lower() or "auto"
+    if value not in FP32_PRODUCTS_CHOICES:
+        raise ValueError(
+            f"{FP32_PRODUCTS_VARIABLE}={value!r}: expected one of "
+            f"{', '.join(FP32_PRODUCTS_CHOICES)}"
+        )
+    return value
+
+
+fp32_products_choice()  # a wrong value is refused at import, before any work
 
 
 def cpu_fp32_onednn_reason() -> str | None:
-    """:func:`fp32_onednn_rule` for this CPU, asked once at import."""
+    """Why :class:`Linear`'s fp32 products (forward and the input's gradient) go through
+    oneDNN here, or None where they are torch's (MKL): ``HLAT_MODEL_FP32_PRODUCTS``, else
+    :func:`fp32_onednn_rule` and, where it allows oneDNN, which of the two ran faster on
+    this machine (:func:`measured_fp32_products`). Decided once per process, at the first
+    call (the first fp32 product on the CPU), and kept."""
+    global _CPU_FP32_ONEDNN
+    if _CPU_FP32_ONEDNN is _UNRESOLVED:
+        _CPU_FP32_ONEDNN = _resolve_fp32_products()
+        logger.info("fp32 products on this CPU: %s", _CPU_FP32_ONEDNN or "torch's (MKL)")
     return _CPU_FP32_ONEDNN
 
 
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 def _cpu_fp32_onednn() -> str | None:
-    available = torch.backends.mkldnn.is_available() and hasattr(
-        torch.ops.mkldnn, "_linear_pointwise"
-    )
+    """:func:`fp32_onednn_rule` for this CPU."""
     capability = torch.backends.cpu.get_cpu_capability()
     return fp32_onednn_rule(
-        platform.machine(), _cpu_vendor(), capability, available, onednn_max_isa()
+        platform.machine(), _cpu_vendor(), capability, _onednn_available(), onednn_max_isa()
     )
 
 
-_CPU_FP32_ONEDNN = _cpu_fp32_onednn()
+def _resolve_fp32_products() -> str | None:
+    choice = fp32_products_choice()
+    if choice == "torch":
+        return None
+    if choice == "onednn":
+        return f"{FP32_PRODUCTS_VARIABLE}=onednn" if _onednn_available() else None
+    candidate = _cpu_fp32_onednn()
+    if candidate is None:
+        return None
+    speedup = measured_fp32_products()
+    if speedup < ONEDNN_MARGIN:
+        return None
+    return f"{candidate}; here they ran {speedup:.2f}x as fast (measured)"
+
+
+# Operand shapes of the timed products: rows, then the weight's [out, in] (a width-512
+# model's attention and MLP products).
+_PROBE_ROWS = 1024
+_PROBE_WEIGHTS = ((1536, 512), (512, 1536))
+
+
+def _probe_fp32_products(repeats: int = 5) -> float:
+    """MKL's time over oneDNN's for fp32 products as :class:`Linear` computes them (forward
+    and the input's gradient) at :data:`_PROBE_WEIGHTS`' shapes: the best of ``repeats``
+    alternating runs of each, summed over the shapes."""
+    generator = torch.Generator().manual_seed(0)
+    best = {"torch": 0.0, "onednn": 0.0}
+    for out_features, in_features in _PROBE_WEIGHTS:
+        x = torch.randn(_PROBE_ROWS, in_features, generator=generator)
+        w = torch.randn(out_features, in_features, generator=generator)
+        g = torch.randn(_PROBE_ROWS, out_features, generator=generator)
+        runs = {
+            "torch": lambda x=x, w=w, g=g: (F.linear(x, w), g @ w),
+            "onednn": lambda x=x, w=w, g=g: (_onednn_linear(x, w), _onednn_linear(g, w.t())),
+        }
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for run in runs.values():
+            run()  # warm-up: oneDNN builds its kernels at the first call of a shape
+        for _ in range(repeats):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+        for name in runs:
+            best[name] += min(times[name])
+    return best["torch"] / best["onednn"]
+
+
+def _probe_key() -> str:
+    """This machine (host name, CPU model and flags), torch, oneDNN's limit and the thread
+    count: what the timing of :func:`measured_fp32_products` depends on."""
+    cpu = platform.processor()
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        cpu = " ".join(
+            next((line for line in text.splitlines() if line.startswith(key)), "")
+            for key in ("model name", "flags")
+        )
+    except OSError:
+        pass
+    parts = (platform.node(), cpu, torch.__version__, onednn_max_isa(), torch.get_num_threads())
+    return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:20]
+
+
+def measured_fp32_products() -> float:
+    """How many times as fast oneDNN's fp32 products ran as MKL's on this machine at this
+    thread count (:func:`_probe_fp32_products`, about a second of products). Timed once per
+    machine: kept in hlat-model's cache folder (``$HLAT_MODEL_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/hlat-model`` or ``~/.cache/hlat-model``), where the first process to
+    write it decides for every later one (ranks of a job started together read the same
+    answer); timed in each process where the folder cannot be written."""
+    from hlat_model._native import cache_dir
+
+    path = cache_dir() / f"fp32_products_{_probe_key()}.json"
+    try:
+        return float(json.loads(path.read_text())["onednn_vs_torch"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    speedup = _probe_fp32_products()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(
+            "w", dir=path.parent, prefix=".fp32_products_", suffix=".json", delete=False
+        ) as tmp:
+            json.dump({"onednn_vs_torch": speedup, "threads": torch.get_num_threads()}, tmp)
+        try:
+            os.link(tmp.name, path)  # the first writer wins
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp.name)
+        return float(json.loads(path.read_text())["onednn_vs_torch"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return speedup
 
 
 def _fp32_accumulates(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -176,6 +317,7 @@ def _onednn_fp32(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and type(weight) in (nn.Parameter, torch.Tensor)
         and not torch.compiler.is_compiling()
         and not torch.is_autocast_enabled("cpu")
+        and cpu_fp32_onednn_reason() is not None
     )
 
 

@@ -1508,17 +1508,20 @@ inline void fma_product(const float* a, int64_t am, int64_t ak, const float* b, 
   }
 }
 
-// The scores of a block's row loaded into x (scaled, `shift` subtracted where given); on a
-// diagonal block, those of keys that query r does not see set to -inf, and those of the
-// block's first `hidden` keys (an earlier document's).
-inline void load_scores(const float* row, LaneV vscale, const LaneV* shift, bool diagonal, int r,
-                        int hidden, LaneV x[kRowVecs]) {
-  for (int j = 0; j < kRowVecs; ++j) {
-    x[j] = shift ? Lanes::fms(Lanes::load(row + kW * j), vscale, *shift)
-                 : Lanes::mul(Lanes::load(row + kW * j), vscale);
-    if (diagonal) x[j] = Lanes::hide_from(x[j], std::clamp(r + 1 - kW * j, 0, kW));
-    if (hidden > kW * j) x[j] = Lanes::hide_before(x[j], std::min(hidden - kW * j, kW));
-  }
+// Score vector c of a query's row (keys kW * c onward): the keys before `hidden` (an earlier
+// document's) and from `seen` on (after the query) set to -inf.
+inline LaneV hide_unseen(LaneV x, int c, int hidden, int seen) {
+  if (seen < kW * (c + 1)) x = Lanes::hide_from(x, std::max(seen - kW * c, 0));
+  if (hidden > kW * c) x = Lanes::hide_before(x, std::min(hidden - kW * c, kW));
+  return x;
+}
+
+// The scores of a block's row loaded into x, scaled and `shift` subtracted, those of keys the
+// query does not see (hide_unseen) set to -inf.
+inline void load_scores(const float* row, LaneV vscale, LaneV shift, int hidden, int seen,
+                        LaneV x[kRowVecs]) {
+  for (int c = 0; c < kRowVecs; ++c)
+    x[c] = hide_unseen(Lanes::fms(Lanes::load(row + kW * c), vscale, shift), c, hidden, seen);
 }
 
 // Keys per step of the fp32 forward: a query block's scores against up to this many keys
@@ -1580,9 +1583,8 @@ void f32_attention_forward(const float* q, const float* k, const float* v, float
               // pass 1: the scaled scores (hidden ones -inf) written back, and their maximum
               LaneV top = hidden_score;
               for (int c = 0; c < vecs; ++c) {
-                LaneV x = Lanes::mul(Lanes::load(row + kW * c), vscale);
-                if (seen < kW * (c + 1)) x = Lanes::hide_from(x, std::max(seen - kW * c, 0));
-                if (hidden > kW * c) x = Lanes::hide_before(x, std::min(hidden - kW * c, kW));
+                const LaneV x =
+                    hide_unseen(Lanes::mul(Lanes::load(row + kW * c), vscale), c, hidden, seen);
                 Lanes::store(row + kW * c, x);
                 top = Lanes::max(top, x);
               }
@@ -1678,9 +1680,9 @@ void f32_attention_backward(const float* q, const float* k, const float* v, cons
               const LaneV shift = Lanes::set1(lse[bh * seq + q0 + r]);
               const LaneV dl = Lanes::set1(delta[q0 + r]);
               LaneV x[kRowVecs];
-              const int64_t after = q0 + r - k0;  // the query's place after the block's first key
-              load_scores(p, vscale, &shift, after < kBlock, static_cast<int>(after),
-                          fk.hidden(b, q0 + r, k0), x);
+              // the block's keys up to the query's own
+              const int seen = static_cast<int>(std::min<int64_t>(q0 + r + 1 - k0, kBlock));
+              load_scores(p, vscale, shift, fk.hidden(b, q0 + r, k0), seen, x);
               for (int c = 0; c < kRowVecs; ++c) {
                 const LaneV pc = Lanes::exp(x[c]);
                 Lanes::store(p + kW * c, pc);

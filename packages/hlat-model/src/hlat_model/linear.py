@@ -25,7 +25,6 @@ import os
 import platform
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -103,17 +102,22 @@ def cpu_has_native_bf16() -> bool:
 _CPU_HAS_NATIVE_BF16 = cpu_bf16_reason() is not None
 
 
-def _cpu_vendor() -> str:
-    """The x86 vendor string (``GenuineIntel``, ``AuthenticAMD``) where Linux tells it, else
-    empty."""
+def _cpuinfo_line(field: str) -> str:
+    """The first line of Linux's ``/proc/cpuinfo`` starting with ``field``, else empty."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
             for line in info:
-                if line.startswith("vendor_id"):
-                    return line.partition(":")[2].strip()
+                if line.startswith(field):
+                    return line
     except OSError:
         pass
     return ""
+
+
+def _cpu_vendor() -> str:
+    """The x86 vendor string (``GenuineIntel``, ``AuthenticAMD``) where Linux tells it, else
+    empty."""
+    return _cpuinfo_line("vendor_id").partition(":")[2].strip()
 
 
 def fp32_onednn_rule(
@@ -248,15 +252,7 @@ def _probe_fp32_products(repeats: int = 5) -> float:
 def _probe_key() -> str:
     """This machine (host name, CPU model and flags), torch, oneDNN's limit and the thread
     count: what the timing of :func:`measured_fp32_products` depends on."""
-    cpu = platform.processor()
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-        cpu = " ".join(
-            next((line for line in text.splitlines() if line.startswith(key)), "")
-            for key in ("model name", "flags")
-        )
-    except OSError:
-        pass
+    cpu = _cpuinfo_line("model name") + _cpuinfo_line("flags") or platform.processor()
     parts = (platform.node(), cpu, torch.__version__, onednn_max_isa(), torch.get_num_threads())
     return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:20]
 
@@ -281,7 +277,7 @@ def measured_fp32_products() -> float:
         with tempfile.NamedTemporaryFile(
             "w", dir=path.parent, prefix=".fp32_products_", suffix=".json", delete=False
         ) as tmp:
-            json.dump({"onednn_vs_torch": speedup, "threads": torch.get_num_threads()}, tmp)
+            json.dump({"onednn_vs_torch": speedup}, tmp)
         try:
             os.link(tmp.name, path)  # the first writer wins
         except FileExistsError:

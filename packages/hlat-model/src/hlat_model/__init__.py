@@ -14,7 +14,7 @@ from hlat_model.config import PRESETS, ConfigError, LlamaConfig
 from hlat_model.loss import cross_entropy_loss, linear_cross_entropy
 from hlat_model.model import Llama, block_inputs, flops_per_token
 
-__version__ = "0.32.0"
+__version__ = "0.32.1"
 
 __all__ = [
     "PRESETS",

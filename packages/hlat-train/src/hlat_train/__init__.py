@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from hlat_train.trainer import Trainer
     from hlat_train.validation import validate
 
-__version__ = "0.28.7"
+__version__ = "0.28.8"
 
 _LAZY = {
     "PEAK_TFLOPS": "hlat_train.metrics",

@@ -218,6 +218,32 @@ def before_first_step(root: str) -> None:
             raise AssertionError("a checkpoint directory was taken for a root")
 
 
+def unsaveable_on_one_rank(root: str) -> None:
+    """Rank 1's loader state holds a set, which cannot be saved: every rank raises (rank 1
+    its own error, rank 0 naming rank 1) before anything is written, sync and async; then,
+    the state fixed, both save and list the step."""
+    rank = dist.get_rank()
+    model = nn.Linear(2, 2)
+    errors = {}
+    for async_save in (False, True):
+        ck = Checkpointer(root, async_save=async_save)
+        loader = {"seen": {1, 2} if rank == 1 else [1, 2]}
+        try:
+            ck.save(1, {"model": model, "loader": loader})
+            ck.wait()
+        except (TypeError, CheckpointError) as e:
+            errors[str(async_save)] = f"{type(e).__name__}: {e}"
+        errors[f"{async_save} files"] = sorted(os.listdir(root)) if os.path.isdir(root) else []
+        ck.close()
+    ck = Checkpointer(root, async_save=True)
+    ck.save(1, {"model": model, "loader": {"seen": [1, 2]}})
+    ck.wait()
+    errors["listed"] = [c.step for c in ck.list()]
+    ck.close()
+    with open(os.path.join(root, f"unsaveable_rank{rank}.json"), "w") as f:
+        json.dump(errors, f)
+
+
 def stage(names: list[str], value: float) -> nn.ModuleDict:
     """A pipeline stage: the layers ``names`` of a model, every parameter filled with
     ``value``."""
@@ -419,6 +445,7 @@ if __name__ == "__main__":
             "replicas_strict": replicas_strict,
             "replicated": replicated,
             "before_first_step": before_first_step,
+            "unsaveable_on_one_rank": unsaveable_on_one_rank,
         }[scenario](root_dir)
     finally:
         dist.destroy_process_group()

@@ -14,7 +14,13 @@ import torch
 from ckpt_helpers import ForkParent, make_state, snapshot, train_step
 from ckpt_workers import save_past_a_file_size_limit
 
-from hlat_ckpt import MANIFEST_NAME, Checkpointer, CheckpointError, consolidate
+from hlat_ckpt import (
+    MANIFEST_NAME,
+    Checkpointer,
+    CheckpointError,
+    UnsupportedFormatError,
+    consolidate,
+)
 from hlat_ckpt.manifest import file_checksum
 from hlat_ckpt.storage import Storage
 
@@ -525,6 +531,72 @@ def test_a_background_failure_raised_by_the_next_save_says_its_step_was_not_save
     assert ck.load_latest(c) == 6
     assert torch.equal(c["model"][0].weight, b["model"][0].weight)
     ck.close()
+
+
+def test_a_with_block_s_own_error_is_not_replaced_by_a_failed_background_save(tmp_path):
+    """Leaving a ``with`` block on an exception raises that exception, whatever the last
+    save did; the save's failure comes as a warning. Without an exception the failure is
+    raised as before."""
+    Checkpointer(tmp_path / "ckpt", async_save=False).save(1, make_state(0))
+    with (
+        pytest.raises(KeyError, match="the loop's own error"),
+        pytest.warns(UserWarning, match="on KeyError: CheckpointError: .*step 1 already exists"),
+        Checkpointer(tmp_path / "ckpt", async_save=True) as ck,
+    ):
+        ck.save(1, make_state(1))  # fails in the background: step 1 is there
+        raise KeyError("the loop's own error")
+    with (
+        pytest.raises(CheckpointError, match="step 1 already exists"),
+        Checkpointer(tmp_path / "ckpt", async_save=True) as ck,
+    ):
+        ck.save(1, make_state(1))
+
+
+@pytest.mark.parametrize("step", ["3", None, 3.5, -1, True], ids=repr)
+def test_load_refuses_a_step_that_is_not_a_non_negative_int(tmp_path, step):
+    ck = Checkpointer(tmp_path, async_save=False)
+    ck.save(3, make_state(0))
+    with pytest.raises(ValueError, match=r"step must be a non-negative int, got "):
+        ck.load(step, make_state(1))
+    ck.load(np.int64(3), make_state(1))
+
+
+@pytest.mark.parametrize("keep_last", [2, None], ids=["keep_last=2", "keep_last=None"])
+def test_a_checkpoint_of_a_newer_format_is_neither_resumed_past_nor_replaced_nor_deleted(
+    tmp_path, keep_last
+):
+    """A manifest with a newer ``format_version`` (written by a newer release) stops
+    resume, saves and consolidation with the advice to upgrade, and is left as it is: it
+    is not skipped as an interrupted save, which would resume the older checkpoint and then
+    delete or replace the newer one."""
+    root = tmp_path / "ckpt"
+    with Checkpointer(root, keep_last=keep_last, async_save=False) as ck:
+        for step in (1, 2):
+            ck.save(step, make_state(step))
+    manifest = root / "step_0000000002" / MANIFEST_NAME
+    record = json.loads(manifest.read_text())
+    record["format_version"] = 2
+    manifest.write_text(json.dumps(record))
+    before = {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    newer = (
+        r"step_0000000002/hlat-checkpoint.json: format_version 2, written by a newer "
+        "hlat-ckpt; this one reads version 1: upgrade hlat-ckpt"
+    )
+
+    ck = Checkpointer(root, keep_last=keep_last, async_save=False)
+    with pytest.raises(CheckpointError, match=newer):
+        ck.load_latest(make_state(0))
+    with pytest.raises(CheckpointError, match=newer):
+        ck.load(1, make_state(0))
+    for step in (3, 2):
+        with pytest.raises(CheckpointError, match=f"step {step} not saved: .*{newer}"):
+            ck.save(step, make_state(0))
+    with pytest.raises(UnsupportedFormatError, match=newer):
+        ck.list()
+    with pytest.raises(UnsupportedFormatError, match=newer):
+        consolidate(root)
+    after = {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    assert after == before
 
 
 class NestedOptimizerCheckpointer(Checkpointer):

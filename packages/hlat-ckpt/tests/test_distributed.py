@@ -2,7 +2,8 @@
 each rank checks the checksums of its own shard files; the checksums computed while writing
 reach the manifest; replicated tensors are written once; a rewound job saves a step again;
 pipeline stages load their own layers, and layers no stage holds are refused; data-parallel
-replicas load strictly, and refuse what one of them finds amiss; a save before the
+replicas load strictly, and refuse what one of them finds amiss; state that one rank cannot
+save is refused on every rank; a save before the
 optimizer's first step leaves every rank's optimizer as it was, and a checkpoint directory
 passed as the root is refused on every rank."""
 
@@ -163,6 +164,23 @@ def test_replicas_asking_the_same_keys_load_strictly_and_refuse_on_every_rank_al
 def test_a_save_before_the_first_step_changes_no_rank_and_a_checkpoint_is_no_root(tmp_path):
     launch("before_first_step", tmp_path)
     assert [c.step for c in Checkpointer(tmp_path).list()] == [0]
+
+
+def test_state_one_rank_cannot_save_is_refused_on_every_rank_before_any_write(tmp_path):
+    root = tmp_path / "ckpt"
+    launch("unsaveable_on_one_rank", root)
+    got = [json.loads((root / f"unsaveable_rank{rank}.json").read_text()) for rank in range(2)]
+    for mode in ("False", "True"):
+        assert got[1][mode].startswith(
+            "TypeError: _rank/00001/loader['seen']: cannot save a builtins.set"
+        ), got[1]
+        assert got[0][mode].startswith(
+            "CheckpointError: rank 1 cannot save its state (TypeError: "
+            "_rank/00001/loader['seen']: cannot save a builtins.set"
+        ), got[0]
+        assert got[0][mode].endswith("no rank wrote anything"), got[0]
+        assert got[0][f"{mode} files"] == got[1][f"{mode} files"] == [], got
+    assert got[0]["listed"] == got[1]["listed"] == [1], got
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from ckpt_helpers import Counters, make_state, snapshot, train_step
@@ -165,11 +166,12 @@ def test_per_rank_state_names_a_missing_entry():
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_round_trip_restores_everything_and_the_next_step_is_identical(tmp_path, async_save):
+    """A NumPy integer step saves as its int, as with :class:`~hlat_ckpt.Checkpointer`."""
     ck = checkpointer(tmp_path, async_save=async_save)
     a = make_state(0)
     for _ in range(3):
         train_step(a)
-    ck.save(3, a)
+    ck.save(np.int64(3), a)
     saved = snapshot(a)
     saved_scheduler = a["scheduler"].state_dict()
     ck.wait()

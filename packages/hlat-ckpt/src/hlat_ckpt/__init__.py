@@ -16,6 +16,7 @@ from .manifest import (
     DamagedCheckpointError,
     IncompleteCheckpointError,
     Manifest,
+    UnsupportedFormatError,
 )
 from .rng import RNGState
 
@@ -33,9 +34,10 @@ __all__ = [
     "NeuronCheckpointer",
     "RNGState",
     "SaveStats",
+    "UnsupportedFormatError",
     "consolidate",
 ]
-__version__ = "0.11.1"
+__version__ = "0.12.0"
 
 
 def __getattr__(name: str) -> Any:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import numbers
 import os
 import pickle
 import re
@@ -22,7 +21,7 @@ from . import replicas, state_json
 from .manifest import IncompleteCheckpointError, Manifest
 from .policy import CheckpointError as CheckpointError
 from .policy import CheckpointInfo as CheckpointInfo
-from .policy import CheckpointPolicy, Written
+from .policy import CheckpointPolicy, Written, checked_step
 from .policy import SaveStats as SaveStats
 from .rng import RNGState
 
@@ -179,9 +178,7 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         not saved, and a second call saves it.
         """
         self._refuse_closed()
-        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-        step = int(step)
+        step = checked_step(step)
         started = time.perf_counter()
         entries = self._classify(state)
         # Note: not saved after the failure either: a failure that some ranks saw before
@@ -665,29 +662,55 @@ class Checkpointer(CheckpointPolicy[Future[None]]):
         global_skel: dict[str, Any] = {}
         rank_skel: dict[str, Any] = {}
         prefix = _rank_prefix(self.rank)
+        # Note: a rank whose own state cannot be saved (a set in its loader state) goes on
+        # to the exchange below, so that every rank raises, not this one alone while the
+        # others wait in the exchange until the group breaks
+        failure: Exception | None = None
         for name, (kind, obj) in entries.items():
             if kind in ("module", "optimizer"):
-                skel, tensors = state_json.split(self._get_state_dict(kind, obj), name)
-                global_skel[name] = skel
-            else:
-                value = dict(obj) if kind == "dict" else obj.state_dict()
-                skel, tensors = state_json.split(value, f"{prefix}/{name}")
-                rank_skel[name] = skel
+                # the engines' state dicts may be collective: every rank gets them all
+                value = self._get_state_dict(kind, obj)
+            try:
+                if kind in ("module", "optimizer"):
+                    skel, tensors = state_json.split(value, name)
+                    global_skel[name] = skel
+                else:
+                    value = dict(obj) if kind == "dict" else obj.state_dict()
+                    skel, tensors = state_json.split(value, f"{prefix}/{name}")
+                    rank_skel[name] = skel
+            except Exception as e:
+                failure = failure or e
+                continue
             flat.update(tensors)
-        # Serialised now, so later changes to the live objects cannot leak into an async save.
-        flat[f"{prefix}/_json"] = _bytes_tensor(state_json.dumps(rank_skel))
+        try:
+            # Serialised now, so later changes to the live objects cannot leak into an async
+            # save.
+            flat[f"{prefix}/_json"] = _bytes_tensor(state_json.dumps(rank_skel))
+        except Exception as e:
+            failure = failure or e
         self._not_mine = set()
+        if self._group is None and failure is not None:
+            raise failure
         if self._group is not None:
             # Ranks may hold different parameters (pipeline stages): rank 0 writes the union
             # of every rank's keys. The same exchange tells which rank writes each tensor
             # that several ranks hold.
             items = {key: replicas.item_of(t) for key, t in flat.items()}
+            problem = None if failure is None else f"{type(failure).__name__}: {failure}"
             gathered: builtins.list[Any] = [None] * self.world_size
-            dist.all_gather_object(gathered, (global_skel, items), group=self._group)
-            for other, _ in gathered:
+            dist.all_gather_object(gathered, (global_skel, items, problem), group=self._group)
+            if failure is not None:
+                raise failure
+            others = [(rank, p) for rank, (_, _, p) in enumerate(gathered) if p is not None]
+            if others:
+                rank, problem = others[0]
+                raise CheckpointError(
+                    f"rank {rank} cannot save its state ({problem}); no rank wrote anything"
+                )
+            for other, _, _ in gathered:
                 for name, skel in other.items():
                     global_skel[name] = {**skel, **global_skel[name]}
-            self._not_mine = replicas.not_mine([i for _, i in gathered], self.rank)
+            self._not_mine = replicas.not_mine([i for _, i, _ in gathered], self.rank)
         if self.rank == 0:
             flat[_GLOBAL_JSON] = _bytes_tensor(state_json.dumps(global_skel))
         return flat

@@ -40,6 +40,12 @@ class IncompleteCheckpointError(RuntimeError):
     """A checkpoint directory that is not (or no longer) a complete checkpoint."""
 
 
+class UnsupportedFormatError(RuntimeError):
+    """A checkpoint whose manifest has a newer ``format_version`` than this hlat-ckpt
+    reads (written by a newer release). It is never resumed, replaced or deleted: a
+    checkpointer refuses to load, save or consolidate under a root that holds one."""
+
+
 class DamagedCheckpointError(IncompleteCheckpointError):
     """A checkpoint whose files are all present with their sizes, but one of them no longer
     has the checksum recorded in the manifest."""
@@ -101,7 +107,19 @@ class Manifest:
             raise IncompleteCheckpointError(f"{where}: not valid JSON ({e})") from None
         if not isinstance(record, dict) or record.get("format") != FORMAT:
             raise IncompleteCheckpointError(f"{where}: not an {FORMAT} manifest")
-        if record.get("format_version") != FORMAT_VERSION:
+        version = record.get("format_version")
+        if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+            # Note: not an IncompleteCheckpointError, which resume skips and retention
+            # deletes as an interrupted save: a newer release's checkpoint may be the
+            # run's newest, and an older release must neither fall back past it nor
+            # delete it
+            raise UnsupportedFormatError(
+                f"{where}: format_version {version}, written by a newer hlat-ckpt; this "
+                f"one reads version {FORMAT_VERSION}: upgrade hlat-ckpt, or "
+                "move that checkpoint out of the root to use the others (nothing was "
+                "deleted)"
+            )
+        if version != FORMAT_VERSION:
             raise IncompleteCheckpointError(
                 f"{where}: format_version {record.get('format_version')!r}; this hlat-ckpt "
                 f"reads version {FORMAT_VERSION}: upgrade hlat-ckpt"
@@ -255,7 +273,8 @@ def validate(storage: Storage, dirname: str, step: int, *, checksums: bool = Fal
 def scan(storage: Storage) -> tuple[dict[str, Manifest], dict[str, int]]:
     """Every checkpoint directory under the root, read: ``({dirname: manifest}, {dirname:
     step})``, the second for directories without a valid manifest naming their step
-    (interrupted saves, write directories). The files themselves are not checked."""
+    (interrupted saves, write directories). The files themselves are not checked. Raises
+    :class:`UnsupportedFormatError` where a checkpoint has a newer format."""
     final, leftovers = storage.list_dirs()
     manifests: dict[str, Manifest] = {}
     for dirname, step in final.items():

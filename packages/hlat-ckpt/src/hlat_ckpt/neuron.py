@@ -47,7 +47,7 @@ from torch import nn
 
 from . import state_json
 from .manifest import MANIFEST_NAME, Manifest
-from .policy import CheckpointError, CheckpointPolicy, Written
+from .policy import CheckpointError, CheckpointPolicy, Written, checked_step
 from .policy import CheckpointInfo as CheckpointInfo  # importable from here, as before
 from .policy import SaveStats as SaveStats
 from .rng import RNGState
@@ -374,8 +374,7 @@ class NeuronCheckpointer(CheckpointPolicy[Written]):
         the checkpoint is committed by the next :meth:`save`, :meth:`wait` or :meth:`close`.
         """
         self._refuse_closed()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        step = checked_step(step)
         first = _NXD_MODES.get(self._nxd)
         if first is not None and first != self.async_save:
             raise ValueError(

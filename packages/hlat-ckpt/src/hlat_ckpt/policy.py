@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import concurrent.futures.thread  # noqa: F401  (registers its exit hook before ours)
+import numbers
 import os
 import sys
 import threading
@@ -32,6 +33,7 @@ from .manifest import (
     MANIFEST_NAME,
     IncompleteCheckpointError,
     Manifest,
+    UnsupportedFormatError,
     checksum_files,
     package_versions,
     read_manifest,
@@ -46,6 +48,14 @@ from .storage import Storage, parse_dirname, step_dirname
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; the message says which step, where and why."""
+
+
+def checked_step(step: object) -> int:
+    """``step`` as an ``int`` (a NumPy integer is taken as its int); ``ValueError`` where it
+    is not a non-negative integer."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    return int(step)
 
 
 @dataclass(frozen=True)
@@ -298,8 +308,8 @@ class CheckpointPolicy(Generic[PendingT]):
             chosen: builtins.list[Any] = [-1, "", ""]
             commits: builtins.list[Commit] = []
             if self.rank == 0:
-                manifests, leftovers = scan(self._storage)
-                if not manifests and not leftovers:
+                manifests, leftovers, chosen[2] = self._scan()
+                if not chosen[2] and not manifests and not leftovers:
                     chosen[2] = self._root_mistake()
                 if not rejected:
                     self._warn_uncommitted(leftovers)
@@ -344,6 +354,15 @@ class CheckpointPolicy(Generic[PendingT]):
             self._damaged.add(dirname)
             rejected.add(dirname)
 
+    def _scan(self) -> tuple[dict[str, Manifest], dict[str, int], str]:
+        """:func:`~hlat_ckpt.manifest.scan` of the root, with why it cannot be used (a
+        checkpoint of a newer format) as a third item, ``""`` where it can (rank 0)."""
+        try:
+            manifests, leftovers = scan(self._storage)
+        except UnsupportedFormatError as e:
+            return {}, {}, str(e)
+        return manifests, leftovers, ""
+
     def _warn_uncommitted(self, leftovers: dict[str, int]) -> None:
         """Warn about checkpoint directories that were never committed (a save that died
         before its manifest), which resume skips."""
@@ -369,13 +388,14 @@ class CheckpointPolicy(Generic[PendingT]):
         a new lineage (:mod:`hlat_ckpt.lineage`).
         """
         self._refuse_closed()
+        step = checked_step(step)
         resolved = self._resolve(state)
         self.wait()
         chosen: builtins.list[Any] = ["", ""]
         commits: builtins.list[Commit] = []
         if self.rank == 0:
-            manifests, leftovers = scan(self._storage)
-            if not manifests and not leftovers:
+            manifests, leftovers, chosen[1] = self._scan()
+            if not chosen[1] and not manifests and not leftovers:
                 chosen[1] = self._root_mistake()
             commits = [m.commit(d) for d, m in manifests.items()]
             current = {c.dirname for c in lineages.current_ancestry(commits)}
@@ -477,8 +497,20 @@ class CheckpointPolicy(Generic[PendingT]):
     def __enter__(self: PolicyT) -> PolicyT:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc is None:
+            self.close()
+            return
+        # Note: the block is already raising; a failed background save must not replace
+        # that error (it is the cause the user needs), so it is reported as a warning
+        try:
+            self.close()
+        except Exception as e:
+            warnings.warn(
+                f"{type(self).__name__}.close() while leaving the with block on "
+                f"{type(exc).__name__}: {type(e).__name__}: {e}",
+                stacklevel=2,
+            )
 
     # --- resume ----------------------------------------------------------------------------
 
@@ -586,9 +618,12 @@ class CheckpointPolicy(Generic[PendingT]):
         """
         name, refusal = step_dirname(step), ""
         if self.rank == 0:
-            refusal = self._ensure_lineage()
-            if not refusal:
-                name, refusal = self._choose_dirname(step)
+            try:
+                refusal = self._ensure_lineage()
+                if not refusal:
+                    name, refusal = self._choose_dirname(step)
+            except UnsupportedFormatError as e:
+                refusal = f"step {step} not saved: {e}"
             if not refusal:
                 self._storage.remove_dir(self._storage.write_dirname(name))
         steps = [step]
@@ -810,8 +845,14 @@ class CheckpointPolicy(Generic[PendingT]):
     def _retain(self, committed: Commit) -> None:
         """Delete what keep_last/keep_every no longer keep, abandoned lineages' checkpoints
         this lineage has got past, and leftovers of other saves, just after ``committed``
-        was committed (rank 0; the rule is :func:`hlat_ckpt.lineage.to_delete`)."""
-        manifests, leftovers = scan(self._storage)
+        was committed (rank 0; the rule is :func:`hlat_ckpt.lineage.to_delete`). Deletes
+        nothing where the root now holds a checkpoint of a newer format (a newer release
+        saving there too), with a warning."""
+        try:
+            manifests, leftovers = scan(self._storage)
+        except UnsupportedFormatError as e:
+            warnings.warn(f"retention skipped after step {committed.step}: {e}", stacklevel=2)
+            return
         commits: builtins.list[Commit] = []
         for dirname, manifest in manifests.items():
             damaged = dirname in self._damaged and dirname != committed.dirname

@@ -142,6 +142,30 @@ def test_convert_of_a_missing_or_non_string_field_is_an_error(tmp_path):
         convert_to_arrow(str(tmp_path / "y.jsonl"), tmp_path / "out.arrow")
 
 
+def test_convert_reads_every_text_column_type_arrow_source_reads(tmp_path, documents):
+    """string_view and dictionary-encoded (categorical) text columns, in Arrow and Parquet
+    files: the same documents through convert as through ArrowSource."""
+    docs = [d for d in documents if d][:12]
+    columns = {
+        "view": pa.array(docs, pa.string_view()),
+        "dict": pa.array(docs).dictionary_encode(),
+        "large_dict": pa.array(docs, pa.large_string()).dictionary_encode(),
+    }
+    for name, column in columns.items():
+        table = pa.table({"text": column})
+        pq.write_table(table, tmp_path / f"{name}.parquet", row_group_size=5)
+        with pa.ipc.new_file(tmp_path / f"{name}.arrow", table.schema) as writer:
+            writer.write_table(table, max_chunksize=5)
+        for suffix in (".parquet", ".arrow"):
+            path = tmp_path / f"{name}{suffix}"
+            assert ArrowSource(path).texts(range(len(docs))) == docs, path.name
+            convert_to_arrow(str(path), tmp_path / "out.arrow", batch_rows=4)
+            assert ArrowSource(tmp_path / "out.arrow").texts(range(len(docs))) == docs, path.name
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ids.parquet")
+    with pytest.raises(DataError, match=r"ids\.parquet: column 'text' has type int64, not text"):
+        convert_to_arrow(str(tmp_path / "ids.parquet"), tmp_path / "out.arrow")
+
+
 def test_convert_of_an_unpaired_surrogate_escape_names_file_and_line(tmp_path, capsys):
     (tmp_path / "x.jsonl").write_text('{"text": "a"}\n{"text": "x\\ud800y"}\n')
     with pytest.raises(DataError, match=r"x\.jsonl:2: field 'text' holds an unpaired surrogate"):

@@ -339,6 +339,14 @@ def test_invalid_arguments_are_errors_before_any_work(source, tokenizer):
     make_loader(source, tokenizer, seed=np.int64(2**40))
 
 
+@pytest.mark.parametrize("epochs", [1.5, 2.0, True, "2", 0])
+def test_num_epochs_must_be_an_integer(source, tokenizer, epochs):
+    with pytest.raises(
+        DataError, match=rf"num_epochs must be an integer of at least 1 or None, got {epochs!r}"
+    ):
+        make_loader(source, tokenizer, num_epochs=epochs)
+
+
 def test_reading_from_s3_gives_the_same_batches_as_the_local_file(
     corpus, tokenizer, s3_bucket, reference
 ):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -332,6 +333,43 @@ def test_bad_specs_are_named(parts, tokenizer, sources, message):
     spec = [MixtureSource(name, ArrowSource(parts["web"]), w) for name, w in sources]
     with pytest.raises(DataError, match=message):
         MixedLoader(spec, tokenizer, SEQ, 1)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("epochs", 1.5), ("epochs", True), ("epochs", 0), ("max_tokens", "5M"), ("max_tokens", 1e6)],
+)
+def test_caps_must_be_integers(parts, tokenizer, field, value):
+    spec = [MixtureSource("web", ArrowSource(parts["web"]), 1, **{field: value})]
+    message = rf"source 0 \('web'\): {field} must be an integer of at least 1 or None, got "
+    with pytest.raises(DataError, match=message + re.escape(repr(value))):
+        MixedLoader(spec, tokenizer, SEQ, 1)
+
+
+def test_a_cap_that_is_not_an_integer_in_a_mixture_file_is_one_line_with_status_2(
+    parts, tokenizer_path, tmp_path, capsys
+):
+    from hlat_data.cli import main
+
+    toml = tmp_path / "mixture.toml"
+    web, code = parts["web"], parts["code"]
+    toml.write_text(
+        f'[[sources]]\nname = "web"\npaths = ["{web}"]\nweight = 0.7\nmax_tokens = "5M"\n\n'
+        f'[[sources]]\nname = "code"\npaths = ["{code}"]\nweight = 0.3\n'
+    )
+    assert main(["stats", "--mixture", str(toml), "--tokenizer", tokenizer_path]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "hlat-data stats: mixture source 0 ('web'): max_tokens must be an integer of at least 1 "
+        "or None, got '5M'"
+    ]
+
+
+def test_a_source_too_small_for_the_layout_is_named(parts, tokenizer):
+    """Of 20, 12 and 16 documents in blocks of 6, only code's make fewer blocks than 3 ranks."""
+    with pytest.raises(DataError, match=r"^mixture source 'code': 12 documents make 2 block"):
+        MixedLoader(mixture(parts, {"web": 1, "code": 1, "books": 1}), tokenizer, SEQ, 1,
+                    dp_size=3, block_size=6)  # fmt: skip
 
 
 def test_a_negative_seed_is_refused(parts, tokenizer):

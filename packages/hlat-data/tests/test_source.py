@@ -120,15 +120,48 @@ def test_arrow_files_of_the_format_before_0_15_are_read(tmp_path, documents):
     assert ArrowSource(path).texts(range(12)) == documents[:12]
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_dictionary_encoded_text_column_is_an_error_naming_the_file(tmp_path, stream):
-    path = tmp_path / "dict.arrow"
-    column = pa.array(["a", "b", "a"]).dictionary_encode()
-    batch = pa.record_batch([column], names=["text"])
-    with (pa.ipc.new_stream if stream else pa.ipc.new_file)(path, batch.schema) as writer:
-        writer.write_batch(batch)
-    with pytest.raises(DataError, match=r"dict\.arrow.*(dictionary|string)"):
+@pytest.mark.parametrize("layout", ["file", "stream", "parquet"])
+def test_a_dictionary_encoded_text_column_is_read_as_its_strings(tmp_path, documents, layout):
+    """A categorical text column (and another one beside it) reads as the plain strings, also
+    past a dictionary batch that extends (file) or replaces (stream) the first one."""
+    half = len(documents) // 2
+
+    def batch(texts: list[str], dictionary: list[str]) -> pa.RecordBatch:
+        """``texts``, the last values of ``dictionary``, dictionary-encoded."""
+        indices = pa.array(range(len(dictionary) - len(texts), len(dictionary)), pa.int32())
+        langs = pa.array(["en", "fr"] * len(texts))[: len(texts)]
+        return pa.record_batch(
+            [pa.DictionaryArray.from_arrays(indices, dictionary), langs.dictionary_encode()],
+            names=["text", "lang"],
+        )
+
+    # the second batch's dictionary: the first one extended (file) or a new one (stream)
+    first = batch(documents[:half], documents[:half])
+    second = batch(documents[half:], documents if layout == "file" else documents[half:])
+    if layout == "parquet":
+        path = tmp_path / "dict.parquet"
+        pq.write_table(pa.Table.from_batches([first, second]), path, row_group_size=7)
+        assert pq.read_schema(path).field("text").type == first.schema.field("text").type
+    else:
+        path = tmp_path / "dict.arrow"
+        opener = pa.ipc.new_stream if layout == "stream" else pa.ipc.new_file
+        options = pa.ipc.IpcWriteOptions(emit_dictionary_deltas=layout == "file")
+        with opener(path, first.schema, options=options) as writer:
+            writer.write_table(pa.Table.from_batches([first]), max_chunksize=7)
+            writer.write_batch(second)
+    source = ArrowSource(path)
+    order = np.random.default_rng(0).permutation(len(documents))
+    assert source.texts(order) == [documents[i] for i in order]
+
+
+def test_a_column_that_is_not_text_is_an_error_naming_the_column_to_pass(tmp_path):
+    path = tmp_path / "ids.arrow"
+    table = pa.table({"text": pa.array([1, 2]).dictionary_encode()})
+    with pa.ipc.new_file(path, table.schema) as writer:
+        writer.write_table(table)
+    with pytest.raises(DataError, match=r"ids\.arrow: column 'text' has type dictionary<") as e:
         ArrowSource(path)
+    assert "text_column=" in str(e.value) and "convert" not in str(e.value)
 
 
 def test_a_damaged_file_footer_is_an_error_naming_the_file(tmp_path, corpus):

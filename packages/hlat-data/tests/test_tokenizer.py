@@ -208,6 +208,37 @@ def test_train_tokenizer_takes_a_glob_of_text_files_as_their_list(tmp_path, docu
         train_tokenizer(str(texts / "*.md"), tmp_path / "none", 400)
 
 
+def test_a_glob_reads_each_file_it_matches_by_the_file_s_own_name(
+    tmp_path, documents, arrow_writer
+):
+    """A pattern without a suffix (``part-*``, ``data-*``) reads JSON lines, Arrow and text
+    files each as such, as the list of the files it matches does."""
+    import json
+
+    import sentencepiece
+
+    from hlat_data import train_tokenizer
+
+    lines = "".join(json.dumps({"text": d}) + "\n" for d in documents[:30])
+    for folder in ("jdir", "mixed"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "part-0.jsonl").write_text(lines[: len(lines) // 2 + 1])
+        (tmp_path / folder / "part-1.jsonl").write_text(lines[len(lines) // 2 + 1 :])
+    arrow_writer(tmp_path / "mixed" / "part-2.arrow", documents[30:], stream=True)
+    (tmp_path / "mixed" / "part-3.txt").write_text("\n".join(documents[:10]))
+
+    def vocabulary(inputs: str | list[str], name: str) -> list[tuple[str, float]]:
+        path = train_tokenizer(inputs, tmp_path / name, 400, num_threads=1)
+        model = sentencepiece.SentencePieceProcessor(model_file=path)
+        return [(model.id_to_piece(i), model.get_score(i)) for i in range(model.get_piece_size())]
+
+    for folder in ("jdir", "mixed"):
+        files = sorted(str(p) for p in (tmp_path / folder).iterdir())
+        globbed = vocabulary(str(tmp_path / folder / "part-*"), f"{folder}_globbed")
+        assert globbed == vocabulary(files, f"{folder}_listed"), folder
+    assert not any('"text"' in piece for piece, _ in globbed)  # JSON read as JSON, not text
+
+
 # "€abcd" is 7 bytes: 4 x 5000 bytes end on the euro sign's first byte
 @pytest.mark.parametrize("word", ["hello world, this is text. ", "€abcd"])
 def test_max_chars_bounds_what_one_large_text_file_feeds(tmp_path, monkeypatch, word):

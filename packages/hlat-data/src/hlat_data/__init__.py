@@ -13,7 +13,7 @@ from hlat_data.packer import IGNORE_INDEX, Batch
 from hlat_data.source import ArrowSource, Source
 from hlat_data.tokenizer import Tokenizer, default_threads, train_tokenizer
 
-__version__ = "0.8.3"
+__version__ = "0.8.4"
 
 __all__ = [
     "IGNORE_INDEX",

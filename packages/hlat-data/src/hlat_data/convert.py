@@ -28,7 +28,15 @@ from hlat_data.jsonl import (
     decompressed,
     is_jsonl,
 )
-from hlat_data.source import ArrowSource, Source, _File, _resolve, data_files
+from hlat_data.source import (
+    ArrowSource,
+    Source,
+    _File,
+    _resolve,
+    data_files,
+    is_text_type,
+    text_type_error,
+)
 from hlat_data.tokenizer import Tokenizer
 
 _TABLE_SUFFIXES = (".arrow", ".parquet", ".pq", ".ipc", ".feather")
@@ -185,6 +193,8 @@ def corpus_stats(
 
 
 def _expand(entries: list[str], options: dict[str, Any]) -> list[str]:
+    """The inputs ``entries`` as files (and table directories), each to read as
+    :func:`_input_kind` says: globs expanded, a directory of JSON lines as its files."""
     files: list[str] = []
     for entry in entries:
         fs, path = fsspec.core.url_to_fs(entry, **options)
@@ -192,7 +202,9 @@ def _expand(entries: list[str], options: dict[str, Any]) -> list[str]:
             matches = data_files(entry, sorted(fs.glob(path)))
             if not matches:
                 raise DataError(f"{entry}: the pattern matches no files")
-            files += [entry if fs.protocol == "file" else fs.unstrip_protocol(m) for m in matches]
+            protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+            local = "file" in protocols
+            files += [m if local else fs.unstrip_protocol(m) for m in matches]
         elif fs.isdir(path):
             kinds = dict(_kinds(entry, options))
             if len(kinds) > 1:
@@ -214,6 +226,19 @@ def _expand(entries: list[str], options: dict[str, Any]) -> list[str]:
     return [os.path.abspath(f) if "://" not in f and "*" not in f else f for f in files]
 
 
+def _input_kind(fs: Any, path: str) -> str:
+    """How one input from :func:`_expand` is read: ``"jsonl"``, ``"parquet"``, ``"table"``
+    (an Arrow file or a directory, through :class:`ArrowSource`) or ``"text"`` (one
+    document); by its own name, whatever pattern matched it."""
+    if is_jsonl(path):
+        return "jsonl"
+    if path.endswith((".parquet", ".pq")):
+        return "parquet"
+    if path.endswith(_TABLE_SUFFIXES) or fs.isdir(path):
+        return "table"
+    return "text"
+
+
 def _null(what: str) -> DataError:
     return DataError(
         f"{what}; clean the data, or pass --nulls skip (nulls='skip') to leave null texts out"
@@ -223,9 +248,10 @@ def _null(what: str) -> DataError:
 def _documents(url: str, field: str, options: dict[str, Any], nulls: str) -> Iterator[str | None]:
     """The texts of one input; None for a null text that ``nulls="skip"`` leaves out."""
     fs, path = fsspec.core.url_to_fs(url, **options)
-    if is_jsonl(path):
+    kind = _input_kind(fs, path)
+    if kind == "jsonl":
         yield from _json_lines(url, field, options, nulls)
-    elif path.endswith(".parquet") or path.endswith(".pq"):
+    elif kind == "parquet":
         with fs.open(path, "rb") as f:
             reader = pq.ParquetFile(f)
             _check_field(url, field, reader.schema_arrow)
@@ -236,7 +262,7 @@ def _documents(url: str, field: str, options: dict[str, Any], nulls: str) -> Ite
                         raise _null(f"{url}: row {row} has a null {field!r}")
                     yield value
                     row += 1
-    elif path.endswith(_TABLE_SUFFIXES) or fs.isdir(path):
+    elif kind == "table":
         source = ArrowSource(url, text_column=field, storage_options=options, nulls="skip")
         for start in range(0, len(source), 4096):
             texts, bad = source.texts_with_bad(range(start, min(start + 4096, len(source))))
@@ -331,8 +357,10 @@ def _lines(pieces: Iterator[bytes]) -> Iterator[bytes]:
 def _check_field(url: str, field: str, schema: pa.Schema) -> None:
     if field not in schema.names:
         raise DataError(f"{url}: no column {field!r} (columns: {', '.join(schema.names)})")
-    if schema.field(field).type not in (pa.string(), pa.large_string()):
-        raise DataError(f"{url}: column {field!r} has type {schema.field(field).type}, not string")
+    if not is_text_type(schema.field(field).type):
+        raise text_type_error(
+            url, field, schema.field(field).type, "pass --text-field (text_field=)"
+        )
 
 
 def _progress(enabled: bool) -> Any:

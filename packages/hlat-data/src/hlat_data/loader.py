@@ -28,6 +28,11 @@ STATE_FORMAT = "hlat-data/1"
 MIXTURE_STATE_FORMAT = "hlat-data.mixture/1"  # hlat_data.mixture.MixedLoader's
 
 
+def is_count(value: Any) -> bool:
+    """Whether ``value`` is an integer of 1 or more (a bool is not): an epoch or token count."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 class PackedLoader:
     """Packed, exactly resumable micro-batches of one data-parallel rank.
 
@@ -107,8 +112,10 @@ class PackedLoader:
                 f"mp_context {mp_context!r} is not a start method of this platform "
                 f"(it has {', '.join(methods)})"
             )
-        if num_epochs is not None and num_epochs < 1:
-            raise DataError(f"num_epochs must be at least 1 or None, got {num_epochs}")
+        if num_epochs is not None and not is_count(num_epochs):
+            raise DataError(
+                f"num_epochs must be an integer of at least 1 or None, got {num_epochs!r}"
+            )
         if add_eos and tokenizer.eos_id < 0:
             how = (
                 "train it with an EOS id"

@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 
 from hlat_data.errors import DataError
-from hlat_data.loader import MIXTURE_STATE_FORMAT, PackedLoader, merge_states
-from hlat_data.order import check_seed
+from hlat_data.loader import MIXTURE_STATE_FORMAT, PackedLoader, is_count, merge_states
+from hlat_data.order import check_layout, check_seed
 from hlat_data.packer import Batch
 from hlat_data.tokenizer import Tokenizer
 
@@ -98,10 +98,11 @@ def check_mixture(sources: Sequence[MixtureSource]) -> None:
         seen.add(s.name)
         if not (isinstance(s.weight, int | float) and math.isfinite(s.weight) and s.weight > 0):
             raise DataError(f"{where}: weight must be a positive number, got {s.weight!r}")
-        if s.epochs is not None and s.epochs < 1:
-            raise DataError(f"{where}: epochs must be at least 1 or None, got {s.epochs}")
-        if s.max_tokens is not None and s.max_tokens < 1:
-            raise DataError(f"{where}: max_tokens must be at least 1 or None, got {s.max_tokens}")
+        for field, value in (("epochs", s.epochs), ("max_tokens", s.max_tokens)):
+            if value is not None and not is_count(value):
+                raise DataError(
+                    f"{where}: {field} must be an integer of at least 1 or None, got {value!r}"
+                )
 
 
 class MixedLoader:
@@ -145,6 +146,14 @@ class MixedLoader:
         if micro_batch_size < 1:
             raise DataError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
         check_seed(seed)
+        # Note: block_size and dp_rank are checked first on a corpus of exactly enough
+        # documents, so that only a source too small for the layout is named in an error
+        check_layout(block_size * dp_size, block_size, dp_rank, dp_size)
+        for s in sources:
+            try:
+                check_layout(len(s.source), block_size, dp_rank, dp_size)
+            except DataError as e:
+                raise DataError(f"mixture source {s.name!r}: {e}") from None
         total = float(sum(s.weight for s in sources))
         self.sources = list(sources)
         self.shares = [s.weight / total for s in sources]

@@ -29,6 +29,7 @@ from hlat_data.errors import DataError
 
 _FILE_MAGIC = b"ARROW1"
 _STRING_TYPES = (pa.string(), pa.large_string(), pa.string_view())
+"""The text types of a text column, also as the values of a dictionary-encoded one."""
 _PARQUET_SUFFIXES = (".parquet", ".pq")
 _ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
 _DATASETS_METADATA = frozenset(
@@ -36,6 +37,30 @@ _DATASETS_METADATA = frozenset(
 )
 """Names of the metadata files that ``datasets`` writes beside its data (``save_to_disk``,
 ``push_to_hub`` exports): never documents, whatever their suffix."""
+
+
+def is_text_type(kind: pa.DataType) -> bool:
+    """Whether a column of type ``kind`` holds text: a string type of ``_STRING_TYPES``, or a
+    dictionary-encoded (categorical) column of one."""
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return kind in _STRING_TYPES
+
+
+def text_type_error(url: str, column: str, kind: pa.DataType, how: str) -> DataError:
+    """The error for a column ``column`` of type ``kind`` that is not text; ``how`` says how
+    to name another column."""
+    return DataError(
+        f"{url}: column {column!r} has type {kind}, not text (string, large_string, "
+        f"string_view, or a dictionary of one of them); {how} to name the column holding it"
+    )
+
+
+def decoded(column: Any) -> Any:
+    """``column`` (an Arrow array or chunked array) with dictionary encoding undone."""
+    if pa.types.is_dictionary(column.type):
+        return column.cast(column.type.value_type)
+    return column
 
 
 def data_files(entry: str, paths: Iterable[str]) -> list[str]:
@@ -261,7 +286,8 @@ class ArrowSource(FileSource):
             (file or stream format), a Parquet file, a directory written by
             ``datasets.Dataset.save_to_disk``, a directory of such files, or a glob.
             Local paths are memory-mapped; other fsspec URLs (``s3://...``) are streamed.
-        text_column: the string column holding the documents.
+        text_column: the column holding the documents: ``string``, ``large_string`` or
+            ``string_view``, or a dictionary-encoded (categorical) column of one of them.
         max_chars: documents longer than this are split into pieces (:func:`split_text`:
             before a space that follows a non-space where the window has one), still one
             document for packing, with the ids of the whole text: the tokenizer encodes the
@@ -317,6 +343,8 @@ class ArrowSource(FileSource):
             raise DataError(f"no data files given: {paths_or_urls!r}")
         self._parts: list[_Part] = []
         self._schemas: dict[int, pa.Schema] = {}
+        # per file with dictionary batches: byte ranges of its schema message, then of those
+        self._dictionaries: dict[int, list[tuple[int, int]]] = {}
         for index, file in enumerate(self._files):
             self._parts += self._index(index, file)
         rows = np.array([p.rows for p in self._parts], dtype=np.int64)
@@ -389,11 +417,8 @@ class ArrowSource(FileSource):
                 f"{', '.join(schema.names) or 'none'}); pass text_column= to ArrowSource"
             )
         kind = schema.field(self.text_column).type
-        if kind not in _STRING_TYPES:
-            raise DataError(
-                f"{file.url}: column {self.text_column!r} has type {kind}, not a string "
-                "type; convert it to text first (hlat-data convert)"
-            )
+        if not is_text_type(kind):
+            raise text_type_error(file.url, self.text_column, kind, "pass text_column=")
 
     def _index(self, index: int, file: _File) -> list[_Part]:
         try:
@@ -455,14 +480,19 @@ class ArrowSource(FileSource):
             raise corrupt("no Arrow schema at its start", e) from None
         self._check_schema(file, schema)
         self._schemas[index] = schema
+        schema_range = (8 if is_file_format else 0, handle.tell())
         if is_file_format:
             try:
-                return self._index_from_footer(index, file, handle)
+                listed, dictionary_ranges = self._index_from_footer(index, file, handle)
+                if dictionary_ranges:
+                    self._dictionaries[index] = [schema_range, *dictionary_ranges]
+                return listed
             except DataError:
                 raise
             except (ValueError, struct.error, IndexError) as e:
                 raise corrupt("the Arrow file footer is unreadable", e) from None
         parts: list[_Part] = []
+        dictionaries: list[tuple[int, int]] = []
         first = 0
         offset = handle.tell()
         while True:
@@ -477,20 +507,23 @@ class ArrowSource(FileSource):
                 break
             kind, rows, next_offset = header
             if kind == _DICTIONARY_BATCH:
-                raise DataError(
-                    f"{file.url}: Arrow message of type 'dictionary batch' at byte {offset}; "
-                    "dictionary-encoded columns are not supported: cast the text column to string"
-                )
-            if kind != _RECORD_BATCH:
+                dictionaries.append((offset, next_offset))
+            elif kind == _RECORD_BATCH:
+                parts.append(_Part(index, offset, rows, first, next_offset))
+                first += rows
+            else:
                 raise corrupt(f"unexpected Arrow message (type {kind}) at byte {offset}")
-            parts.append(_Part(index, offset, rows, first, next_offset))
-            first += rows
             offset = next_offset
+        if dictionaries:
+            self._dictionaries[index] = [schema_range, *dictionaries]
         return parts
 
-    def _index_from_footer(self, index: int, file: _File, handle: Any) -> list[_Part]:
-        """The parts of an Arrow IPC *file*: its footer lists where every record batch is,
-        so the metadata of all of them is read at once (concurrent ranged reads remotely)."""
+    def _index_from_footer(
+        self, index: int, file: _File, handle: Any
+    ) -> tuple[list[_Part], list[tuple[int, int]]]:
+        """The parts of an Arrow IPC *file*, and the byte ranges of its dictionary batches:
+        its footer lists where every record batch is, so the metadata of all of them is read
+        at once (concurrent ranged reads remotely)."""
         handle.seek(file.size - 10)
         (footer_size,) = struct.unpack("<i", handle.read(4))
         footer_start = file.size - 10 - footer_size
@@ -498,12 +531,7 @@ class ArrowSource(FileSource):
             raise ValueError(f"footer length {footer_size}")
         handle.seek(footer_start)
         dictionaries, blocks = _footer_blocks(handle.read(footer_size))
-        if dictionaries:
-            raise DataError(
-                f"{file.url}: the Arrow file has dictionary batches; dictionary-encoded columns "
-                "are not supported: cast the text column to string"
-            )
-        for offset, meta_len, body_len in blocks:
+        for offset, meta_len, body_len in dictionaries + blocks:
             if offset < 8 or meta_len < 8 or offset + meta_len + body_len > footer_start:
                 raise ValueError(f"a record batch at byte {offset} runs past the data")
         if _is_local(file):
@@ -527,7 +555,34 @@ class ArrowSource(FileSource):
                 raise ValueError(f"the message at byte {offset} is not the record batch listed")
             parts.append(_Part(index, offset, rows, first, offset + meta_len + body_len))
             first += rows
-        return parts
+        return parts, [(o, o + m + b) for o, m, b in sorted(dictionaries)]
+
+    def _read_with_dictionaries(
+        self, part: _Part, dictionaries: list[tuple[int, int]]
+    ) -> pa.RecordBatch:
+        """The record batch of ``part`` from a file with dictionary batches (``dictionaries``:
+        the byte ranges of its schema message, then of those)."""
+        # Note: pyarrow decodes dictionary batches only inside a stream reader, so the record
+        # batch is read as a stream of the schema, the dictionary batches in front of it (a
+        # later one may replace or extend an earlier one) and the batch itself
+        schema, *earlier = dictionaries
+        ranges = [schema, *(r for r in earlier if r[0] < part.locator), (part.locator, part.end)]
+        file = self._files[part.file]
+        if _is_local(file):
+            handle = self._open(part.file)
+            pieces = []
+            for start, end in ranges:
+                handle.seek(start)
+                pieces.append(handle.read(end - start))
+        else:
+            pieces = file.fs.cat_ranges(
+                [file.path] * len(ranges),
+                [r[0] for r in ranges],
+                [r[1] for r in ranges],
+                on_error="raise",
+            )
+        stream = b"".join(pieces) + _CONTINUATION + b"\0\0\0\0"  # end-of-stream marker
+        return pa.ipc.open_stream(pa.py_buffer(stream)).read_next_batch()
 
     def _part(self, part_index: int) -> pa.Array:
         column = self._cache.get(part_index)
@@ -538,16 +593,22 @@ class ArrowSource(FileSource):
         file = self._files[part.file]
         if file.fmt == "parquet":
             table = self._open(part.file).read_row_group(part.locator, columns=[self.text_column])
-            column = table.column(0).combine_chunks()
+            column = decoded(table.column(0)).combine_chunks()
         else:
-            if _is_local(file):
-                handle = self._open(part.file)
-                handle.seek(part.locator)
-            else:  # one ranged request for exactly this message, not a read-ahead block
-                handle = pa.py_buffer(file.fs.cat_file(file.path, start=part.locator, end=part.end))
+            dictionaries = self._dictionaries.get(part.file)
             try:
-                message = pa.ipc.read_message(handle)
-                batch = pa.ipc.read_record_batch(message, self._schemas[part.file])
+                if dictionaries:
+                    batch = self._read_with_dictionaries(part, dictionaries)
+                else:
+                    if _is_local(file):
+                        handle = self._open(part.file)
+                        handle.seek(part.locator)
+                    else:  # one ranged request for exactly this message, not a read-ahead block
+                        handle = pa.py_buffer(
+                            file.fs.cat_file(file.path, start=part.locator, end=part.end)
+                        )
+                    message = pa.ipc.read_message(handle)
+                    batch = pa.ipc.read_record_batch(message, self._schemas[part.file])
                 # offsets inside the body are only trusted after a full check (UTF-8 too)
                 batch.column(self.text_column).validate(full=True)
             except (pa.ArrowException, OSError) as e:
@@ -555,7 +616,7 @@ class ArrowSource(FileSource):
                     f"{file.url}: record batch at byte {part.locator} is unreadable ({e}); the "
                     "file is truncated or corrupt: write it again"
                 ) from None
-            column = batch.column(self.text_column)
+            column = decoded(batch.column(self.text_column))
         if column.null_count and self.nulls == "error":
             row = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
             raise DataError(

@@ -537,7 +537,8 @@ def train_tokenizer(
             null texts are skipped), JSON lines (``.jsonl``, ``.ndjson``, ``.json``, plain,
             ``.gz`` or ``.zst``, read by :class:`~hlat_data.JsonlSource`; bad records are
             skipped) or directories of them, or UTF-8 text files, one document each
-            (``.txt``, ``.md`` or any suffix it does not know).
+            (``.txt``, ``.md`` or any suffix it does not know). Each file a glob matches is
+            read by its own suffix, as ``convert_to_arrow`` reads it.
         text_column: the column (Arrow, Parquet) or field (JSON lines) with the text.
         output: where to write the model, a local path (its directory is created);
             ``.model`` is appended when missing, and a ``.vocab`` file is written next to it.
@@ -552,8 +553,9 @@ def train_tokenizer(
     """
     import sentencepiece
 
-    from hlat_data.jsonl import JsonlSource, is_jsonl, open_source
-    from hlat_data.source import ArrowSource, data_files
+    from hlat_data.convert import _expand, _input_kind
+    from hlat_data.jsonl import JsonlSource
+    from hlat_data.source import ArrowSource
 
     entries = [
         os.fspath(e) for e in ([inputs] if isinstance(inputs, str | os.PathLike) else inputs)
@@ -570,36 +572,26 @@ def train_tokenizer(
             "locally and copy it"
         )
 
-    # the tables and JSON lines are opened (and checked) before training starts
+    # the tables and JSON lines are opened (and checked) before training starts; globs and
+    # directories are expanded first and each file read by its own name, as convert does
     inputs_read: list[ArrowSource | JsonlSource | str] = []
-    for entry in entries:
+    for entry in _expand(entries, storage_options or {}):
         fs, path = fsspec.core.url_to_fs(entry, **(storage_options or {}))
-        if is_jsonl(entry):
+        kind = _input_kind(fs, path)
+        if kind == "jsonl":
             inputs_read.append(
                 JsonlSource(
                     entry, text_column, on_bad_record="skip", storage_options=storage_options
                 )
             )
-        elif fs.isdir(path):  # its JSON lines files, or else its tables
-            inputs_read.append(
-                open_source(
-                    entry, text_column, on_bad_record="skip", storage_options=storage_options
-                )
-            )
-        elif entry.endswith((".arrow", ".parquet", ".pq", ".ipc", ".feather")):
+        elif kind == "text":  # one document each
+            inputs_read.append(entry)
+        else:
             inputs_read.append(
                 ArrowSource(
                     entry, text_column=text_column, nulls="skip", storage_options=storage_options
                 )
             )
-        elif any(c in path for c in "*?["):  # text files: one document each
-            matches = data_files(entry, sorted(fs.glob(path)))
-            if not matches:
-                raise DataError(f"{entry}: the pattern matches no files")
-            local = "://" not in entry
-            inputs_read += [m if local else fs.unstrip_protocol(m) for m in matches]
-        else:
-            inputs_read.append(entry)
     try:  # SentencePiece writes the model only after training
         os.makedirs(os.path.dirname(prefix) or ".", exist_ok=True)
     except OSError as e:

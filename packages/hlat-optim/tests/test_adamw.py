@@ -4,6 +4,7 @@ import math
 import pickle
 import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -359,15 +360,18 @@ def test_float16_parameters_are_rejected_with_their_position():
 
 
 @pytest.mark.parametrize("impl", ["native", "compiled"])
-def test_a_bad_gradient_is_reported_before_any_parameter_changes(impl):
+def test_a_parameter_that_cannot_be_updated_is_reported_before_any_parameter_changes(impl):
     params = _params(torch.bfloat16)
     opt = AdamW(params, lr=1e-2, impl=impl)
     _run(opt, params, 1)
+    # elements that share memory: no update could be written back
+    params[2].data = params[2].data[:1].expand(7, 5)
     before = [_bits(t).clone() for p in params for t in [p, *opt.state[p].values()]]
     for p in params:
         p.grad = torch.ones_like(p)
-    params[2].grad = torch.ones(5, 7, dtype=torch.bfloat16).t()  # (7, 5), not contiguous
-    with pytest.raises(RuntimeError, match=r"parameter 2 \(shape \(7, 5\)\).*not contiguous"):
+    with pytest.raises(
+        RuntimeError, match=r"parameter 2 \(shape \(7, 5\)\) cannot be updated: its elements may"
+    ):
         opt.step()
     after = [_bits(t) for p in params for t in [p, *opt.state[p].values()]]
     for a, b in zip(before, after, strict=True):
@@ -669,3 +673,61 @@ def test_torch_s_maximize_and_amsgrad_are_refused_not_ignored(option):
     torch_opt = torch.optim.AdamW(_params(torch.float32), lr=1e-2, **{option: True})
     with pytest.raises(ValueError, match=rf"group 0 sets {option}=True.*nothing was loaded"):
         AdamW(_params(torch.float32), lr=1e-2).load_state_dict(torch_opt.state_dict())
+
+
+def test_torch_s_l2_weight_decay_is_refused_not_run_as_decoupled_decay():
+    """``decoupled_weight_decay=False`` (torch's L2 decay, which ``torch.optim.AdamW`` and
+    ``torch.optim.Adam`` honour) is refused in a param group, at construction and by
+    ``add_param_group``; a loaded ``torch.optim.Adam`` state dict takes AdamW's decoupled
+    decay, as ``torch.optim.AdamW``'s load does; ``True``, AdamW's decay, is accepted."""
+    params = _params(torch.float32)
+    with pytest.raises(ValueError, match=r"param group 0 sets decoupled_weight_decay=False"):
+        AdamW([{"params": params[:1], "decoupled_weight_decay": False}], lr=1e-2)
+    opt = AdamW(params[:1], lr=1e-2)
+    with pytest.raises(ValueError, match=r"param group 1 sets decoupled_weight_decay=False"):
+        opt.add_param_group({"params": params[1:], "decoupled_weight_decay": False})
+    assert len(opt.param_groups) == 1
+    adam = torch.optim.Adam(_params(torch.float32), lr=1e-2, weight_decay=0.5)
+    saved = adam.state_dict()
+    loaded, reference = AdamW(_params(torch.float32), lr=1e-2), torch.optim.AdamW(params, lr=1e-2)
+    loaded.load_state_dict(saved)
+    reference.load_state_dict(saved)
+    assert loaded.param_groups[0]["decoupled_weight_decay"] is True
+    assert reference.param_groups[0]["decoupled_weight_decay"] is True
+    assert saved["param_groups"][0]["decoupled_weight_decay"] is False  # the caller's, as it was
+
+    # True is AdamW's own decay: the update is torch.optim.AdamW's
+    ours, theirs = _params(torch.float32), _params(torch.float32)
+    kw = dict(lr=1e-1, weight_decay=0.5)
+    _run(AdamW([{"params": ours, "decoupled_weight_decay": True}], **kw), ours, 5)
+    _run(torch.optim.AdamW(theirs, **kw), theirs, 5)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["native", "reference"])
+def test_the_step_count_and_the_rounding_keys_stop_at_2_to_the_24_as_documented(impl):
+    """The float32 step count, from which the rounding keys are derived, is exact up to
+    2**24 and stops there: from then on the same update rounds the same way every step."""
+    p = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+    opt = AdamW([p], lr=1e-3, betas=(0.0, 0.0), weight_decay=0.0, impl=impl)
+    p.grad = torch.ones_like(p)
+    opt.step()
+
+    def rounded_from(count):
+        opt.state[p]["step"].fill_(count)
+        results = []
+        for _ in range(2):
+            with torch.no_grad():
+                p.fill_(1.0)  # the same value and gradient every step
+            p.grad = torch.ones_like(p)
+            opt.step()
+            results.append((p.detach().clone(), opt.state[p]["step"].item()))
+        return results
+
+    (first, count1), (second, count2) = rounded_from(1000.0)
+    assert (count1, count2) == (1001.0, 1002.0) and not torch.equal(first, second)
+    (first, count1), (second, count2) = rounded_from(2.0**24 - 1)
+    assert (count1, count2) == (2.0**24, 2.0**24)
+    assert torch.equal(first, second)
+    assert "2**24" in (Path(__file__).parents[1] / "README.md").read_text()

@@ -8,7 +8,7 @@ from hlat_optim.clip import NonFiniteGradNormError, clip_coefficient, clip_grad_
 from hlat_optim.rounding import stochastic_round, stochastic_round_
 from hlat_optim.schedule import CosineWithWarmup, cosine_with_warmup
 
-__version__ = "0.13.1"
+__version__ = "0.13.2"
 
 __all__ = [
     "AdamW",

@@ -447,7 +447,11 @@ def _host_float(x: float | torch.Tensor) -> float:
 
 
 def _step_key(seed: int, step: int, index: int, salt: int) -> int:
-    """A 32-bit key from (seed, step, parameter index, shard salt), as a signed int32."""
+    """A 32-bit key from (seed, step, parameter index, shard salt), as a signed int32.
+
+    Note: ``step`` comes from the float32 step count, which stops advancing at 2**24 steps
+    (see ``AdamW._run_step``); the keys, and so the rounding bits, repeat from then on.
+    """
     h = 0
     for word in (seed, step, index, salt):
         h = (h ^ (word & 0xFFFFFFFF)) * 0x9E3779B1 & 0xFFFFFFFF
@@ -508,20 +512,34 @@ def _shard_layout(p: torch.Tensor) -> tuple[int, int]:
     return 0, flat + 1
 
 
-_TORCH_ONLY = ("maximize", "amsgrad")
-"""Options of ``torch.optim.AdamW`` that change its update and that this AdamW lacks."""
+_TORCH_ONLY = {
+    "maximize": (True, "its updates minimise"),
+    "amsgrad": (True, "it keeps no AMSGrad maximum of the second moments"),
+    "decoupled_weight_decay": (
+        False,
+        "its weight decay is always decoupled, AdamW's, never the L2 term added to the "
+        "gradient that torch.optim.Adam and AdamW apply with decoupled_weight_decay=False",
+    ),
+}
+"""Options of ``torch.optim.AdamW`` (and ``torch.optim.Adam``) that change its update: the
+value this AdamW lacks, and what it does instead."""
 
 
 def _refuse_torch_only(group: dict[str, Any], where: str, loading: bool = False) -> None:
-    """Refuse a param group that turns on one of :data:`_TORCH_ONLY`: its updates would be
-    plain AdamW's without a word (``False``, as torch's state dicts hold, is accepted)."""
-    asked = [name for name in _TORCH_ONLY if group.get(name, False)]
+    """Refuse a param group that sets one of :data:`_TORCH_ONLY` to the value this AdamW
+    lacks: its updates would be plain AdamW's without a word (the other value, as torch's
+    state dicts hold, is accepted, and so is a group without the option)."""
+    asked = [
+        (name, value, why)
+        for name, (value, why) in _TORCH_ONLY.items()
+        if name in group and bool(group[name]) == value
+    ]
     if asked:
         done = "; nothing was loaded" if loading else ""
         raise ValueError(
-            f"hlat_optim.AdamW: {where} sets {', '.join(f'{n}=True' for n in asked)}, which "
-            f"this AdamW does not implement (its updates minimise, without AMSGrad's maximum "
-            f"of the second moments){done}"
+            f"hlat_optim.AdamW: {where} sets "
+            f"{', '.join(f'{name}={value}' for name, value, _ in asked)}, which this AdamW "
+            f"does not implement ({'; '.join(why for *_, why in asked)}){done}"
         )
 
 
@@ -548,7 +566,13 @@ class AdamW(torch.optim.Optimizer):
     Weight decay is applied to every parameter, norm weights included, unless a param group
     sets ``weight_decay=0``. ``lr`` may be a float or a tensor and is driven by any
     ``torch.optim.lr_scheduler``; a tensor ``lr`` belongs on the CPU, as the host reads it
-    every step.
+    every step. The decay is always decoupled: a param group with ``torch.optim``'s
+    ``decoupled_weight_decay=False`` (L2 decay), ``maximize=True`` or ``amsgrad=True`` is
+    refused.
+
+    Parameters and gradients may be in any memory layout (channels_last, transposed); each
+    element is updated, and rounded, as in a contiguous tensor of its shape. The states are
+    contiguous. A parameter whose elements may share memory (an expanded one) is refused.
 
     Rounding bits come from a counter-based hash of (element index, ``seed``, step,
     parameter index), so the whole rounding state is the ``seed`` (in every param group)
@@ -661,8 +685,9 @@ class AdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """``torch.optim.Optimizer.add_param_group``, refusing a group that holds a parameter
         of another dtype than float32 or bfloat16, whose ``seed`` is not an integer, or that
-        asks for ``torch.optim.AdamW``'s ``maximize`` or ``amsgrad``, which this AdamW does
-        not have (the group is then not added)."""
+        asks for ``torch.optim.AdamW``'s ``maximize``, ``amsgrad`` or
+        ``decoupled_weight_decay=False`` (L2 weight decay), which this AdamW does not have
+        (the group is then not added)."""
         _refuse_torch_only(param_group, f"param group {len(self.param_groups)}")
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
@@ -716,8 +741,16 @@ class AdamW(torch.optim.Optimizer):
         saved anywhere else than in a CPU float32 tensor is brought there, as ``step()``
         reads all counts on the host at once.
         """
+        groups = []
         for gi, group in enumerate(state_dict["param_groups"]):
+            if "decoupled_weight_decay" in group and not group["decoupled_weight_decay"]:
+                # Note: as torch.optim.AdamW's own load does, a torch.optim.Adam state dict
+                # (L2 decay) loads with AdamW's decoupled decay; only a group built here
+                # with decoupled_weight_decay=False is refused
+                group = {**group, "decoupled_weight_decay": True}
             _refuse_torch_only(group, f"the state dict's param group {gi}", loading=True)
+            groups.append(group)
+        state_dict = {**state_dict, "param_groups": groups}
         saved = state_dict["state"]
         pairs = _saved_pairs(state_dict["param_groups"], self.param_groups)
         for index, (pid, p) in enumerate(pairs):
@@ -787,6 +820,14 @@ class AdamW(torch.optim.Optimizer):
             for name in moments:
                 state[name] = state[name].to(self.state_dtype)
             done.append(f"exp_avg and exp_avg_sq cast to {self.state_dtype}")
+        # Note: the update reads states as contiguous tensors whatever the parameter's
+        # layout; a state saved in another (``torch.optim.AdamW`` keeps a channels_last
+        # parameter's channels_last) is copied into the row-major order of its shape, the
+        # same values, without a warning.
+        for entry in _STATE_NAMES:
+            t = state.get(entry)
+            if t is not None and not _local(t).is_contiguous():
+                state[entry] = t.contiguous()
         return done
 
     def _native_reason(self, local: list[torch.Tensor | None]) -> str | None:
@@ -835,7 +876,7 @@ class AdamW(torch.optim.Optimizer):
                     local: list[torch.Tensor | None] = [batch.params[i], batch.grads[i]]
                     local += [plan.part(name, i) for name in _STATE_NAMES]
                     group.add(local, batch.hyper, keys[i], batch.offsets[i])
-            _adamw_update_group(*group.arguments(self.stochastic_rounding, skip))
+            group.run(self.stochastic_rounding, skip)
 
     def _run_bucket(
         self,
@@ -856,7 +897,7 @@ class AdamW(torch.optim.Optimizer):
         # Note: one more key than tensors, see _Bucket.
         table = _flat_table(batch.hyper, [*keys[tensors.start : tensors.stop], 0], batch.device)
         plan.update(update, bucket, flat_param, flat_grad, table, self.stochastic_rounding, skip)
-        torch._foreach_copy_(params, bucket.parts(flat_param))
+        torch._foreach_copy_(params, bucket.parts_like(flat_param, params))
 
     def _flat_plan(self, batch: _FlatBatch) -> _FlatStates:
         """The flat states of a batch's parameters, made (or made again, after
@@ -985,6 +1026,11 @@ class AdamW(torch.optim.Optimizer):
         for (group, p, _, index, local, offset, salt, native), count in zip(
             prepared, steps, strict=True
         ):
+            # Note: the rounding keys are derived from this count, which is a float32 state
+            # (``torch.optim.AdamW``'s format, kept for checkpoints): it counts exactly up to
+            # 2**24 = 16,777,216 steps, where adding one leaves it unchanged. From then on
+            # every step of a parameter draws the same rounding bits (the bias corrections
+            # are 1 by then either way). HLAT's runs take about 450K steps, far below.
             step = int(count)
             hyper = hypers.get((id(group), step))
             if hyper is None:
@@ -1033,7 +1079,7 @@ class AdamW(torch.optim.Optimizer):
             return on_device[device]
 
         for g in groups.values():
-            _adamw_update_group(*g.arguments(self.stochastic_rounding, flag_on(g.device)))
+            g.run(self.stochastic_rounding, flag_on(g.device))
         for flat in flats.values():
             self._run_flat(flat, flag_on(flat.device))
         if flats and not groups and not batch.rows and self.impl in ("auto", "compiled"):
@@ -1044,8 +1090,10 @@ class AdamW(torch.optim.Optimizer):
     def _locals(
         self, p: torch.Tensor, state: dict[str, Any], index: int
     ) -> tuple[list[torch.Tensor | None], int, int]:
-        """The contiguous local tensors of one update (parameter, gradient, states, master
-        weights, compensation), and the index offset and key salt of its shard."""
+        """The local tensors of one update (parameter, gradient, states, master weights,
+        compensation), and the index offset and key salt of its shard. The parameter and
+        gradient may be in any layout (channels_last, transposed); the states are
+        contiguous."""
         if p not in self._layouts:
             self._layouts[p] = _shard_layout(p)
         offset, salt = self._layouts[p]
@@ -1066,13 +1114,9 @@ class AdamW(torch.optim.Optimizer):
             state.get("compensation"),
         ]
         local = [_local(t) if t is not None else None for t in tensors]
-        if not all(t is None or t.is_contiguous() for t in local):
-            raise RuntimeError(
-                f"hlat_optim.AdamW: parameter {index} (shape {tuple(p.shape)}) or its gradient "
-                "is not contiguous; call .contiguous() on the parameter before building the "
-                "optimizer"
-            )
-        why = _update_error(local)
+        why = _layout_error(local)
+        if why is None:
+            why = _update_error(local)
         if why is not None:
             raise RuntimeError(
                 f"hlat_optim.AdamW: parameter {index} (shape {tuple(p.shape)}) cannot be "
@@ -1102,6 +1146,45 @@ def _shape_error(param: torch.Tensor, states: Iterable[tuple[str, Any]]) -> str 
         if torch.is_tensor(t) and t.shape != param.shape:
             return f"{name} has shape {tuple(t.shape)} where the parameter has {tuple(param.shape)}"
     return None
+
+
+def _layout_error(local: list[torch.Tensor | None]) -> str | None:
+    """Why one update's local tensors (as ``AdamW._locals`` gives them) are in a memory
+    layout the update cannot take, or None.
+
+    The parameter and its gradient may have any strides (channels_last, transposed, a
+    slice): every path updates their elements in row-major order, through a contiguous copy
+    of one that is not contiguous, whose update is written back into the parameter. Only a
+    parameter whose elements may share memory (an expanded one) is refused: its update could
+    not be written back. The states are the optimizer's own, contiguous (``_init_state``,
+    ``load_state_dict``), which the CPU kernel and the flat states rely on.
+    """
+    param = local[0]
+    assert param is not None
+    if not param.is_contiguous() and _may_overlap(param):
+        return (
+            f"its elements may share memory (strides {tuple(param.stride())}, as an expanded "
+            "tensor's), so no update can be written back to it; give the parameter memory "
+            "of its own (.clone()) before building the optimizer"
+        )
+    for name, t in zip(_STATE_NAMES, local[2:], strict=True):
+        if t is not None and not t.is_contiguous():
+            return f"its {name} is not contiguous (strides {tuple(t.stride())})"
+    return None
+
+
+def _may_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory: its dimensions of more than one
+    element, taken by increasing stride, must each step past everything the smaller ones
+    reach (as any permutation or slice of a dense tensor does)."""
+    reach = 0  # the largest offset the dimensions taken so far reach
+    dims = sorted((stride, size) for size, stride in zip(t.shape, t.stride(), strict=True))
+    for stride, size in dims:
+        if size > 1:
+            if stride <= reach:
+                return True
+            reach += (size - 1) * stride
+    return False
 
 
 def _update_error(local: list[torch.Tensor | None]) -> str | None:
@@ -1205,16 +1288,25 @@ class _Group:
     ) -> None:
         for column, t in zip(self.tensors, local, strict=True):
             if t is not None:
-                column.append(t.view(-1))
+                column.append(t)
         self.hypers.append(hyper)
         self.ints.append((key, _int32(offset)))
 
-    def arguments(self, stochastic_rounding: bool, skip: torch.Tensor | None) -> tuple[Any, ...]:
-        """The arguments of the group's ``_adamw_update_group`` call, with the group's table
-        copied to its device at once."""
+    def run(self, stochastic_rounding: bool, skip: torch.Tensor | None) -> None:
+        """The group's ``_adamw_update_group`` call, with the group's table copied to its
+        device at once.
+
+        Note: the tensors are flattened here, after ``step`` multiplied the gradients by
+        ``clip_coef``. A parameter or gradient that is not contiguous is updated through a
+        contiguous copy (its elements in row-major order, as in a contiguous tensor of its
+        shape, so each draws the same rounding bits), and the parameter's copy is written
+        back after the update.
+        """
         table = _group_table(self.hypers, self.ints, self.device)
-        params, grads, exp_avgs, exp_avg_sqs, masters, compensations = self.tensors
-        return (
+        params, grads, exp_avgs, exp_avg_sqs, masters, compensations = (
+            [_flat(t) for t in column] for column in self.tensors
+        )
+        _adamw_update_group(
             params,
             grads,
             exp_avgs,
@@ -1225,6 +1317,21 @@ class _Group:
             stochastic_rounding,
             skip,
         )
+        _write_back(self.tensors[0], params)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a flat contiguous tensor in row-major order: a view of it where it is
+    contiguous, else a copy."""
+    return t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
+
+
+def _write_back(params: list[torch.Tensor], flats: list[torch.Tensor]) -> None:
+    """Copy each updated flat tensor of ``flats`` into its parameter where it is a copy (the
+    parameter is not contiguous), in one call."""
+    copies = [(p, f) for p, f in zip(params, flats, strict=True) if not p.is_contiguous()]
+    if copies:
+        torch._foreach_copy_([p for p, _ in copies], [f.view(p.shape) for p, f in copies])
 
 
 _STATE_NAMES = ("exp_avg", "exp_avg_sq", "master", "compensation")
@@ -1241,8 +1348,8 @@ class _FlatBatch:
         self.step = step
         self.owners: list[torch.Tensor] = []  # the parameters, as the optimizer holds them
         self.locals: list[torch.Tensor] = []  # their local tensors
-        self.params: list[torch.Tensor] = []  # the same, flat
-        self.grads: list[torch.Tensor] = []
+        self.params: list[torch.Tensor] = []  # the same (in any layout)
+        self.grads: list[torch.Tensor] = []  # the local gradients (in any layout)
         self.keys: list[tuple[int, int]] = []  # (parameter index, key salt)
         self.offsets: list[int] = []
 
@@ -1257,8 +1364,8 @@ class _FlatBatch:
     ) -> None:
         self.owners.append(owner)
         self.locals.append(param)
-        self.params.append(param.view(-1))
-        self.grads.append(grad.view(-1))
+        self.params.append(param)
+        self.grads.append(grad)
         self.keys.append((index, salt))
         self.offsets.append(_int32(offset))
 
@@ -1299,11 +1406,21 @@ class _Bucket:
         """Each tensor's part of a buffer of this bucket's elements (1-D views)."""
         return list(buffer.split_with_sizes(self.splits)[::2])
 
+    def parts_like(self, buffer: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each tensor's part of a buffer of this bucket's elements, viewed in the shape of
+        its tensor of ``tensors`` (one per tensor of the bucket).
+
+        Note: a part holds its tensor's elements in row-major order whatever the tensor's
+        strides (channels_last, transposed), so an element draws the rounding bits it would
+        draw in a contiguous tensor; copies from and to the tensor follow its strides.
+        """
+        return [part.view(t.shape) for part, t in zip(self.parts(buffer), tensors, strict=True)]
+
     def gather(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """A new buffer with ``tensors`` (flat, one per tensor of the bucket) in their
-        parts; the gaps hold whatever the memory held."""
+        """A new buffer with ``tensors`` (one per tensor of the bucket, in any layout) in
+        their parts; the gaps hold whatever the memory held."""
         buffer = tensors[0].new_empty(self.end - self.begin)
-        torch._foreach_copy_(self.parts(buffer), tensors)
+        torch._foreach_copy_(self.parts_like(buffer, tensors), tensors)
         return buffer
 
 
@@ -1429,8 +1546,9 @@ class _Steady:
     ``_FlatBatch`` the views a step gathers into and writes back from.
 
     ``step()`` makes a step with it while every parameter that had a gradient has one
-    again (and no other), of the same dtype and contiguous, the states are still the flat
-    plans' views with equal step counts, and the parameters still hold the same memory.
+    again (and no other), of the same dtype, the states are still the flat plans' views
+    with equal step counts, and the parameters still hold the same memory in the same
+    layout.
     Anything else (``load_state_dict``, a new param group, a parameter without a gradient,
     ``p.data`` replaced) sends the step down the full path, which builds a new one.
 
@@ -1513,6 +1631,7 @@ class _SteadyBatch:
         self.owners = batch.owners
         self.locals = batch.locals
         self.pointers = [t.data_ptr() for t in batch.locals]
+        self.strides = [t.stride() for t in batch.locals]
         self.indices = [index for index, _ in batch.keys]
         self.is_dtensor = [_is_dtensor(p) for p in batch.owners]
         self.dtensor = any(self.is_dtensor)
@@ -1554,13 +1673,16 @@ class _SteadyBatch:
         if self.dtensor:
             if list(map(_is_dtensor, grads)) != self.is_dtensor:
                 return None
-            pointers = [_local(p).data_ptr() for p in self.owners]
+            owners = [_local(p) for p in self.owners]
         else:
-            contiguous = torch.Tensor.is_contiguous
-            if not (all(map(contiguous, grads)) and all(map(contiguous, self.owners))):
-                return None
-            pointers = list(map(torch.Tensor.data_ptr, self.owners))
-        if pointers != self.pointers or not self.plan.owns(state):
+            owners = self.owners
+        # Note: a gradient in any layout is copied in through a view of its shape; the
+        # parameters must hold the memory, in the layout, that the full step checked.
+        if (
+            list(map(torch.Tensor.data_ptr, owners)) != self.pointers
+            or list(map(torch.Tensor.stride, owners)) != self.strides
+            or not self.plan.owns(state)
+        ):
             return None
         counts = self.plan.steps.tolist()
         return grads if counts.count(self.step) == len(counts) else None
@@ -1571,20 +1693,11 @@ class _SteadyBatch:
         if not self.dtensor:
             return grads
         local_grads = []
-        for p, grad, dtensor, index in zip(
-            self.owners, grads, self.is_dtensor, self.indices, strict=True
-        ):
+        for p, grad, dtensor in zip(self.owners, grads, self.is_dtensor, strict=True):
             pd: Any = p
             if dtensor and tuple(grad.placements) != tuple(pd.placements):
                 grad = grad.redistribute(pd.device_mesh, pd.placements)
-            local = _local(grad)
-            if not local.is_contiguous():
-                raise RuntimeError(
-                    f"hlat_optim.AdamW: parameter {index} (shape {tuple(p.shape)}) or its "
-                    "gradient is not contiguous; call .contiguous() on the parameter before "
-                    "building the optimizer"
-                )
-            local_grads.append(local)
+            local_grads.append(_local(grad))
         return local_grads
 
     def run(self, opt: AdamW, grads: list[torch.Tensor], skip: torch.Tensor | None) -> None:
@@ -1638,6 +1751,8 @@ class _NativeBatch:
         self.hypers: list[list[float]] = []
         self.indices: list[int] = []
         self.keep: list[list[torch.Tensor | None]] = []  # alive until the call
+        # (parameter, its contiguous copy that the kernel updates) of non-contiguous ones
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def add(
         self,
@@ -1651,6 +1766,16 @@ class _NativeBatch:
         param, grad, exp_avg, exp_avg_sq, master, compensation = local
         assert param is not None and grad is not None
         assert exp_avg is not None and exp_avg_sq is not None
+        # Note: the kernel reads every tensor as a flat buffer in row-major order; a
+        # parameter or gradient in another layout is read from a contiguous copy, and the
+        # parameter's copy is written back after the call (``run``).
+        if not grad.is_contiguous():
+            grad = grad.contiguous()
+        if not param.is_contiguous():
+            work = param.contiguous()
+            self.copies.append((param, work))
+            param = work
+        local = [param, grad, exp_avg, exp_avg_sq, master, compensation]
         bf16 = torch.bfloat16
         flags = (
             (param.dtype == bf16)
@@ -1698,3 +1823,5 @@ class _NativeBatch:
                 f"hlat_optim.AdamW: the CPU kernel rejected parameter {self.indices[rc - 1]}'s "
                 "combination of dtypes and states"
             )
+        if self.copies:
+            torch._foreach_copy_([p for p, _ in self.copies], [w for _, w in self.copies])
